@@ -1,0 +1,39 @@
+# The two commands a newcomer types:  `make demo`  and  `make test`.
+# Each creates .venv first (once), so a fresh clone needs nothing else.
+#
+# torch is pinned here, not in pyproject.toml: an unpinned `torch` pulls a
+# multi-GB CUDA build. Users with a GPU keep their own build:
+#     make test TORCH_SPEC="torch==2.13.0+cu130 --index-url https://download.pytorch.org/whl/cu130"
+# or reuse an environment that already has torch: make test VENV=/path/to/env
+
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY         := $(VENV)/bin/python
+STAMP      := $(VENV)/.adaptmem-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-cuda bench venv clean
+
+demo: $(STAMP)
+	$(PY) -m adaptmem.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-cuda: $(STAMP)
+	$(PY) -m pytest -q -m cuda $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) stress/bench_modes.py
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache
