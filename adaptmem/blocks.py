@@ -1,0 +1,214 @@
+"""Finding a model's blocks: the unit adaptmem decides a mode for.
+
+A selection is one of
+  - ``"auto"``: the repeated block stack, i.e. the longest ``ModuleList`` /
+    ``Sequential`` whose (two or more) children share one class, outermost
+    stacks first (so a mixture-of-experts list inside a layer is not taken for
+    the layer stack). Stacks of equal length are all taken (encoder + decoder).
+  - a class, or a class name that some submodule has, or a tuple of them;
+  - a regex over qualified module names: it selects a module when it matches
+    the whole name or the whole of a dotted suffix (``r"layers\\.\\d+"`` selects
+    ``model.layers.0``);
+  - a ``(module, qualified_name) -> bool`` filter;
+  - a list of the modules themselves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Union
+
+from torch import nn
+
+BlockSelection = Union[
+    str,
+    type,
+    tuple,
+    Callable[[nn.Module, str], bool],
+    Sequence[nn.Module],
+]
+
+
+def find_blocks(model: nn.Module, blocks: BlockSelection = "auto") -> list[tuple[str, nn.Module]]:
+    """The selected blocks as ``(qualified_name, module)`` in module order.
+
+    Raises ValueError when nothing matches (naming the stacks and classes the
+    model does have) or when one selected block contains another.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    named = list(model.named_modules())
+    chosen = _select(model, named, blocks)
+    if not chosen:
+        raise ValueError(
+            f"no blocks matched blocks={_show(blocks)} in {type(model).__name__}. "
+            f"{describe_model(model)} Pass one of these class names, a regex on the "
+            "qualified names, a filter function, or a list of modules."
+        )
+    _reject_nesting(chosen)
+    return chosen
+
+
+def describe_model(model: nn.Module) -> str:
+    """One sentence on the stacks and repeated classes a model has, for error messages."""
+    stacks = [
+        f"{name or '<root>'} ({len(mod)} x {_child_classes(mod)})"
+        for name, mod in model.named_modules()
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > 0
+    ]
+    counts = Counter(type(m).__name__ for _, m in model.named_modules())
+    repeated = [f"{cls} x{n}" for cls, n in counts.most_common() if n >= 2 and not _is_container_name(cls)]
+    return (
+        f"Its module stacks: {', '.join(stacks[:8]) or 'none'}"
+        f"{' ...' if len(stacks) > 8 else ''}. "
+        f"Its repeated classes: {', '.join(repeated[:10]) or 'none'}."
+    )
+
+
+# ---------------------------------------------------------------- selection
+def _select(model: nn.Module, named: list[tuple[str, nn.Module]], blocks: BlockSelection):
+    if isinstance(blocks, str):
+        if blocks == "auto":
+            return _auto(named)
+        classes = {type(m).__name__ for _, m in named}
+        if blocks in classes:
+            return [(n, m) for n, m in named if type(m).__name__ == blocks]
+        return _by_regex(named, blocks)
+    if isinstance(blocks, type):
+        _check_module_class(blocks)
+        return [(n, m) for n, m in named if n and isinstance(m, blocks)]
+    if isinstance(blocks, tuple):
+        return _by_classes(named, blocks)
+    if isinstance(blocks, nn.Module):
+        blocks = [blocks]
+    if callable(blocks):
+        return [(n, m) for n, m in named if blocks(m, n)]
+    if isinstance(blocks, Sequence):
+        return _by_modules(model, named, blocks)
+    raise TypeError(
+        f"blocks must be 'auto', a class or class name, a tuple of them, a regex, "
+        f"a (module, name) -> bool filter, or a list of modules; got {type(blocks).__name__}"
+    )
+
+
+def _auto(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    stacks = [
+        (name, mod)
+        for name, mod in named
+        if isinstance(mod, (nn.ModuleList, nn.Sequential))
+        and len(mod) >= 2
+        and len({type(child) for child in mod}) == 1
+    ]
+    outer = [
+        (name, mod)
+        for name, mod in stacks
+        if not any(_is_inside(name, other) for other, _ in stacks if other != name)
+    ]
+    if not outer:
+        return []
+    longest = max(len(mod) for _, mod in outer)
+    chosen = []
+    for name, mod in outer:
+        if len(mod) == longest:
+            prefix = f"{name}." if name else ""
+            chosen.extend((f"{prefix}{key}", child) for key, child in mod.named_children())
+    order = {id(m): i for i, (_, m) in enumerate(named)}
+    return sorted(chosen, key=lambda item: order[id(item[1])])
+
+
+def _by_classes(named, classes: tuple) -> list[tuple[str, nn.Module]]:
+    wanted_types, wanted_names = [], set()
+    for c in classes:
+        if isinstance(c, type):
+            _check_module_class(c)
+            wanted_types.append(c)
+        elif isinstance(c, str):
+            wanted_names.add(c)
+        else:
+            raise TypeError(f"a tuple of blocks holds classes or class names, got {c!r}")
+    present = {type(m).__name__ for _, m in named}
+    missing = sorted(wanted_names - present)
+    if missing:
+        raise ValueError(
+            f"block class name(s) {missing} do not occur in the model; "
+            f"classes present include {sorted(present)[:20]}"
+        )
+    return [
+        (n, m)
+        for n, m in named
+        if n and (isinstance(m, tuple(wanted_types)) or type(m).__name__ in wanted_names)
+    ]
+
+
+def _by_regex(named, pattern: str) -> list[tuple[str, nn.Module]]:
+    try:
+        rx = re.compile(pattern)
+    except re.error as err:
+        raise ValueError(
+            f"blocks={pattern!r} is neither a class name in the model nor a valid regex ({err})"
+        ) from None
+    return [(n, m) for n, m in named if n and _matches_suffix(rx, n)]
+
+
+def _matches_suffix(rx: re.Pattern, name: str) -> bool:
+    if rx.fullmatch(name):
+        return True
+    return any(rx.fullmatch(name[i + 1 :]) for i, ch in enumerate(name) if ch == ".")
+
+
+def _by_modules(model: nn.Module, named, modules: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    names = {id(m): n for n, m in named}
+    chosen = []
+    for mod in modules:
+        if not isinstance(mod, nn.Module):
+            raise TypeError(f"a list of blocks holds modules, got {type(mod).__name__}")
+        if id(mod) not in names:
+            raise ValueError(
+                f"{type(mod).__name__} given in blocks is not a submodule of this "
+                f"{type(model).__name__}; pass modules reached from the model itself"
+            )
+        chosen.append((names[id(mod)], mod))
+    order = {id(m): i for i, (_, m) in enumerate(named)}
+    unique = {id(m): (n, m) for n, m in chosen}
+    return sorted(unique.values(), key=lambda item: order[id(item[1])])
+
+
+def _reject_nesting(chosen: list[tuple[str, nn.Module]]) -> None:
+    for outer_name, outer in chosen:
+        inner_ids = {id(m) for m in outer.modules() if m is not outer}
+        for inner_name, inner in chosen:
+            if id(inner) in inner_ids:
+                raise ValueError(
+                    f"block {outer_name or '<root>'!r} contains block {inner_name!r}: "
+                    "a selection must not nest; select one level (e.g. only the layers)"
+                )
+
+
+# ---------------------------------------------------------------- helpers
+def _is_inside(name: str, container: str) -> bool:
+    return container == "" or name.startswith(container + ".")
+
+
+def _check_module_class(c: type) -> None:
+    if not issubclass(c, nn.Module):
+        raise TypeError(f"a block class must be a torch.nn.Module subclass, got {c.__name__}")
+
+
+def _child_classes(mod: nn.Module) -> str:
+    names = sorted({type(c).__name__ for c in mod})
+    return names[0] if len(names) == 1 else "mixed: " + "/".join(names[:4])
+
+
+def _is_container_name(cls: str) -> bool:
+    return cls in {"ModuleList", "Sequential", "ModuleDict"}
+
+
+def _show(blocks: object) -> str:
+    if isinstance(blocks, type):
+        return blocks.__name__
+    if callable(blocks) and not isinstance(blocks, (list, tuple)):
+        return getattr(blocks, "__name__", "a filter")
+    text = repr(blocks)
+    return text if len(text) < 80 else text[:77] + "..."

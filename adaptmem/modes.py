@@ -1,0 +1,99 @@
+"""What a block does with the activations autograd saves for its backward.
+
+`Mode` is a flag so that the two combinations read as what they are:
+``Mode.CHECKPOINT | Mode.OFFLOAD`` keeps only the block input and keeps it on
+the host (DeepSpeed's ``cpu_checkpointing``); ``Mode.COMPRESS | Mode.OFFLOAD``
+quantizes saved tensors and sends the smaller payload over the bus.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Mode(enum.Flag):
+    """Per-block treatment of saved activations.
+
+    NONE        keep them on the device.
+    SELECTIVE   keep outputs of matmul / attention / random ops, recompute the rest.
+    CHECKPOINT  keep only the block input, recompute the block in backward.
+    OFFLOAD     move saved tensors to host memory, bring them back in backward.
+    COMPRESS    quantize saved floating tensors (lossy; opt-in).
+    """
+
+    NONE = 0
+    SELECTIVE = 1
+    CHECKPOINT = 2
+    OFFLOAD = 4
+    COMPRESS = 8
+
+    @property
+    def label(self) -> str:
+        """Stable text form, e.g. ``"CHECKPOINT+OFFLOAD"`` (same on every Python)."""
+        if self is Mode.NONE or self.value == 0:
+            return "NONE"
+        return "+".join(m.name for m in _ATOMS if m in self)
+
+    @property
+    def lossless(self) -> bool:
+        """True when gradients under this mode equal those under NONE bit for bit."""
+        return Mode.COMPRESS not in self
+
+    @property
+    def recomputes(self) -> bool:
+        """True when the block's forward runs again during backward."""
+        return bool(self & (Mode.SELECTIVE | Mode.CHECKPOINT))
+
+    @classmethod
+    def parse(cls, value: "Mode | str") -> "Mode":
+        """A `Mode` from a `Mode` or its text (``"checkpoint"``, ``"CHECKPOINT+OFFLOAD"``).
+
+        Raises ValueError naming the allowed modes for anything else, including
+        combinations adaptmem does not support.
+        """
+        if isinstance(value, Mode):
+            return _check_allowed(value)
+        if not isinstance(value, str):
+            raise TypeError(
+                f"mode must be an adaptmem.Mode or its name, got {type(value).__name__} {value!r}"
+            )
+        parts = [p.strip().upper() for p in value.replace("|", "+").split("+")]
+        mode = Mode.NONE
+        for part in parts:
+            if part not in Mode.__members__:
+                raise ValueError(
+                    f"unknown mode {value!r}: expected one of {allowed_labels()} "
+                    "(case-insensitive; combine two with '+')"
+                )
+            mode |= Mode[part]
+        return _check_allowed(mode)
+
+
+_ATOMS = (Mode.SELECTIVE, Mode.CHECKPOINT, Mode.COMPRESS, Mode.OFFLOAD)  # label order: what happens first
+
+#: Every mode a block may be set to. SELECTIVE is not combined with OFFLOAD:
+#: tensors cached by selective checkpointing bypass saved-tensor hooks, so an
+#: offload around them would silently offload nothing.
+ALLOWED_MODES: tuple[Mode, ...] = (
+    Mode.NONE,
+    Mode.SELECTIVE,
+    Mode.CHECKPOINT,
+    Mode.OFFLOAD,
+    Mode.COMPRESS,
+    Mode.CHECKPOINT | Mode.OFFLOAD,
+    Mode.COMPRESS | Mode.OFFLOAD,
+)
+
+LOSSLESS_MODES: tuple[Mode, ...] = tuple(m for m in ALLOWED_MODES if m.lossless)
+
+
+def allowed_labels() -> str:
+    return ", ".join(m.label for m in ALLOWED_MODES)
+
+
+def _check_allowed(mode: Mode) -> Mode:
+    if mode not in ALLOWED_MODES:
+        raise ValueError(
+            f"mode {mode.label} is not supported: allowed modes are {allowed_labels()}"
+        )
+    return mode
