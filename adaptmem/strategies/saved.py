@@ -1,0 +1,119 @@
+"""Saved-tensor plumbing shared by OFFLOAD and COMPRESS.
+
+PyTorch applies only the innermost `saved_tensors_hooks` pair, so a combined
+mode is one pack function (`Packer`), never nested contexts. Every packed value
+is a `Payload` that knows how to restore itself: unpack never reads the
+handle's current mode, so a mode flip between forward and backward is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from adaptmem.strategies.compress import CompressOptions
+    from adaptmem.strategies.offload import OffloadOptions, OffloadRuntime
+
+
+class Payload:
+    """A saved tensor in some other form; `restore()` gives the tensor back."""
+
+    __slots__ = ()
+
+    def restore(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Payload":
+        """The same payload with each tensor part replaced by ``fn(part)``."""
+        raise NotImplementedError(f"{type(self).__name__} has no tensor parts to map")
+
+
+def restore(packed: Any) -> torch.Tensor:
+    """The unpack hook: payloads restore themselves, tensors pass through."""
+    return packed.restore() if isinstance(packed, Payload) else packed
+
+
+def materialize(part: Any) -> torch.Tensor:
+    """A payload's part as a tensor on the device (it may itself be offloaded)."""
+    return part.restore() if isinstance(part, Payload) else part
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Packer:
+    """One block call's pack hook: pass state through, compress, offload, in that order.
+
+    Args:
+        module: the block; its buffers are state and never packed.
+        compress: codec options, or None for no compression.
+        offload: offload options, or None to keep payloads on the device.
+        runtime: where offloaded bytes go (host tier or CUDA pinned pool).
+        grad_only: pack only tensors that require grad (used for checkpoint
+            inputs: masks and rotary tables are shared by every block and stay put).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        compress: "CompressOptions | None" = None,
+        offload: "OffloadOptions | None" = None,
+        runtime: "OffloadRuntime | None" = None,
+        grad_only: bool = False,
+    ) -> None:
+        self._module = module
+        self._buffers: set[int] | None = None
+        self._compress = compress
+        self._offload = offload
+        self._runtime = runtime
+        self._group = runtime.new_group(offload) if offload is not None and runtime else None
+        self._grad_only = grad_only
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        if self._is_state(t) or (self._grad_only and not t.requires_grad):
+            return t.detach()
+        payload = None
+        if self._compress is not None:
+            from adaptmem.strategies.compress import encode
+
+            payload = encode(t, self._compress)
+        if self._offload is None or self._runtime is None:
+            return payload if payload is not None else t.detach()
+        if payload is not None:
+            return payload.map_tensors(self._send)
+        if nbytes_of(t) < self._offload.min_bytes:
+            return t.detach()
+        return self._send(t)
+
+    def _send(self, t: torch.Tensor) -> Any:
+        return self._runtime.offload(t, self._group)
+
+    def _is_state(self, t: torch.Tensor) -> bool:
+        """Parameters (or views of them, like ``weight.t()``) and the block's buffers."""
+        base = t._base if t._base is not None else t
+        if isinstance(base, nn.Parameter) or _is_cast_of_leaf(base):
+            return True
+        if self._buffers is None:
+            self._buffers = {b.untyped_storage().data_ptr() for b in self._module.buffers()}
+        return bool(self._buffers) and t.untyped_storage().data_ptr() in self._buffers
+
+
+def _is_cast_of_leaf(t: torch.Tensor) -> bool:
+    """An autocast copy of a trainable parameter (``ToCopyBackward0`` straight onto its AccumulateGrad).
+
+    Autocast saves the fp16/bf16 cast of a weight, not a view of it; offloading
+    it would ship every weight over the bus each step, compressing it would
+    quantize weights. Casts of frozen weights carry no grad_fn and cannot be
+    told from activations here.
+    """
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nexts = fn.next_functions
+    return len(nexts) == 1 and nexts[0][0] is not None and type(nexts[0][0]).__name__ == "AccumulateGrad"

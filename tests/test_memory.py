@@ -1,0 +1,69 @@
+"""What each mode saves, measured on the stand-in: HF Llama at sequence 512."""
+
+import pytest
+import torch
+
+import adaptmem
+from adaptmem import CompressOptions, Mode
+from adaptmem.testing import SimulatedDevice
+
+from helpers import hf_batch, llama
+
+# bound on the step's peak device bytes, as a fraction of every block NONE
+BOUNDS = {
+    Mode.CHECKPOINT: 0.35,
+    Mode.OFFLOAD: 0.35,
+    Mode.COMPRESS: 0.45,
+    Mode.CHECKPOINT | Mode.OFFLOAD: 0.35,
+    Mode.COMPRESS | Mode.OFFLOAD: 0.35,
+    Mode.SELECTIVE: 0.75,
+}
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    model = llama(layers=8, hidden=256)
+    batch = hf_batch(batch=2, seq=512)
+    handles = adaptmem.instrument(model, compress=CompressOptions(codec="int8"))
+    result = {}
+    for mode in [Mode.NONE, *BOUNDS]:
+        for h in handles:
+            h.mode = mode
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with SimulatedDevice() as dev:
+            model(**batch).loss.backward()
+        result[mode] = (dev.peak_bytes, dev.host_peak_bytes)
+    return result
+
+
+@pytest.mark.parametrize("mode", list(BOUNDS), ids=lambda m: m.label)
+def test_peak_is_within_bound_of_none(peaks, mode):
+    none, _ = peaks[Mode.NONE]
+    peak, _ = peaks[mode]
+    assert peak <= BOUNDS[mode] * none, f"{mode.label}: {peak / none:.1%} of NONE"
+
+
+def test_offload_moves_bytes_to_the_host_and_the_rest_do_not(peaks):
+    none, _ = peaks[Mode.NONE]
+    assert peaks[Mode.OFFLOAD][1] > 0.5 * none
+    assert peaks[Mode.COMPRESS | Mode.OFFLOAD][1] < 0.4 * peaks[Mode.OFFLOAD][1]
+    assert 0 < peaks[Mode.CHECKPOINT | Mode.OFFLOAD][1] < 0.05 * none
+    for mode in (Mode.NONE, Mode.SELECTIVE, Mode.CHECKPOINT, Mode.COMPRESS):
+        assert peaks[mode][1] == 0
+
+
+def test_checkpoint_with_offloaded_input_frees_the_block_inputs():
+    model = llama(layers=6, hidden=128)
+    batch = hf_batch(batch=2, seq=256)
+    handles = adaptmem.instrument(model)
+    held = {}
+    for mode in (Mode.CHECKPOINT, Mode.CHECKPOINT | Mode.OFFLOAD):
+        for h in handles:
+            h.mode = mode
+        with SimulatedDevice() as dev:
+            loss = model(**batch).loss
+            held[mode] = dev.allocated_bytes
+            loss.backward()
+    inputs = 6 * 2 * 256 * 128 * 4  # one hidden-state tensor per block, float32
+    assert held[Mode.CHECKPOINT] - held[Mode.CHECKPOINT | Mode.OFFLOAD] >= inputs * 0.99
