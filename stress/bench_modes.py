@@ -1,0 +1,130 @@
+"""Peak memory and step time per mode on a Hugging Face Llama, side by side in one run.
+
+    python stress/bench_modes.py                       # CUDA if present, else CPU
+    python stress/bench_modes.py --device cuda --seq 2048 --preset 1b
+    python stress/bench_modes.py --device cpu --seq 512 --json out.json
+
+On CUDA, peak is `torch.cuda.max_memory_allocated` above what the model and
+optimizer-free state hold before the step; times are CUDA-synchronized medians.
+On the CPU, peak comes from `adaptmem.testing.SimulatedDevice` in a separate
+run, and times are taken without it (the stand-in slows every op).
+Ratios compare modes measured in this same process, one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import adaptmem  # noqa: E402
+from adaptmem import ALLOWED_MODES, Mode  # noqa: E402
+from adaptmem.testing import SimulatedDevice  # noqa: E402
+from adaptmem.units import format_bytes  # noqa: E402
+
+PRESETS = {
+    # TinyLlama-1.1B's shape
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4),
+    "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4),
+}
+
+
+def build(preset: str, vocab: int, device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=8192, use_cache=False,
+                      attention_dropout=0.0, **PRESETS[preset])
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+
+
+def one_step(model, ids):
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def measure(model, handles, mode, ids, steps, device):
+    for h in handles:
+        h.mode = mode
+    one_step(model, ids)  # warm-up (and pinned pool fill)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        one_step(model, ids)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        model.zero_grad(set_to_none=True)
+        with SimulatedDevice() as dev:
+            one_step(model, ids)
+        peak = dev.peak_bytes
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        one_step(model, ids)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return peak, statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--preset", choices=list(PRESETS), default=None, help="model shape (default: 1b on CUDA, small on CPU)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048 on CUDA, 512 on CPU)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary (default 32000 on CUDA; 4096 on CPU, where a large vocabulary's "
+                        "gradients and logits would hide the activations)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 1 on CUDA, 4 on CPU)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
+    p.add_argument("--modes", default=",".join(m.label for m in ALLOWED_MODES))
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    cuda = args.device == "cuda"
+    preset = args.preset or ("1b" if cuda else "small")
+    seq = args.seq or (2048 if cuda else 512)
+    vocab = args.vocab or (32000 if cuda else 4096)
+    args.batch = args.batch or (1 if cuda else 4)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    modes = [Mode.parse(m) for m in args.modes.split(",")]
+    model = build(preset, vocab, args.device, dtype)
+    handles = adaptmem.instrument(model)
+    ids = torch.randint(0, vocab, (args.batch, seq), device=args.device)
+    where = torch.cuda.get_device_name() if cuda else "CPU (peak from SimulatedDevice, time measured without it)"
+    print(f"Llama preset {preset!r} (vocab {vocab}), {len(handles)} blocks, batch {args.batch} x {seq}, {dtype}, on {where}", flush=True)
+    rows = []
+    for i, mode in enumerate(modes, 1):
+        peak, secs = measure(model, handles, mode, ids, args.steps, args.device)
+        rows.append({"mode": mode.label, "peak_bytes": peak, "step_s": secs})
+        print(f"  [{i}/{len(modes)}] {mode.label:<20} peak {format_bytes(peak):>12}  step {secs * 1e3:8.1f} ms", flush=True)
+    base = next((r for r in rows if r["mode"] == "NONE"), rows[0])
+    print(f"\n{'mode':<20} {'peak':>12} {'peak/NONE':>10} {'step/NONE':>10}")
+    for r in rows:
+        r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
+        r["time_ratio"] = r["step_s"] / base["step_s"]
+        print(f"{r['mode']:<20} {format_bytes(r['peak_bytes']):>12} {r['peak_ratio']:>10.1%} {r['time_ratio']:>9.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"preset": preset, "vocab": vocab, "seq": seq, "batch": args.batch,
+                                         "device": where, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
