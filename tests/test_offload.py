@@ -98,3 +98,17 @@ def test_offloaded_tensors_survive_retain_graph_and_a_second_backward():
 def test_offload_options_are_checked():
     with pytest.raises(ValueError, match="min_bytes must be a non-negative int"):
         OffloadOptions(min_bytes=-1)
+
+
+def test_parameters_and_buffers_are_never_offloaded():
+    from torch import nn
+
+    from adaptmem.strategies.saved import Packer
+
+    lin = nn.Linear(256, 256)
+    lin.register_buffer("table", torch.randn(256, 256))
+    packer = Packer(lin, offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime())
+    for state in (lin.weight, lin.weight.t(), lin.table):
+        packed = packer(state)
+        assert isinstance(packed, torch.Tensor) and packed.untyped_storage().data_ptr() == state.untyped_storage().data_ptr()
+    assert isinstance(packer(torch.randn(256, 256)), HostCopy)
