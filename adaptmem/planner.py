@@ -1,0 +1,151 @@
+"""The planner: one mode per block, cheapest predicted overhead, predicted peak within budget.
+
+A pure function of predicted figures; it touches no device. In forward order,
+block i keeps `saved` bytes until its backward; at its worst moment (its
+forward transient, or its backward with everything before it still saved) it
+needs `need` bytes above the bytes saved by the blocks before it. So a plan
+fits when, for every block i,
+
+    saved_1 + ... + saved_{i-1} + need_i  <=  capacity
+    saved_1 + ... + saved_n   + final     <=  capacity    (the head and loss after the blocks)
+
+and the planner minimizes the sum of `seconds`. This is a multiple-choice
+knapsack with prefix constraints, solved exactly by dynamic programming over
+the prefix sum, on a byte axis of `bins` steps over the capacity. Every byte
+count is rounded up to a step, so a plan the planner calls feasible is feasible
+in exact bytes; with integer sizes and a capacity of at most `bins` bytes the
+axis is exact to the byte.
+
+When nothing fits, the result is the tightest plan (smallest predicted peak,
+cheapest among those) with `feasible=False` and the shortfall in bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from adaptmem.modes import Mode
+
+
+@dataclass(frozen=True)
+class Option:
+    """One mode's predicted figures for one block."""
+
+    mode: Mode
+    saved: float  # bytes held from the block's forward until its backward
+    need: float  # bytes needed above the earlier blocks' saved bytes at the block's worst moment
+    seconds: float  # time the mode adds to a step (lossy modes also carry their penalty here)
+    host: float = 0.0  # host bytes the mode keeps
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    modes: tuple[Mode, ...]
+    seconds: float  # predicted overhead of the plan
+    peak: float  # predicted peak above the fixed part (bytes), in exact figures
+    feasible: bool
+    shortfall: float  # bytes over capacity when infeasible, else 0.0
+
+
+def predicted_peak(chosen: list[Option], final: float = 0.0) -> float:
+    """max over blocks of (earlier saved + need), and total saved + final."""
+    prefix, peak = 0.0, 0.0
+    for option in chosen:
+        peak = max(peak, prefix + option.need)
+        prefix += option.saved
+    return max(peak, prefix + final)
+
+
+def plan(options: list[list[Option]], capacity: float, final: float = 0.0, bins: int = 1024) -> PlanResult:
+    """The cheapest plan whose predicted peak is within `capacity` (bytes).
+
+    options[i] lists the modes block i may take (restrict a block to one
+    option to fix its mode, e.g. a block that already ran this forward).
+    """
+    if not options:
+        return PlanResult((), 0.0, final, final <= capacity, max(0.0, final - capacity))
+    if any(not opts for opts in options):
+        raise ValueError("every block needs at least one option")
+    found = _solve(options, capacity, final, bins, use_cost=True)
+    if found is not None:
+        return _result(options, found, final, capacity, feasible=True)
+    tight = tightest_capacity(options, final, bins)
+    found = _solve(options, tight, final, bins, use_cost=True)
+    if found is None:  # pragma: no cover - tightest_capacity guarantees a solution
+        raise RuntimeError("planner found no plan at the tightest capacity")
+    return _result(options, found, final, capacity, feasible=False)
+
+
+def tightest_capacity(options: list[list[Option]], final: float = 0.0, bins: int = 1024) -> float:
+    """The smallest capacity (to within 0.1%) at which some plan fits."""
+    low = max([final] + [min(o.need for o in opts) for opts in options])
+    high = max(1.0, predicted_peak([min(opts, key=lambda o: (o.saved, o.need)) for opts in options], final))
+    high = max(high, predicted_peak([min(opts, key=lambda o: o.need) for opts in options], final))
+    while _solve(options, high, final, bins, use_cost=False) is None:
+        high *= 1.5  # rounding to bins can push the greedy bound just over
+    low = max(low, 1.0)
+    while high - low > max(1.0, 0.001 * high):
+        mid = (low + high) / 2
+        if _solve(options, mid, final, bins, use_cost=False) is None:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def _solve(options, capacity, final, bins, *, use_cost: bool) -> list[int] | None:
+    if capacity <= 0:
+        return None
+    quantum = max(1.0, capacity / bins)
+    top = int(math.floor(capacity / quantum + 1e-9))
+    n, width = len(options), max(len(opts) for opts in options)
+    pad = [top + 1] * width  # padding options can never be chosen
+    saved = torch.tensor([([_up(o.saved, quantum) for o in opts] + pad)[:width] for opts in options])
+    need = torch.tensor([([_up(o.need, quantum) for o in opts] + pad)[:width] for opts in options])
+    cost = torch.tensor(
+        [([o.seconds if use_cost else 0.0 for o in opts] + [0.0] * width)[:width] for opts in options],
+        dtype=torch.float64,
+    )
+    span = top + 1
+    prev_all = torch.arange(span)[None, None, :] - saved[:, :, None]  # (n, width, span)
+    invalid_all = (prev_all < 0) | (prev_all > (top - need)[:, :, None])
+    prev_all = prev_all.clamp_(0, top).view(n, -1)
+    best = torch.full((span,), math.inf, dtype=torch.float64)
+    best[0] = 0.0
+    choices = torch.empty((n, span), dtype=torch.int64)
+    for i in range(n):
+        reached = best.index_select(0, prev_all[i]).view(width, span)
+        reached.add_(cost[i, :, None]).masked_fill_(invalid_all[i], math.inf)
+        best, choices[i] = reached.min(dim=0)
+    final_bins = _up(final, quantum)
+    if final_bins > top:
+        return None
+    tail = best[: top - final_bins + 1]
+    if not torch.isfinite(tail).any():
+        return None
+    end = int(torch.nonzero(tail == tail.min())[0])  # cheapest, then the smallest total saved
+    picked: list[int] = []
+    for i in range(n - 1, -1, -1):
+        m = int(choices[i, end])
+        picked.append(m)
+        end -= int(saved[i, m])
+    return picked[::-1]
+
+
+def _up(value: float, quantum: float) -> int:
+    return max(0, int(math.ceil(value / quantum - 1e-9)))
+
+
+def _result(options, picked, final, capacity, *, feasible: bool) -> PlanResult:
+    chosen = [opts[m] for opts, m in zip(options, picked)]
+    peak = predicted_peak(chosen, final)
+    return PlanResult(
+        modes=tuple(o.mode for o in chosen),
+        seconds=sum(o.seconds for o in chosen),
+        peak=peak,
+        feasible=feasible,
+        shortfall=0.0 if feasible else max(0.0, peak - capacity),
+    )
