@@ -19,7 +19,7 @@ import logging
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,16 +34,22 @@ log = logging.getLogger("adaptmem")
 
 _ATTR = "_adaptmem_instrumentation"
 
-#: Called before a managed block runs in training: ``listener(handle, args, kwargs)``.
-Listener = Callable[["BlockHandle", tuple, dict], None]
+class BlockObserver(Protocol):
+    """Who watches managed blocks run in training (the memory manager)."""
+
+    def block_start(self, handle: "BlockHandle", args: tuple, kwargs: dict) -> None: ...
+
+    def block_end(self, handle: "BlockHandle", call: BlockCall, output: Any) -> None: ...
+
+    def recompute(self, handle: "BlockHandle", begin: bool) -> None: ...
 
 
 class BlockRuntime:
-    """What the blocks of one instrumented model share: offload tiers, listeners, warnings said."""
+    """What the blocks of one instrumented model share: offload tiers, the observer, warnings said."""
 
     def __init__(self) -> None:
         self.offload = OffloadRuntime()
-        self.listeners: list[Listener] = []
+        self.observer: BlockObserver | None = None
         self._warned: set[str] = set()
 
     def warn_once(self, key: str, message: str) -> None:
@@ -52,7 +58,13 @@ class BlockRuntime:
             log.warning(message)
 
     def __deepcopy__(self, memo: dict) -> "BlockRuntime":
-        return BlockRuntime()  # listeners belong to whoever manages the original
+        return BlockRuntime()  # the observer belongs to whoever manages the original
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
 
 class BlockHandle:
@@ -72,7 +84,7 @@ class BlockHandle:
         self._mode = Mode.parse(mode)
         self.compress_options = compress
         self.offload_options = offload
-        self.calls = 0  # forward calls that ran a strategy (training, grad enabled)
+        self.calls = 0  # forward calls in training with grad enabled (the managed path)
 
     @property
     def mode(self) -> Mode:
@@ -118,13 +130,15 @@ class _BlockForward:
         if handle is None or not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
         runtime = handle.runtime
-        for listener in runtime.listeners:
-            listener(handle, args, kwargs)
-        mode = handle.mode
-        if mode is Mode.NONE:
-            return forward(*args, **kwargs)
+        observer = runtime.observer
+        if observer is not None:
+            observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
         handle.calls += 1
-        return STRATEGIES[mode](BlockCall(handle, forward, args, kwargs, runtime))
+        call = BlockCall(handle, forward, args, kwargs, runtime, handle.mode)
+        output = STRATEGIES[call.mode](call)
+        if observer is not None:
+            observer.block_end(handle, call, output)
+        return output
 
     def belongs_to(self, handle: BlockHandle) -> bool:
         return self._handle() is handle
@@ -227,7 +241,7 @@ def restore(model: nn.Module) -> None:
             del module.__dict__["forward"]
         else:
             module.__dict__["forward"] = previous
-    inst.runtime.listeners.clear()
+    inst.runtime.observer = None
     inst.runtime.offload.pool.clear()
     del model.__dict__[_ATTR]
 

@@ -6,7 +6,7 @@ A strategy runs one block call in training: ``strategy(call) -> output``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +36,10 @@ class BlockCall:
     args: tuple
     kwargs: dict
     runtime: "BlockRuntime"
+    mode: Mode
+    #: what the strategy did, for the cost model: bytes handed to the pack hook
+    #: ("packed"), kept on the device ("kept"), sent to the host ("host").
+    stats: dict = field(default_factory=dict)
 
 
 def run_plain(call: BlockCall) -> Any:
@@ -49,6 +53,7 @@ def _run_packed(call: BlockCall, *, compress: bool, offload: bool) -> Any:
         compress=handle.compress_options if compress else None,
         offload=handle.offload_options if offload else None,
         runtime=call.runtime.offload,
+        stats=call.stats,
     )
     with torch.autograd.graph.saved_tensors_hooks(packer, restore):
         return call.forward(*call.args, **call.kwargs)

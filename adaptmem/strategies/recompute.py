@@ -101,7 +101,8 @@ def run_selective(call: "BlockCall") -> Any:
 def run_checkpoint_offloaded_input(call: "BlockCall") -> Any:
     """DeepSpeed's cpu_checkpointing: checkpoint, and keep the block input on the host."""
     handle = call.handle
-    packer = Packer(handle.module, offload=handle.offload_options, runtime=call.runtime.offload, grad_only=True)
+    packer = Packer(handle.module, offload=handle.offload_options, runtime=call.runtime.offload,
+                    grad_only=True, stats=call.stats)
     with torch.autograd.graph.saved_tensors_hooks(packer, restore):
         return _checkpointed(call, noop_context_fn)
 
@@ -112,9 +113,19 @@ def _checkpointed(call: "BlockCall", context_fn: Any) -> Any:
     static = {k: v for k, v in kwargs.items() if k not in tensor_keys}
     n_args = len(call.args)
     forward = call.forward
+    observer = call.runtime.observer
+    handle = call.handle  # not `call`: checkpoint keeps `run` alive, and call.args would pin the inputs
+    runs = [0]
 
     def run(*flat: Any) -> Any:
-        return forward(*flat[:n_args], **static, **dict(zip(tensor_keys, flat[n_args:])))
+        runs[0] += 1
+        if runs[0] == 1 or observer is None:
+            return forward(*flat[:n_args], **static, **dict(zip(tensor_keys, flat[n_args:])))
+        observer.recompute(handle, True)  # a rerun is the recompute, inside backward
+        try:
+            return forward(*flat[:n_args], **static, **dict(zip(tensor_keys, flat[n_args:])))
+        finally:
+            observer.recompute(handle, False)
 
     return checkpoint(
         run,

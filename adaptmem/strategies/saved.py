@@ -31,6 +31,17 @@ class Payload:
         """The same payload with each tensor part replaced by ``fn(part)``."""
         raise NotImplementedError(f"{type(self).__name__} has no tensor parts to map")
 
+    def nbytes(self) -> int:
+        """Bytes of the payload's tensor parts."""
+        sizes: list[int] = []
+
+        def count(part: torch.Tensor) -> torch.Tensor:
+            sizes.append(nbytes_of(part))
+            return part
+
+        self.map_tensors(count)
+        return sum(sizes)
+
 
 def restore(packed: Any) -> torch.Tensor:
     """The unpack hook: payloads restore themselves, tensors pass through."""
@@ -66,6 +77,7 @@ class Packer:
         offload: "OffloadOptions | None" = None,
         runtime: "OffloadRuntime | None" = None,
         grad_only: bool = False,
+        stats: dict | None = None,
     ) -> None:
         self._module = module
         self._buffers: set[int] | None = None
@@ -74,21 +86,30 @@ class Packer:
         self._runtime = runtime
         self._group = runtime.new_group(offload) if offload is not None and runtime else None
         self._grad_only = grad_only
+        self._stats = stats if stats is not None else {}
+        for key in ("packed", "kept", "host"):
+            self._stats.setdefault(key, 0)
 
     def __call__(self, t: torch.Tensor) -> Any:
         if self._is_state(t) or (self._grad_only and not t.requires_grad):
             return t.detach()
+        size = nbytes_of(t)
+        self._stats["packed"] += size
         payload = None
         if self._compress is not None:
             from adaptmem.strategies.compress import encode
 
             payload = encode(t, self._compress)
         if self._offload is None or self._runtime is None:
+            self._stats["kept"] += payload.nbytes() if payload is not None else size
             return payload if payload is not None else t.detach()
         if payload is not None:
+            self._stats["host"] += payload.nbytes()
             return payload.map_tensors(self._send)
-        if nbytes_of(t) < self._offload.min_bytes:
+        if size < self._offload.min_bytes:
+            self._stats["kept"] += size
             return t.detach()
+        self._stats["host"] += size
         return self._send(t)
 
     def _send(self, t: torch.Tensor) -> Any:
