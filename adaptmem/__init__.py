@@ -3,7 +3,10 @@
 The public face only; see README.md for use.
 """
 
+from adaptmem.controller import MemoryManager, manage
 from adaptmem.modes import ALLOWED_MODES, LOSSLESS_MODES, Mode
+from adaptmem.policy import Policy, PolicyError, load_policy
+from adaptmem.retry import InexactRetryError, StepOutOfMemoryError
 from adaptmem.strategies.compress import CompressOptions
 from adaptmem.strategies.offload import OffloadOptions
 from adaptmem.wrap import BlockHandle, get_handles, instrument, restore
@@ -15,9 +18,16 @@ __all__ = [
     "LOSSLESS_MODES",
     "BlockHandle",
     "CompressOptions",
+    "InexactRetryError",
+    "MemoryManager",
     "Mode",
     "OffloadOptions",
+    "Policy",
+    "PolicyError",
+    "StepOutOfMemoryError",
     "get_handles",
     "instrument",
+    "load_policy",
+    "manage",
     "restore",
 ]

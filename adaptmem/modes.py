@@ -97,3 +97,31 @@ def _check_allowed(mode: Mode) -> Mode:
             f"mode {mode.label} is not supported: allowed modes are {allowed_labels()}"
         )
     return mode
+
+
+#: Modes from the loosest to the tightest, by the bytes a block keeps until its
+#: backward. An out-of-memory retry moves blocks up this ladder when the
+#: planner has nothing tighter to offer.
+LADDER: tuple[Mode, ...] = (
+    Mode.NONE,
+    Mode.SELECTIVE,
+    Mode.COMPRESS,
+    Mode.CHECKPOINT,
+    Mode.OFFLOAD,
+    Mode.COMPRESS | Mode.OFFLOAD,
+    Mode.CHECKPOINT | Mode.OFFLOAD,
+)
+
+
+def ladder(allowed: tuple[Mode, ...]) -> tuple[Mode, ...]:
+    """The ladder restricted to `allowed` modes."""
+    return tuple(m for m in LADDER if m in allowed)
+
+
+def step_up(mode: Mode, allowed: tuple[Mode, ...]) -> Mode:
+    """The next tighter allowed mode (the mode itself at the top)."""
+    rungs = ladder(allowed)
+    if mode not in rungs:
+        return rungs[-1]
+    i = rungs.index(mode)
+    return rungs[min(i + 1, len(rungs) - 1)]

@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from adaptmem.tiers import allocating_on_host
 from adaptmem.units import format_bytes
 
-__all__ = ["SimulatedDevice"]
+__all__ = ["ScriptedProbe", "SimulatedDevice"]
 
 _DEVICE, _HOST = 0, 1
 
@@ -67,9 +67,13 @@ class SimulatedDevice:
     Args:
         capacity_bytes: device size in bytes; ``None`` means unlimited (count only).
         name: shown in error messages.
+        host_capacity_bytes: host RAM the probes report for offloading (bytes);
+            ``None`` reports the real machine's available RAM. Host copies past
+            it are not refused: a probe reads it to keep offload under a ceiling.
     """
 
-    def __init__(self, capacity_bytes: int | None = None, *, name: str = "sim") -> None:
+    def __init__(self, capacity_bytes: int | None = None, *, name: str = "sim",
+                 host_capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
                 raise TypeError(
@@ -79,6 +83,7 @@ class SimulatedDevice:
                 raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._capacity = capacity_bytes
         self.name = name
+        self.host_capacity_bytes = host_capacity_bytes
         # Re-entrant: a storage freed by a garbage collection that runs while the
         # lock is held calls `release` on the same thread.
         self._lock = threading.RLock()
@@ -263,3 +268,60 @@ def _tensors_of(obj: Any) -> list[torch.Tensor]:
     raise TypeError(
         f"SimulatedDevice.track takes tensors, modules or optimizers, got {type(obj).__name__}"
     )
+
+
+class ScriptedProbe:
+    """A memory probe whose readings follow a script, to test decisions exactly.
+
+    Each step's peak is ``peaks[i]`` (a sequence, the last value repeating) or
+    ``peaks(i)`` (a callable of the step index, counted from 0). Allocation and
+    outside memory are constants you may change between steps.
+    """
+
+    def __init__(self, capacity_bytes: int, peaks, *, allocated: int = 0, external: int = 0) -> None:
+        self.name = "scripted"
+        self._capacity = capacity_bytes
+        self._peaks = peaks
+        self.allocated_bytes = allocated
+        self.external_bytes = external
+        self.step = -1
+
+    def step_started(self) -> None:
+        self.step += 1
+
+    def _scripted(self) -> int:
+        if callable(self._peaks):
+            return int(self._peaks(self.step))
+        return int(self._peaks[min(max(self.step, 0), len(self._peaks) - 1)])
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def allocated(self) -> int:
+        return self.allocated_bytes
+
+    def peak(self) -> int:
+        return max(self.allocated_bytes, self._scripted())
+
+    def reset_peak(self) -> None:
+        pass
+
+    def external(self) -> int:
+        return self.external_bytes
+
+    def host_available(self) -> int:
+        return 1 << 40
+
+    def signals(self) -> dict:
+        return {}
+
+    def mark(self) -> float:
+        import time
+
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return max(0.0, end - start)
+
+    def synchronize(self) -> None:
+        pass
