@@ -15,11 +15,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,28 +29,16 @@ from adaptmem.costs import CostModel
 from adaptmem.daemon import Sampler
 from adaptmem.decisions import HOLD, Decider
 from adaptmem.events import SCHEMA_VERSION, EventLog
-from adaptmem.modes import Mode, ladder, step_up
+from adaptmem.modes import Mode
 from adaptmem.observe import StepRecorder, StepSample, shape_of
-from adaptmem.planner import plan as solve, predicted_peak
+from adaptmem.plans import PlanBook, PlanRecord
 from adaptmem.policy import Policy, load_policy
 from adaptmem.probes import CudaProbe, make_probe
 from adaptmem.retry import StepGuard, StepOutOfMemoryError, oom_report
 from adaptmem.strategies.compress import CompressOptions
-from adaptmem.units import format_bytes
 from adaptmem.wrap import BlockHandle, get_instrumentation, instrument, restore
 
 log = logging.getLogger("adaptmem")
-
-
-@dataclass(frozen=True)
-class PlanRecord:
-    modes: tuple[Mode, ...]
-    key: tuple[int, int]  # (batch, bucketed sequence length)
-    start: int  # bytes allocated when the plan was made (it is redone if that grows)
-    predicted: float | None  # absolute predicted peak at the bucket's shape
-    reason: str
-    feasible: bool = True
-    shortfall: float = 0.0
 
 
 class MemoryManager:
@@ -83,16 +69,12 @@ class MemoryManager:
         self.decider = Decider(p)
         self.events = EventLog(log)
         self._lock = threading.RLock()
-        self._plans: dict[tuple[int, int], PlanRecord] = {}
+        self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe)
         self._current: tuple[Mode, ...] = tuple(h.mode for h in self.handles)
         self._in_step = False
-        self._attempt = 0
-        self._failed: tuple[Mode, ...] | None = None
-        self._tried: set[tuple[Mode, ...]] = set()  # plans that ran out of memory in this run_step
         self._step_key: tuple[int, int] | None = None
         self._step_pred: float | None = None
         self._relief_calm = 0
-        self._warned_infeasible: set[tuple[int, int]] = set()
         self.steps = 0
         self.ooms = 0
         self.ooms_recovered = 0
@@ -146,7 +128,7 @@ class MemoryManager:
         attempts: list[dict] = []
         try:
             for attempt in range(self.policy.max_retries + 1):
-                self._attempt = attempt
+                self.plans.attempt = attempt
                 try:
                     with self.step():
                         result = fn(*args, **kwargs)
@@ -161,9 +143,8 @@ class MemoryManager:
                 self._free_after_oom()
             raise StepOutOfMemoryError(oom_report(attempts, self.policy.max_retries), attempts)
         finally:
-            self._attempt = 0
-            self._failed = None
-            self._tried.clear()
+            self.plans.attempt = 0
+            self.plans.succeeded()
             guard.close()
 
     def summary(self) -> dict[str, Any]:
@@ -210,98 +191,14 @@ class MemoryManager:
         self.recorder.recompute(handle, begin)
 
     # ----------------------------------------------------------- planning
-    def _bucket(self, batch: int, seq: int) -> tuple[int, int]:
-        r = self.policy.bucket_ratio
-        top = math.ceil(r ** math.ceil(math.log(max(seq, 1), r) - 1e-9) - 1e-9)
-        return batch, max(seq, top)
-
     def _plan_forward(self, batch: int, seq: int) -> None:
         with self._lock:
             start = self.probe.allocated()
-            key = self._bucket(batch, seq)
-            record = self._plans.get(key)
-            stale = record is None or start > record.start + 0.01 * self.budget
-            if stale or self._failed is not None:
-                record = self._make_plan(key, start, fixed={}, reason="new shape" if record is None else "replan")
-                self._plans[key] = record
+            record = self.plans.choose(batch, seq, start, self.budget)
             self._apply(record)
             if self._in_step:
-                self._step_key = key
-                self._step_pred = self._predict(record.modes, batch, seq, start)
-
-    def _make_plan(self, key: tuple[int, int], start: int, *, fixed: dict[int, Mode], reason: str) -> PlanRecord:
-        p = self.policy
-        allowed = p.allowed
-        predicted, feasible, shortfall = None, True, 0.0
-        if p.static_plan != "none":
-            modes, reason = self._static_modes(), "static"
-        elif not self.costs.known:
-            top = ladder(allowed)
-            modes = tuple(Mode.CHECKPOINT if Mode.CHECKPOINT in allowed else top[-1] for _ in self.handles)
-            reason = "calibrate"
-        else:
-            modes, predicted, feasible, shortfall = self._solve(key, start, fixed)
-        if self._failed is not None:
-            modes, reason = self._tighter_than_failed(modes), f"retry {self._attempt}"
-        for i, mode in fixed.items():
-            modes = modes[:i] + (mode,) + modes[i + 1:]
-        return PlanRecord(modes, key, start, predicted, reason, feasible, shortfall)
-
-    def _solve(self, key, start, fixed) -> tuple[tuple[Mode, ...], float, bool, float]:
-        batch, seq = key
-        p = self.policy
-        capacity = self.decider.headroom * self.budget - start
-        head = self.costs.head_bytes(batch, seq)
-        options = self.costs.options(batch, seq, p.allowed, fixed)
-        host_limit = p.host_fraction * self.probe.host_available()
-        for _ in range(len(options) + 1):
-            result = solve(options, capacity, head, p.planner_bins)
-            chosen = [next(o for o in row if o.mode is m) for row, m in zip(options, result.modes)]
-            host = sum(o.host for o in chosen)
-            if host <= host_limit:
-                break
-            worst = max(range(len(chosen)), key=lambda i: chosen[i].host)
-            options[worst] = [o for o in options[worst] if o.host == 0] or options[worst]
-        if not result.feasible and key not in self._warned_infeasible:
-            self._warned_infeasible.add(key)
-            log.warning(
-                "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
-                "%d tokens: the tightest plan is predicted at %s, %s over. Running it; lower the batch "
-                "or sequence, or raise the budget.",
-                format_bytes(self.decider.headroom * self.budget), 100 * self.decider.headroom,
-                format_bytes(self.budget), batch, seq, format_bytes(start + result.peak),
-                format_bytes(result.shortfall),
-            )
-        return result.modes, start + result.peak, result.feasible, result.shortfall
-
-    def _static_modes(self) -> tuple[Mode, ...]:
-        n = len(self.handles)
-        k = self.policy.every_k if self.policy.static_plan == "every-k" else max(1, round(math.sqrt(n)))
-        return tuple(Mode.CHECKPOINT if (i + 1) % k == 0 else Mode.NONE for i in range(n))
-
-    def _tighter_than_failed(self, modes: tuple[Mode, ...]) -> tuple[Mode, ...]:
-        """A retry's plan: no looser anywhere than the plan that failed, and never a plan
-        that already failed in this step. When the planner offers nothing new, each block
-        steps up the ladder; past its top, uniform plans are tried, tightest predicted first."""
-        allowed = self.policy.allowed
-        rank = {m: i for i, m in enumerate(ladder(allowed))}
-        failed = self._failed
-        merged = tuple(m if rank.get(m, 0) >= rank.get(f, 0) else f for m, f in zip(modes, failed))
-        candidates = [merged, tuple(step_up(f, allowed) for f in failed)]
-        candidates += [tuple(m for _ in failed) for m in self._uniform_by_peak()]
-        for plan_modes in candidates:
-            if plan_modes not in self._tried:
-                return plan_modes
-        return candidates[-1]
-
-    def _uniform_by_peak(self) -> list[Mode]:
-        """Allowed modes, by the predicted peak of giving every block that mode (tightest first)."""
-        rungs = ladder(self.policy.allowed)
-        if not self.costs.known or self._step_key is None:
-            return list(reversed(rungs))
-        batch, seq = self._step_key
-        start = self.probe.allocated()
-        return sorted(reversed(rungs), key=lambda m: self._predict(tuple(m for _ in self.handles), batch, seq, start) or 0.0)
+                self._step_key = record.key
+                self._step_pred = self.plans.predict(record.modes, batch, seq, start)
 
     def _apply(self, record: PlanRecord) -> None:
         for handle, mode in zip(self.handles, record.modes):
@@ -315,14 +212,6 @@ class MemoryManager:
                 predicted_peak_bytes=record.predicted, feasible=record.feasible,
                 shortfall_bytes=record.shortfall, plan={h.name: m.label for h, m in zip(self.handles, record.modes)},
             )
-
-    def _predict(self, modes: tuple[Mode, ...], batch: int, seq: int, start: int) -> float | None:
-        if not self.costs.known:
-            return None
-        options = self.costs.options(batch, seq, self.policy.allowed, fixed=dict(enumerate(modes)))
-        chosen = [row[0] for row in options]
-        return max(start + predicted_peak(chosen, self.costs.head_bytes(batch, seq)),
-                   start + self.costs.tail_bytes(batch, seq))
 
     # -------------------------------------------------------------- steps
     def _begin_step(self) -> None:
@@ -357,14 +246,13 @@ class MemoryManager:
             error = (pred - observed) / observed
             self.errors.append(error)
         if decision != HOLD or calibrating:
-            self._plans.clear()
+            self.plans.cache.clear()
         elif pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget:
-            self._plans.pop(self._step_key, None)
-        self._failed = None
-        self._tried.clear()
+            self.plans.cache.pop(self._step_key, None)
+        self.plans.succeeded()
         self._budget_relief()
         self.events.emit(
-            "step", step=self.steps, attempt=self._attempt, batch=sample.batch, seq=sample.seq, tokens=sample.tokens,
+            "step", step=self.steps, attempt=self.plans.attempt, batch=sample.batch, seq=sample.seq, tokens=sample.tokens,
             predicted_peak_bytes=pred, observed_peak_bytes=observed, budget_bytes=self.budget,
             prediction_error=error, decision=decision, headroom=round(self.decider.headroom, 4),
             plan_counts=dict(Counter(m.label for m in sample.plan.values())), seconds=round(sample.seconds, 6),
@@ -374,12 +262,11 @@ class MemoryManager:
         self.ooms += 1
         self.decider.after_oom()
         self._tick()  # the device may have less free than we thought: read it now, not at the next sample
-        self._plans.clear()
+        self.plans.cache.clear()
         ran = sample is not None and bool(sample.blocks)
         if ran:  # a plan was running: the retry must not run it again
             executed = tuple(sample.plan.get(i, h.mode) for i, h in enumerate(self.handles))
-            self._failed = executed
-            self._tried.add(executed)
+            self.plans.failure(executed)
         backward = ran and any(b.bwd_start is not None for b in sample.blocks)
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         self._last_failure = {
@@ -390,7 +277,7 @@ class MemoryManager:
             "budget_bytes": self.budget,
             "headroom": self.decider.headroom,
         }
-        self.events.emit("oom", step=self.steps + 1, attempt=self._attempt, **self._last_failure)
+        self.events.emit("oom", step=self.steps + 1, attempt=self.plans.attempt, **self._last_failure)
 
     def _free_after_oom(self) -> None:
         gc.collect()
@@ -413,7 +300,7 @@ class MemoryManager:
             if available >= self.budget:
                 return
             before, self.budget = self.budget, max(1, available)
-            self._plans.clear()
+            self.plans.cache.clear()
             self._relief_calm = 0
             replanned = self._replan_running_forward()
             self.events.emit("pressure", step=self.steps + 1, external_bytes=self.probe.external(),
@@ -428,7 +315,7 @@ class MemoryManager:
         batch, seq, start, done = state
         if len(done) >= len(self.handles):
             return 0
-        record = self._make_plan(self._bucket(batch, seq), start, fixed=done, reason="pressure")
+        record = self.plans.make(self.plans.bucket(batch, seq), start, self.budget, fixed=done, reason="pressure")
         changed = sum(1 for i, h in enumerate(self.handles) if i not in done and h.mode is not record.modes[i])
         self._apply(record)
         return changed
@@ -443,7 +330,7 @@ class MemoryManager:
             if self._relief_calm >= self.policy.calm_steps:
                 before, self.budget = self.budget, min(self.user_budget, available)
                 self._relief_calm = 0
-                self._plans.clear()
+                self.plans.cache.clear()
                 self.events.emit("relief", step=self.steps, budget_bytes_before=before, budget_bytes=self.budget)
         else:
             self._relief_calm = 0
@@ -456,7 +343,7 @@ class MemoryManager:
                 "blocks": [h.name for h in self.handles],
                 "costs": self.costs.state_dict(),
                 "decider": self.decider.state_dict(),
-                "plans": [[list(k), [m.label for m in r.modes], r.start, r.predicted] for k, r in self._plans.items()],
+                "plans": self.plans.state_dict(),
                 "current": [m.label for m in self._current],
                 "budget": self.budget,
                 "counters": {"steps": self.steps, "ooms": self.ooms, "ooms_recovered": self.ooms_recovered,
@@ -473,10 +360,7 @@ class MemoryManager:
         with self._lock:
             self.costs.load_state_dict(state["costs"])
             self.decider.load_state_dict(state["decider"])
-            self._plans = {
-                tuple(k): PlanRecord(tuple(Mode.parse(m) for m in modes), tuple(k), start, pred, "resume")
-                for k, modes, start, pred in state["plans"]
-            }
+            self.plans.load_state_dict(state["plans"])
             self.budget = min(self.user_budget, int(state["budget"]))
             counters = state["counters"]
             self.steps, self.ooms = counters["steps"], counters["ooms"]

@@ -18,8 +18,6 @@ gradient was changed then raises `InexactRetryError` instead of double counting.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from adaptmem.units import format_bytes

@@ -2,6 +2,7 @@
 
 import copy
 import threading
+from collections import Counter
 import time
 
 import pytest
@@ -367,9 +368,8 @@ def test_resumed_manager_starts_with_the_same_plan(tmp_path):
         with mem2.step():
             resumed(**make_batch(resumed)).loss.backward()
         first = mem2.events.of_type("step")[0]
-        assert first["plan_counts"] == dict(__import__("collections").Counter(m.label for m in saved_plan.values()))
+        assert first["plan_counts"] == dict(Counter(m.label for m in saved_plan.values()))
         assert first["predicted_peak_bytes"] is not None  # no calibration step: the model was resumed
-        other = adaptmem.MemoryManager.__init__  # noqa: F841
     with adaptmem.manage(tiny(n_layers=2), budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31)) as mem3:
         with pytest.raises(ValueError, match="resume with the same model and block selection"):
             mem3.load_state_dict(state)

@@ -1,7 +1,6 @@
 """The cost model: shape fits, and predictions learned from the run itself."""
 
 import pytest
-import torch
 
 import adaptmem
 from adaptmem import ALLOWED_MODES, Mode
