@@ -25,6 +25,7 @@ test-cuda: $(STAMP)
 	$(PY) -m pytest -q -m cuda $(PYTEST_ARGS)
 
 bench: $(STAMP)
+	$(PY) stress/bench_planner.py
 	$(PY) stress/bench_modes.py
 
 venv: $(STAMP)

@@ -1,107 +1,150 @@
-"""`python -m adaptmem.demo`: every mode on a small transformer, side by side.
+"""`python -m adaptmem.demo`: a fine-tune under memory pressure, on the CPU.
 
-Runs one training step per mode on the embedded `TinyTransformer` (no GPU, no
-download) and prints peak device bytes (on a `SimulatedDevice`), host bytes,
-step time, and whether the gradients equal those of NONE bit for bit.
+The embedded `TinyTransformer` learns a synthetic task whose sequence lengths
+change from batch to batch, on a `SimulatedDevice` too small for it: unmanaged,
+the first long batch runs out of memory. Under `adaptmem.manage` each batch
+gets a plan for the memory actually free; halfway through, "another process"
+takes a share of the device for a while, and the budget follows. Every step
+prints its plan and peak; the decision log is written as JSONL.
 
-Memory and time come from separate runs: the stand-in intercepts every op,
-which slows a step, so times are taken without it, every mode alike.
+`python -m adaptmem.demo modes` prints the per-mode table instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import adaptmem
-from adaptmem.modes import ALLOWED_MODES, Mode
 from adaptmem.testing import SimulatedDevice
-from adaptmem.tiny import TinyConfig, TinyTransformer, random_batch
+from adaptmem.tiny import TinyConfig, TinyTransformer
 from adaptmem.units import format_bytes
 
-
-@dataclass
-class Row:
-    mode: Mode
-    peak: int
-    host: int
-    seconds: float
-    exact: bool
-    cosine: float
+SHORT = {"NONE": "none", "SELECTIVE": "sel", "CHECKPOINT": "ckpt", "OFFLOAD": "off",
+         "COMPRESS": "cmp", "CHECKPOINT+OFFLOAD": "ckpt+off", "COMPRESS+OFFLOAD": "cmp+off"}
 
 
-def _step(model: torch.nn.Module, batch: dict, seed: int) -> torch.Tensor:
-    torch.manual_seed(seed)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach()
+def make_batch(cfg: TinyConfig, batch: int, seq: int, gen: torch.Generator) -> dict:
+    """Rows that count up from a random start (mod the vocabulary): learnable in a few
+    dozen steps, so the loss visibly falls."""
+    start = torch.randint(0, cfg.vocab_size, (batch, 1), generator=gen)
+    ids = (start + torch.arange(seq)) % cfg.vocab_size
+    return {"input_ids": ids, "labels": ids}
 
 
-def measure(mode: Mode, cfg: TinyConfig, batch: dict, repeats: int, reference: dict | None):
-    torch.manual_seed(0)
-    model = TinyTransformer(cfg)
-    adaptmem.instrument(model, mode=mode)
-    with SimulatedDevice() as dev:
-        _step(model, batch, seed=1)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    times = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        _step(model, batch, seed=1)
-        times.append(time.perf_counter() - start)
-    exact, cosine = True, 1.0
-    if reference is not None:
-        exact = all(torch.equal(grads[n], reference[n]) for n in reference)
-        cosine = min(
-            torch.nn.functional.cosine_similarity(grads[n].flatten(), reference[n].flatten(), dim=0).item()
-            for n in reference
-        )
-    return Row(mode, dev.peak_bytes, dev.host_peak_bytes, statistics.median(times), exact, cosine), grads
+def lengths(steps: int, low: int, high: int, gen: torch.Generator) -> list[int]:
+    """Mostly short batches with long ones mixed in, as in long-context fine-tuning."""
+    out = []
+    for i in range(steps):
+        long = torch.rand((), generator=gen).item() < 0.35 or i in (1, 2)
+        top = high if long else max(low, high // 3)
+        out.append(int(torch.randint(low // 64, top // 64 + 1, (), generator=gen)) * 64)
+    return out
+
+
+def unmanaged_peak(model: torch.nn.Module, batch: dict) -> int:
+    dev = SimulatedDevice()
+    dev.track(model)
+    with dev:
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return dev.peak_bytes
+
+
+def plan_text(counts: dict) -> str:
+    return " ".join(f"{SHORT.get(m, m)}x{n}" for m, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per mode (median shown)")
-    args = parser.parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["modes"]:
+        from adaptmem.demo_modes import main as modes_main
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    cfg = TinyConfig(dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64), max_seq=max(2048, args.seq))
-    batch = random_batch(cfg, args.batch, args.seq, generator=torch.Generator().manual_seed(0))
+        return modes_main(args[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--max-seq", type=int, default=768)
+    parser.add_argument("--device-share", type=float, default=0.5,
+                        help="simulated device size, as a share of the unmanaged peak at the longest batch")
+    parser.add_argument("--policy", default="balanced")
+    parser.add_argument("--log", default="runs/demo.jsonl")
+    opts = parser.parse_args(args)
+
+    torch.manual_seed(0)
+    cfg = TinyConfig(dim=opts.dim, n_layers=opts.layers, n_heads=max(1, opts.dim // 64), vocab_size=256,
+                     max_seq=max(2048, opts.max_seq), attention="eager")
+    model = TinyTransformer(cfg)
+    gen = torch.Generator().manual_seed(1)
+    seqs = lengths(opts.steps, 64, opts.max_seq, gen)
+    batches = [make_batch(cfg, opts.batch, s, gen) for s in seqs]
+    worst = unmanaged_peak(model, make_batch(cfg, opts.batch, opts.max_seq, gen))
+    capacity = int(worst * opts.device_share)
+    print(f"adaptmem demo: fine-tuning a {opts.layers}-block transformer (dim {opts.dim}) on batches of "
+          f"{opts.batch} x 64..{opts.max_seq} tokens,\non a simulated device of {format_bytes(capacity)} "
+          f"(unmanaged, the longest batch needs {format_bytes(worst)}).\n")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    dev = SimulatedDevice(capacity_bytes=capacity, name="demo-gpu")
+    dev.track(model)
+    with dev:
+        try:
+            for seq, batch in zip(seqs, batches):
+                model(**batch).loss.backward()
+                opt.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError as err:
+            first = ". ".join(str(err).split(". ")[:2])
+            print(f"unmanaged:  out of memory at a batch of {opts.batch} x {seq} tokens:\n  {first}.\n")
+        model.zero_grad(set_to_none=True)
+
+    Path(opts.log).parent.mkdir(parents=True, exist_ok=True)
+    pressure_at, release_at = opts.steps // 3, opts.steps // 3 + 4
+    taken = int(capacity * 0.3)
+    print(f"managed:    adaptmem.manage(model, policy={opts.policy!r}, budget='90%', device=dev, log={opts.log!r})")
+    print(f"{'step':>4} {'tokens':>7} {'loss':>7} {'peak':>11} {'budget':>11} {'pred err':>8}  plan")
+    start = time.perf_counter()
+    losses = []
+    with dev, adaptmem.manage(model, policy=opts.policy, budget="90%", device=dev, log=opts.log) as mem:
+        for i, batch in enumerate(batches):
+            if i == pressure_at:
+                dev.occupy(taken)
+                print(f"     -- another process takes {format_bytes(taken)} of the device --")
+                time.sleep(3 * mem.policy.sample_interval_s)  # the background thread notices
+            if i == release_at:
+                dev.occupy(-taken)
+                print("     -- ...and gives it back --")
+            loss = mem.run_step(lambda b=batch: _train(model, b))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss)
+            rec = mem.events.of_type("step")[-1]
+            err = "" if rec["prediction_error"] is None else f"{rec['prediction_error']:+.1%}"
+            retried = f"  (recovered from {rec['attempt']} OOM)" if rec["attempt"] else ""
+            print(f"{i + 1:>4} {rec['tokens']:>7} {loss:>7.3f} {format_bytes(rec['observed_peak_bytes']):>11} "
+                  f"{format_bytes(rec['budget_bytes']):>11} {err:>8}  {plan_text(rec['plan_counts'])}{retried}",
+                  flush=True)
+        summary = mem.summary()
+    took = time.perf_counter() - start
     print(
-        f"adaptmem demo: TinyTransformer ({args.layers} blocks, dim {args.dim}), batch {args.batch} x "
-        f"{args.seq} tokens, one training step per mode on the CPU.\n"
-        "Peak device bytes are counted by adaptmem.testing.SimulatedDevice; times are medians of "
-        f"{args.repeats} steps taken without it.\n"
-    )
-    header = f"{'mode':<20} {'peak device':>12} {'vs NONE':>8} {'host':>11} {'step':>9} {'vs NONE':>8}  gradients vs NONE"
-    print(header)
-    print("-" * len(header))
-    reference, base = None, None
-    for mode in ALLOWED_MODES:
-        row, grads = measure(mode, cfg, batch, args.repeats, reference)
-        if reference is None:
-            reference, base = grads, row
-        verdict = "bit-identical" if row.exact else f"lossy, min cosine {row.cosine:.5f}"
-        print(
-            f"{mode.label:<20} {format_bytes(row.peak):>12} {row.peak / base.peak:>8.1%} "
-            f"{format_bytes(row.host):>11} {row.seconds * 1e3:>7.0f}ms {row.seconds / base.seconds:>8.2f}x  {verdict}",
-            flush=True,
-        )
-    print(
-        "\nEach block can switch mode at any forward: handles = adaptmem.instrument(model); "
-        "handles[i].mode = Mode.CHECKPOINT"
+        f"\n{summary['steps']} steps in {took:.0f}s; loss {losses[0]:.3f} -> {losses[-1]:.3f}; peak "
+        f"{format_bytes(summary['peak_bytes'])} on a {format_bytes(capacity)} device; "
+        f"{summary['ooms_recovered']} OOM(s) recovered, {summary['plan_changes']} plan changes, "
+        f"{summary['pressure_events']} pressure event(s); mean prediction error "
+        f"{summary['prediction_error_mean']:.1%}.\nDecision log: {opts.log}"
     )
     return 0
+
+
+def _train(model: torch.nn.Module, batch: dict) -> float:
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.item()
 
 
 if __name__ == "__main__":

@@ -102,24 +102,26 @@ def _solve(options, capacity, final, bins, *, use_cost: bool) -> list[int] | Non
     quantum = max(1.0, capacity / bins)
     top = int(math.floor(capacity / quantum + 1e-9))
     n, width = len(options), max(len(opts) for opts in options)
-    pad = [top + 1] * width  # padding options can never be chosen
-    saved = torch.tensor([([_up(o.saved, quantum) for o in opts] + pad)[:width] for opts in options])
-    need = torch.tensor([([_up(o.need, quantum) for o in opts] + pad)[:width] for opts in options])
-    cost = torch.tensor(
-        [([o.seconds if use_cost else 0.0 for o in opts] + [0.0] * width)[:width] for opts in options],
+    pad = math.inf  # padding options can never be chosen
+    raw = torch.tensor(
+        [[(o.saved, o.need, o.seconds if use_cost else 0.0) for o in opts] + [(pad, pad, 0.0)] * (width - len(opts))
+         for opts in options],
         dtype=torch.float64,
     )
+    sizes = (raw[..., :2] / quantum - 1e-9).ceil_().clamp_(0, top + 1).to(torch.int64)  # rounded up to bins
+    saved, need, cost = sizes[..., 0], sizes[..., 1], raw[..., 2]
     span = top + 1
     prev_all = torch.arange(span)[None, None, :] - saved[:, :, None]  # (n, width, span)
     invalid_all = (prev_all < 0) | (prev_all > (top - need)[:, :, None])
     prev_all = prev_all.clamp_(0, top).view(n, -1)
     best = torch.full((span,), math.inf, dtype=torch.float64)
     best[0] = 0.0
-    choices = torch.empty((n, span), dtype=torch.int64)
+    choices: list[torch.Tensor] = []
     for i in range(n):
         reached = best.index_select(0, prev_all[i]).view(width, span)
         reached.add_(cost[i, :, None]).masked_fill_(invalid_all[i], math.inf)
-        best, choices[i] = reached.min(dim=0)
+        best, choice = reached.min(dim=0)
+        choices.append(choice)
     final_bins = _up(final, quantum)
     if final_bins > top:
         return None
@@ -127,11 +129,12 @@ def _solve(options, capacity, final, bins, *, use_cost: bool) -> list[int] | Non
     if not torch.isfinite(tail).any():
         return None
     end = int(torch.nonzero(tail == tail.min())[0])  # cheapest, then the smallest total saved
+    saved_rows = saved.tolist()
     picked: list[int] = []
     for i in range(n - 1, -1, -1):
-        m = int(choices[i, end])
+        m = int(choices[i][end])
         picked.append(m)
-        end -= int(saved[i, m])
+        end -= saved_rows[i][m]
     return picked[::-1]
 
 
