@@ -27,7 +27,7 @@ from adaptmem.blocks import BlockSelection
 from adaptmem.budget import resolve_budget
 from adaptmem.costs import CostModel
 from adaptmem.daemon import Sampler
-from adaptmem.decisions import HOLD, Decider
+from adaptmem.decisions import ESCALATE, HOLD, Decider
 from adaptmem.events import SCHEMA_VERSION, EventLog
 from adaptmem.modes import Mode
 from adaptmem.observe import StepRecorder, StepSample, shape_of
@@ -85,6 +85,7 @@ class MemoryManager:
         self.decisions: Counter = Counter()
         self._last_failure: dict = {}
         self._mutable_buffers: set[int] | None = None  # buffers a step changes; None: not known yet
+        self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
         self._runtime = get_instrumentation(model).runtime
         self._runtime.observer = self
         self.events.emit("start", step=0, schema=SCHEMA_VERSION, policy=p.name, device=self.probe.name,
@@ -236,10 +237,15 @@ class MemoryManager:
         observed = sample.peak
         self.steps += 1
         self.peak_bytes = max(self.peak_bytes, observed)
+        retries = self.probe.signals().get("alloc_retries")  # also logs the fragmentation hint, once
+        retried = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
+        self._alloc_retries = retries
         if self.policy.static_plan != "none":
             decision = HOLD
         else:
             decision = self.decider.update(observed, self.budget)
+            if retried and decision != ESCALATE:
+                decision = self.decider.escalate()  # the allocator had to free and retry: close to an OOM
         self.decisions[decision] += 1
         pred, error = self._step_pred, None
         if pred is not None and observed > 0:
@@ -255,6 +261,7 @@ class MemoryManager:
             "step", step=self.steps, attempt=self.plans.attempt, batch=sample.batch, seq=sample.seq, tokens=sample.tokens,
             predicted_peak_bytes=pred, observed_peak_bytes=observed, budget_bytes=self.budget,
             prediction_error=error, decision=decision, headroom=round(self.decider.headroom, 4),
+            alloc_retries=retries,
             plan_counts=dict(Counter(m.label for m in sample.plan.values())), seconds=round(sample.seconds, 6),
         )
 

@@ -146,7 +146,6 @@ class CostModel:
         self.grad: list[Fit] = [Fit("base") for _ in range(n)]
         self.head = Fit("base")
         self.tail = Fit("base")
-        self.pre = Fit("base")
         self.elem_size = 4
         self.steps_learned = 0
 
@@ -161,7 +160,6 @@ class CostModel:
         b, s = sample.batch, sample.seq
         start0 = sample.blocks[0].start
         self.elem_size = sample.blocks[0].elem_size or self.elem_size
-        self.pre.add(b, s, start0 - sample.start)
         prefix = 0
         for blk in sample.blocks:
             if blk.index >= len(self.direct) or blk.held is None:
@@ -331,9 +329,6 @@ class CostModel:
     def tail_bytes(self, batch: int, seq: int) -> float:
         return self.tail.predict(batch, seq)
 
-    def pre_bytes(self, batch: int, seq: int) -> float:
-        return self.pre.predict(batch, seq)
-
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
         return {
@@ -344,7 +339,6 @@ class CostModel:
             "grad": [f.state_dict() for f in self.grad],
             "head": self.head.state_dict(),
             "tail": self.tail.state_dict(),
-            "pre": self.pre.state_dict(),
             "elem_size": self.elem_size,
             "steps_learned": self.steps_learned,
         }
@@ -362,6 +356,5 @@ class CostModel:
         self.grad = [Fit.from_state(f) for f in state["grad"]]
         self.head = Fit.from_state(state["head"])
         self.tail = Fit.from_state(state["tail"])
-        self.pre = Fit.from_state(state["pre"])
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])

@@ -72,6 +72,16 @@ class Decider:
         self.calm = 0
         return HOLD
 
+    def escalate(self) -> str:
+        """Escalate for a reason other than the peak (the allocator retrying, say)."""
+        self.calm = 0
+        self.steps_since_relax = None
+        new = max(self.policy.min_headroom, self.headroom * self.policy.escalate_factor)
+        if new >= self.headroom:
+            return HOLD
+        self.headroom = new
+        return ESCALATE
+
     def after_oom(self) -> None:
         """An out-of-memory error: aim lower at once."""
         self.calm = 0

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import adaptmem
-from adaptmem.testing import SimulatedDevice
+from adaptmem.testing import SimulatedDevice, measure_peak
 from adaptmem.tiny import TinyConfig, TinyTransformer
 from adaptmem.units import format_bytes
 
@@ -44,15 +44,6 @@ def lengths(steps: int, low: int, high: int, gen: torch.Generator) -> list[int]:
         top = high if long else max(low, high // 3)
         out.append(int(torch.randint(low // 64, top // 64 + 1, (), generator=gen)) * 64)
     return out
-
-
-def unmanaged_peak(model: torch.nn.Module, batch: dict) -> int:
-    dev = SimulatedDevice()
-    dev.track(model)
-    with dev:
-        model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    return dev.peak_bytes
 
 
 def plan_text(counts: dict) -> str:
@@ -84,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1)
     seqs = lengths(opts.steps, 64, opts.max_seq, gen)
     batches = [make_batch(cfg, opts.batch, s, gen) for s in seqs]
-    worst = unmanaged_peak(model, make_batch(cfg, opts.batch, opts.max_seq, gen))
+    longest = make_batch(cfg, opts.batch, opts.max_seq, gen)
+    worst = measure_peak(model, lambda: longest)
     capacity = int(worst * opts.device_share)
     print(f"adaptmem demo: fine-tuning a {opts.layers}-block transformer (dim {opts.dim}) on batches of "
           f"{opts.batch} x 64..{opts.max_seq} tokens,\non a simulated device of {format_bytes(capacity)} "

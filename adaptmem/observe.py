@@ -161,14 +161,13 @@ class StepRecorder:
             if sample is None:
                 return
             now = self._close_segment()
+            grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
             if not sample.blocks:
                 sample.batch, sample.seq = shape_of(args, kwargs)
-                first_input = next((t for t in tensors_in((args, kwargs)) if t.requires_grad), None)
-                if first_input is not None:
-                    first_input.register_hook(self._make_bwd_hook(None))
+                if grad_inputs:  # its gradient marks the end of the last block backward
+                    grad_inputs[0].register_hook(self._make_bwd_hook(None))
             elif sample.blocks[-1].held is None:
                 sample.blocks[-1].held = now - sample.blocks[-1].start
-            grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
             inputs = sum(t.numel() * t.element_size() for t in grad_inputs)
             elem = grad_inputs[0].element_size() if grad_inputs else 0
             block = BlockSample(index=handle.index, mode=handle.mode, input_bytes=inputs, start=now, elem_size=elem)

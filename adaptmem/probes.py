@@ -52,7 +52,7 @@ class MemoryProbe(Protocol):
     def synchronize(self) -> None: ...
 
 
-class _HostClock:
+class HostClock:
     """Host-clock timing, for devices that run synchronously."""
 
     def mark(self) -> float:
@@ -71,7 +71,7 @@ class _HostClock:
         return {}
 
 
-class SimulatedProbe(_HostClock):
+class SimulatedProbe(HostClock):
     """Reads an `adaptmem.testing.SimulatedDevice`."""
 
     def __init__(self, device: Any) -> None:
@@ -106,7 +106,7 @@ class SimulatedProbe(_HostClock):
         return max(0, cap - self.device.host_bytes)
 
 
-class HostProbe(_HostClock):
+class HostProbe(HostClock):
     """CPU training: process RSS through psutil (coarse: a sampled peak, not every allocation)."""
 
     def __init__(self) -> None:

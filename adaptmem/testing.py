@@ -25,10 +25,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from adaptmem.probes import HostClock
 from adaptmem.tiers import allocating_on_host
 from adaptmem.units import format_bytes
 
-__all__ = ["ScriptedProbe", "SimulatedDevice"]
+__all__ = ["ScriptedProbe", "SimulatedDevice", "measure_peak"]
 
 _DEVICE, _HOST = 0, 1
 
@@ -270,18 +271,21 @@ def _tensors_of(obj: Any) -> list[torch.Tensor]:
     )
 
 
-class ScriptedProbe:
+class ScriptedProbe(HostClock):
     """A memory probe whose readings follow a script, to test decisions exactly.
 
     Each step's peak is ``peaks[i]`` (a sequence, the last value repeating) or
-    ``peaks(i)`` (a callable of the step index, counted from 0). Allocation and
-    outside memory are constants you may change between steps.
+    ``peaks(i)`` (a callable of the step index, counted from 0); likewise the
+    allocator's retry count, ``retries``. Allocation and outside memory are
+    constants you may change between steps.
     """
 
-    def __init__(self, capacity_bytes: int, peaks, *, allocated: int = 0, external: int = 0) -> None:
+    def __init__(self, capacity_bytes: int, peaks, *, allocated: int = 0, external: int = 0,
+                 retries=None) -> None:
         self.name = "scripted"
         self._capacity = capacity_bytes
         self._peaks = peaks
+        self._retries = retries
         self.allocated_bytes = allocated
         self.external_bytes = external
         self.step = -1
@@ -289,10 +293,10 @@ class ScriptedProbe:
     def step_started(self) -> None:
         self.step += 1
 
-    def _scripted(self) -> int:
-        if callable(self._peaks):
-            return int(self._peaks(self.step))
-        return int(self._peaks[min(max(self.step, 0), len(self._peaks) - 1)])
+    def _at(self, script) -> int:
+        if callable(script):
+            return int(script(self.step))
+        return int(script[min(max(self.step, 0), len(script) - 1)])
 
     def capacity(self) -> int:
         return self._capacity
@@ -301,7 +305,7 @@ class ScriptedProbe:
         return self.allocated_bytes
 
     def peak(self) -> int:
-        return max(self.allocated_bytes, self._scripted())
+        return max(self.allocated_bytes, self._at(self._peaks))
 
     def reset_peak(self) -> None:
         pass
@@ -313,15 +317,34 @@ class ScriptedProbe:
         return 1 << 40
 
     def signals(self) -> dict:
-        return {}
+        return {} if self._retries is None else {"alloc_retries": self._at(self._retries)}
 
-    def mark(self) -> float:
-        import time
 
-        return time.perf_counter()
+def measure_peak(model: torch.nn.Module, make_batch, *, mode=None, optimizer=None, steps: int = 1) -> int:
+    """Peak device bytes of a training step of `model`, weights counted, on a fresh stand-in.
 
-    def seconds(self, start: float, end: float) -> float:
-        return max(0.0, end - start)
+    With `mode`, every block runs in it (the model is instrumented for the
+    measurement and restored after). With `optimizer`, each step also steps it,
+    so after the first step its state is counted too. The peak of the last of
+    `steps` steps is returned; gradients are cleared after.
+    """
+    from adaptmem.wrap import get_instrumentation, instrument, restore
 
-    def synchronize(self) -> None:
-        pass
+    owned = mode is not None and get_instrumentation(model) is None
+    if mode is not None:
+        for handle in instrument(model):
+            handle.mode = mode
+    dev = SimulatedDevice()
+    dev.track(model)
+    try:
+        with dev:
+            for _ in range(steps):
+                dev.reset_peak()
+                model(**make_batch()).loss.backward()
+                if optimizer is not None:
+                    optimizer.step()
+                model.zero_grad(set_to_none=True)
+    finally:
+        if owned:
+            restore(model)
+    return dev.peak_bytes

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import adaptmem  # noqa: E402
 from adaptmem import Mode  # noqa: E402
-from adaptmem.testing import SimulatedDevice  # noqa: E402
+from adaptmem.testing import SimulatedDevice, measure_peak  # noqa: E402
 from adaptmem.tiny import TinyConfig, TinyTransformer, random_batch  # noqa: E402
 
 
@@ -53,16 +53,7 @@ def llama_model():
 def uniform_peak(make, mode):
     model, batch = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    adaptmem.instrument(model, mode=mode)
-    dev = SimulatedDevice()
-    dev.track(model)
-    with dev:
-        for _ in range(2):
-            dev.reset_peak()
-            model(**batch()).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return dev.peak_bytes
+    return measure_peak(model, batch, mode=mode, optimizer=opt, steps=2)
 
 
 def run(make, budget, steps):

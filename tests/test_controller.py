@@ -13,7 +13,7 @@ from adaptmem import Mode, StepOutOfMemoryError
 from adaptmem.events import read_log
 from adaptmem.modes import LADDER
 from adaptmem.policy import load_policy
-from adaptmem.testing import SimulatedDevice
+from adaptmem.testing import SimulatedDevice, measure_peak
 
 from helpers import hf_batch, llama, tiny, tiny_batch
 
@@ -33,16 +33,7 @@ def uniform_peak(make, make_batch, mode):
     """Peak of a training step with every block in `mode` (after the optimizer state exists)."""
     model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    adaptmem.instrument(model, mode=mode)
-    dev = SimulatedDevice()
-    dev.track(model)
-    with dev:
-        for _ in range(2):
-            dev.reset_peak()
-            model(**make_batch(model)).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return dev.peak_bytes
+    return measure_peak(model, lambda: make_batch(model), mode=mode, optimizer=opt, steps=2)
 
 
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
@@ -76,14 +67,7 @@ def test_peak_stays_within_budget_after_the_first_step(name):
 def test_first_step_fits_when_every_block_checkpointed_fits():
     make, make_batch = models()["tiny"]
     model = make()
-    adaptmem.instrument(model, mode=Mode.CHECKPOINT)
-    dev = SimulatedDevice()
-    dev.track(model)
-    with dev:
-        model(**make_batch(model)).loss.backward()
-    adaptmem.restore(model)
-    model.zero_grad(set_to_none=True)
-    capacity = int(dev.peak_bytes * 1.02)
+    capacity = int(measure_peak(model, lambda: make_batch(model), mode=Mode.CHECKPOINT) * 1.02)
     tight = SimulatedDevice(capacity_bytes=capacity)
     tight.track(model)
     with tight, adaptmem.manage(model, budget="100%", device=tight) as mem:
@@ -97,26 +81,14 @@ def ladder_rank(plan_counts):
     return sum(labels.index(label) * n for label, n in plan_counts.items())
 
 
-def step_peak(model, batch, mode):
-    adaptmem.restore(model)
-    adaptmem.instrument(model, mode=mode)
-    dev = SimulatedDevice()
-    dev.track(model)
-    with dev:
-        model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    adaptmem.restore(model)
-    return dev.peak_bytes
-
-
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
 def test_varying_lengths_survive_and_the_plan_relaxes_after_the_spike(name):
     make, make_batch = models()[name]
     model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # a device on which 512 tokens need managing and 1024 still fit under the tightest plan
-    none_512 = step_peak(model, make_batch(model, 512), Mode.NONE)
-    tight_1024 = min(step_peak(model, make_batch(model, 1024), m) for m in (Mode.OFFLOAD, Mode.CHECKPOINT))
+    none_512 = measure_peak(model, lambda: make_batch(model, 512), mode=Mode.NONE)
+    tight_1024 = min(measure_peak(model, lambda: make_batch(model, 1024), mode=m) for m in (Mode.OFFLOAD, Mode.CHECKPOINT))
     capacity = max(int(0.8 * none_512), int(1.35 * tight_1024))
     assert 0.9 * capacity < none_512, "the 512-token step must need managing for this test to mean anything"
     dev = SimulatedDevice(capacity_bytes=capacity)
@@ -421,11 +393,24 @@ def test_event_log_is_jsonl_with_steps_plans_and_ooms(tmp_path):
     path = tmp_path / "run.jsonl"
     dev = SimulatedDevice(capacity_bytes=2**31)
     dev.track(model)
+    attempts = []
+
+    def squeezed_once():  # the first attempt runs out of memory after block 0, the retry does not
+        attempts.append(1)
+        dev.set_capacity(2**31)
+        hook = None
+        if len(attempts) == 1:
+            hook = model.blocks[1].register_forward_pre_hook(lambda m, a: dev.set_capacity(dev.allocated_bytes + MiB))
+        try:
+            model(**make_batch(model)).loss.backward()
+        finally:
+            if hook is not None:
+                hook.remove()
+
     with dev, adaptmem.manage(model, budget=2**31, device=dev, log=str(path)) as mem:
         for seq in (64, 256):
             mem.run_step(lambda s=seq: model(**make_batch(model, s)).loss.backward())
-        dev.set_capacity(dev.allocated_bytes + 40 * MiB)
-        mem.run_step(lambda: model(**make_batch(model)).loss.backward())
+        mem.run_step(squeezed_once)
         time.sleep(3 * mem.policy.sample_interval_s)
         assert path.stat().st_size > 0  # written by the background thread before the end
     records = read_log(path)
@@ -485,3 +470,20 @@ def test_bad_input_is_explained():
     with adaptmem.manage(model, budget="1GiB", device=dev):
         with pytest.raises(RuntimeError, match="already managed"):
             adaptmem.manage(model, budget="1GiB", device=dev).__enter__()
+
+
+def test_allocator_retries_escalate_even_under_the_watermark():
+    """The CUDA allocator retrying (freeing its cache to satisfy a request) is pressure
+    before an OOM: the step escalates though its peak is in band."""
+    from adaptmem.testing import ScriptedProbe
+
+    model = tiny(n_layers=3)
+    budget = 100 * MiB
+    probe = ScriptedProbe(2 * budget, [int(0.9 * budget)], retries=[0, 0, 0, 2, 2, 2])
+    with adaptmem.manage(model, budget=budget, device=probe) as mem:
+        for _ in range(6):
+            with mem.step():
+                model(**tiny_batch(model)).loss.backward()
+        steps = mem.events.of_type("step")
+    assert [s["decision"] for s in steps] == ["hold", "hold", "hold", "escalate", "hold", "hold"]
+    assert [s["alloc_retries"] for s in steps] == [0, 0, 0, 2, 2, 2]
