@@ -244,11 +244,13 @@ def test_without_snapshots_an_inexact_retry_is_an_error():
         hook.remove()
 
 
-def test_the_daemon_tightens_blocks_not_yet_run_when_others_take_memory():
-    make, make_batch = models()["tiny"]
+@pytest.mark.parametrize("name", ["tiny", "hf-llama"])
+def test_the_daemon_tightens_blocks_not_yet_run_when_others_take_memory(name):
+    make, make_batch = models()[name]
     model = make()
     batch = make_batch(model)
-    dev = SimulatedDevice(capacity_bytes=400 * MiB)
+    unmanaged = measure_peak(model, lambda: batch)
+    dev = SimulatedDevice(capacity_bytes=int(unmanaged * 2.8))  # room for every block NONE
     dev.track(model)
     seen = {}
     with dev, adaptmem.manage(model, budget="90%", device=dev) as mem:
@@ -260,14 +262,14 @@ def test_the_daemon_tightens_blocks_not_yet_run_when_others_take_memory():
         assert before == [Mode.NONE] * 6
 
         def squeeze(module, args):  # another process takes memory while block 2 is about to run
-            dev.occupy(260 * MiB)
+            dev.occupy(int(unmanaged * 1.9))
             start = time.perf_counter()
             while mem.pressure_events == 0 and time.perf_counter() - start < 5:
                 time.sleep(0.002)
             seen["seconds"] = time.perf_counter() - start
             seen["modes"] = [h.mode for h in mem.handles]
 
-        hook = model.blocks[2].register_forward_pre_hook(squeeze)
+        hook = mem.handles[2].module.register_forward_pre_hook(squeeze)
         with mem.step():
             model(**batch).loss.backward()
         hook.remove()
@@ -317,10 +319,13 @@ def test_exit_restores_the_model_and_stops_the_thread_even_on_error():
     assert not any(t.name == "adaptmem-sampler" for t in threading.enumerate())
 
 
-def test_resumed_manager_starts_with_the_same_plan(tmp_path):
-    make, make_batch = models()["tiny"]
+@pytest.mark.parametrize("name", ["tiny", "hf-llama"])
+def test_resumed_manager_starts_with_the_same_plan(tmp_path, name):
+    make, make_batch = models()[name]
     model = make()
-    budget = 120 * MiB
+    low = measure_peak(model, lambda: make_batch(model), mode=Mode.CHECKPOINT)
+    high = measure_peak(model, lambda: make_batch(model), mode=Mode.NONE)
+    budget = int(low + 0.5 * (high - low))  # a plan that mixes modes
     dev = SimulatedDevice(capacity_bytes=2**31)
     dev.track(model)
     with dev, adaptmem.manage(model, budget=budget, device=dev) as mem:
@@ -330,6 +335,7 @@ def test_resumed_manager_starts_with_the_same_plan(tmp_path):
             model.zero_grad(set_to_none=True)
         saved_plan = mem.plan
         state = mem.state_dict()
+    assert set(saved_plan.values()) != {Mode.CHECKPOINT}  # not the plan a fresh manager starts with
     torch.save(state, tmp_path / "mem.pt")
     resumed = copy.deepcopy(model)
     dev2 = SimulatedDevice(capacity_bytes=2**31)
