@@ -130,7 +130,6 @@ class Figures:
     wx: float
     seconds: float
     host: float
-    measured: bool
 
 
 class CostModel:
@@ -241,7 +240,7 @@ class CostModel:
             held = carry(fits["held"], derived.held, there.held)
             fx = carry(fits["fx"], derived.fx, there.fx)
             wx = carry(fits["wx"], derived.wx, there.wx) if (b0, s0) in fits["wx"].points else derived.wx
-        return Figures(held, fx, wx, self._seconds(index, mode, batch, seq, derived), derived.host, measured=True)
+        return Figures(held, fx, wx, self._seconds(index, mode, batch, seq, derived), derived.host)
 
     def _latents(self, index: int, batch: int, seq: int) -> dict[str, float]:
         q = self.policy.quadratic_prior
@@ -296,7 +295,7 @@ class CostModel:
                   2 * move / codec + 2 * kappa * move / bw * (1 - hide), kappa * move),
         }
         held, fx, wx, seconds, host = table[mode]
-        return Figures(held, fx, wx, seconds + self._penalty(mode, lat), host, False)
+        return Figures(held, fx, wx, seconds + self._penalty(mode, lat), host)
 
     def _kappa(self) -> float:
         elem = max(1, self.elem_size)

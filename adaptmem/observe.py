@@ -75,7 +75,6 @@ class StepSample:
     batch: int = 0
     seq: int = 0
     start: int = 0  # allocated at step start
-    pre_top: int = 0  # peak before the first block
     head_top: int = 0  # peak from the last block's end to the first block backward
     tail_top: int = 0  # peak after the last block backward
     peak: int = 0  # the step's peak
@@ -239,11 +238,8 @@ class StepRecorder:
         self.probe.reset_peak()
         now = self.probe.allocated()
         sample.peak = max(sample.peak, top)
-        if self._open == "pre":
-            sample.pre_top = max(sample.pre_top, top)
-        elif self._open == "between":
-            if self._bwd_current is None and sample.blocks and not any(b.bwd_start is not None for b in sample.blocks):
-                sample.head_top = max(sample.head_top, top)  # after the last block: the head and loss
+        if self._open == "between":  # only before the first backward boundary: the last one is the head and loss
+            sample.head_top = max(sample.head_top, top)
         elif self._open == "block" and sample.blocks:
             sample.blocks[-1].fwd_top = max(sample.blocks[-1].fwd_top, top)
         elif self._open == "bwd" and self._bwd_current is not None:

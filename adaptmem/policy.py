@@ -12,7 +12,7 @@ import os
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -226,10 +226,3 @@ def _preset_text(name: str) -> str:
         # a source checkout run without installing: the top-level policies/ folder
         return (Path(__file__).resolve().parents[1] / "policies" / f"{name}.toml").read_text()
 
-
-def preset_names() -> tuple[str, ...]:
-    return PRESETS
-
-
-def policy_summary(policy: Policy) -> dict[str, Any]:
-    return policy.model_dump()

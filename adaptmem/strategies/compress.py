@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from adaptmem.strategies.saved import Payload, materialize, nbytes_of
+from adaptmem.strategies.saved import Payload, nbytes_of, restore
 
 CODECS = ("int8", "fp8", "bf16")
 _FP8_MAX = 448.0
@@ -63,11 +63,11 @@ class Quantized(Payload):
         self.numel = numel
 
     def restore(self) -> torch.Tensor:
-        codes = materialize(self.codes)
+        codes = restore(self.codes)
         with torch.no_grad():
             if self.codec == "bf16":
                 return codes.to(self.dtype).view(self.shape)
-            values = codes.to(torch.float32).mul_(materialize(self.scales))
+            values = codes.to(torch.float32).mul_(restore(self.scales))
             return values.view(-1)[: self.numel].view(self.shape).to(self.dtype)
 
     def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Quantized":
@@ -86,7 +86,7 @@ class BitPacked(Payload):
         self.numel = numel
 
     def restore(self) -> torch.Tensor:
-        bits = materialize(self.bits)
+        bits = restore(self.bits)
         with torch.no_grad():
             flags = bits.unsqueeze(1).bitwise_right_shift(_shifts(bits.device)).bitwise_and_(1)
             return flags.view(-1)[: self.numel].to(torch.bool).view(self.shape)

@@ -48,11 +48,6 @@ def restore(packed: Any) -> torch.Tensor:
     return packed.restore() if isinstance(packed, Payload) else packed
 
 
-def materialize(part: Any) -> torch.Tensor:
-    """A payload's part as a tensor on the device (it may itself be offloaded)."""
-    return part.restore() if isinstance(part, Payload) else part
-
-
 def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
