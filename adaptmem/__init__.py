@@ -3,13 +3,13 @@
 The public face only; see README.md for use.
 """
 
-from adaptmem.controller import MemoryManager, manage
+from adaptmem.config.policy import Policy, PolicyError, load_policy
+from adaptmem.control.events import read_log
+from adaptmem.control.manager import MemoryManager, manage
+from adaptmem.control.retry import InexactRetryError, StepOutOfMemoryError
 from adaptmem.modes import ALLOWED_MODES, LOSSLESS_MODES, Mode
-from adaptmem.policy import Policy, PolicyError, load_policy
-from adaptmem.retry import InexactRetryError, StepOutOfMemoryError
-from adaptmem.strategies.compress import CompressOptions
-from adaptmem.strategies.offload import OffloadOptions
-from adaptmem.wrap import BlockHandle, get_handles, instrument, restore
+from adaptmem.strategies import CompressOptions, OffloadOptions
+from adaptmem.wrapping import BlockHandle, get_handles, instrument, restore
 
 __version__ = "0.1.0"
 
@@ -29,5 +29,6 @@ __all__ = [
     "instrument",
     "load_policy",
     "manage",
+    "read_log",
     "restore",
 ]

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import adaptmem  # noqa: E402
-from adaptmem import ALLOWED_MODES, Mode  # noqa: E402
-from adaptmem.testing import SimulatedDevice  # noqa: E402
-from adaptmem.units import format_bytes  # noqa: E402
+import adaptmem
+from adaptmem import ALLOWED_MODES, Mode
+from adaptmem.testing import SimulatedDevice
+from adaptmem.config.units import format_bytes
 
 PRESETS = {
     # TinyLlama-1.1B's shape

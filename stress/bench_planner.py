@@ -18,12 +18,10 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adaptmem.modes import ALLOWED_MODES  # noqa: E402
-from adaptmem.planner import Option, plan, predicted_peak  # noqa: E402
+from adaptmem.modes import ALLOWED_MODES
+from adaptmem.control.planner import Option, plan, predicted_peak
 
 # (saved share of activations, need share, overhead share of a block's forward time), per mode
 SHAPES = [(1.0, 1.05, 0.0), (0.45, 1.1, 0.25), (0.03, 1.1, 1.0), (0.01, 0.8, 0.6), (0.27, 1.3, 0.3),

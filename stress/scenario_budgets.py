@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import adaptmem  # noqa: E402
-from adaptmem import Mode  # noqa: E402
-from adaptmem.testing import SimulatedDevice, measure_peak  # noqa: E402
-from adaptmem.tiny import TinyConfig, TinyTransformer, random_batch  # noqa: E402
+import adaptmem
+from adaptmem import Mode
+from adaptmem.testing import SimulatedDevice, measure_peak
+from adaptmem.demo.tiny import TinyConfig, TinyTransformer, random_batch
 
 
 def tiny_model():

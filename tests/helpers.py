@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from adaptmem.tiny import TinyConfig, TinyTransformer, random_batch
+from adaptmem.demo.tiny import TinyConfig, TinyTransformer, random_batch
 
 
 def tiny(**overrides) -> TinyTransformer:

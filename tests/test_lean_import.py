@@ -4,7 +4,7 @@ import sys
 CODE = """
 import sys
 import torch
-import adaptmem, adaptmem.testing, adaptmem.tiny, adaptmem.demo
+import adaptmem, adaptmem.testing, adaptmem.demo.tiny, adaptmem.demo.__main__
 heavy = [m for m in ("lightning", "pytorch_lightning", "transformers", "accelerate") if m in sys.modules]
 assert not heavy, heavy
 assert not torch.cuda.is_initialized()

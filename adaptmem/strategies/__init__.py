@@ -1,45 +1,33 @@
-"""One strategy per `Mode`, looked up in a table (no if/elif ladder).
+"""Ways of treating a block's saved activations: one strategy per `Mode`, in a table.
 
-A strategy runs one block call in training: ``strategy(call) -> output``.
+A strategy runs one block call in training, ``STRATEGIES[mode](call) -> output``
+(no if/elif ladder). Modules:
+
+  call.py       BlockCall: what a strategy is given and reports through
+  payloads.py   Payload: a saved tensor in another form that restores itself
+  packing.py    Packer: the one pack hook of OFFLOAD / COMPRESS (and combinations)
+  recompute.py  CHECKPOINT, SELECTIVE, CHECKPOINT|OFFLOAD
+  offload.py    host tier; CUDA tier (side streams, events, prefetch)
+  pinned.py     the reusable pinned-buffer pool of the CUDA tier
+  compress.py   int8 / fp8 / bf16 codecs, boolean bit-packing
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from adaptmem.modes import Mode
+from adaptmem.strategies.call import BlockCall
 from adaptmem.strategies.compress import CompressOptions
-from adaptmem.strategies.offload import OffloadOptions
-from adaptmem.strategies.recompute import (
-    run_checkpoint,
-    run_checkpoint_offloaded_input,
-    run_selective,
-)
-from adaptmem.strategies.saved import Packer, restore
+from adaptmem.strategies.offload import OffloadOptions, OffloadRuntime
+from adaptmem.strategies.packing import Packer
+from adaptmem.strategies.payloads import restore
+from adaptmem.strategies.recompute import run_checkpoint, run_checkpoint_offloaded_input, run_selective
 
-if TYPE_CHECKING:
-    from adaptmem.wrap import BlockHandle, BlockRuntime
-
-__all__ = ["BlockCall", "STRATEGIES", "CompressOptions", "OffloadOptions"]
-
-
-@dataclass
-class BlockCall:
-    """One forward call of a managed block, as a strategy sees it."""
-
-    handle: "BlockHandle"
-    forward: Callable[..., Any]  # the block's own forward, never the adaptmem wrapper
-    args: tuple
-    kwargs: dict
-    runtime: "BlockRuntime"
-    mode: Mode
-    #: what the strategy did, for the cost model: bytes handed to the pack hook
-    #: ("packed"), kept on the device ("kept"), sent to the host ("host").
-    stats: dict = field(default_factory=dict)
+__all__ = ["STRATEGIES", "BlockCall", "CompressOptions", "OffloadOptions", "OffloadRuntime"]
 
 
 def run_plain(call: BlockCall) -> Any:
@@ -47,12 +35,11 @@ def run_plain(call: BlockCall) -> Any:
 
 
 def _run_packed(call: BlockCall, *, compress: bool, offload: bool) -> Any:
-    handle = call.handle
     packer = Packer(
-        handle.module,
-        compress=handle.compress_options if compress else None,
-        offload=handle.offload_options if offload else None,
-        runtime=call.runtime.offload,
+        call.module,
+        compress=call.compress if compress else None,
+        offload=call.offload if offload else None,
+        runtime=call.offload_runtime,
         stats=call.stats,
     )
     with torch.autograd.graph.saved_tensors_hooks(packer, restore):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from adaptmem.strategies.saved import Payload, nbytes_of, restore
+from adaptmem.strategies.payloads import Payload, nbytes_of, restore
 
 CODECS = ("int8", "fp8", "bf16")
 _FP8_MAX = 448.0

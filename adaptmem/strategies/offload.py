@@ -16,20 +16,20 @@ Lifetimes across streams, the part that is easy to get wrong:
     reused only after the last copy touching it has completed (its event).
 
 On the CPU (and under `adaptmem.testing.SimulatedDevice`) the host tier is a
-plain copy made inside `adaptmem.tiers.host_allocations()`.
+plain copy made inside `adaptmem.devices.tiers.host_allocations()`.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from adaptmem.strategies.saved import Payload, nbytes_of
-from adaptmem.tiers import host_allocations
+from adaptmem.devices.tiers import host_allocations
+from adaptmem.strategies.payloads import Payload, nbytes_of
+from adaptmem.strategies.pinned import PinnedBlock, PinnedPool, host_view
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class HostCopy(Payload):
     __slots__ = ("host", "tier", "group", "block", "ready", "fetched", "__weakref__")
 
     def __init__(self, host: torch.Tensor, tier: Any, group: "PackGroup | None" = None,
-                 block: "_PinnedBlock | None" = None, ready: Any = None) -> None:
+                 block: "PinnedBlock | None" = None, ready: Any = None) -> None:
         self.host = host
         self.tier = tier
         self.group = group
@@ -87,85 +87,6 @@ class HostTier:
             return copy.host.clone()
 
 
-class _PinnedBlock:
-    __slots__ = ("buffer", "busy_until")
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self.buffer = buffer
-        self.busy_until: Any = None  # CUDA event of the last copy touching the buffer
-
-    def idle(self) -> bool:
-        return self.busy_until is None or self.busy_until.query()
-
-
-class PinnedPool:
-    """Reusable pinned host buffers, bucketed by size class.
-
-    max_cached_bytes: idle buffers kept for reuse; past it they are freed.
-    """
-
-    def __init__(self, max_cached_bytes: int = 8 * 2**30) -> None:
-        self.max_cached_bytes = max_cached_bytes
-        self._idle: dict[int, list[_PinnedBlock]] = {}
-        self._idle_bytes = 0
-        self._lock = threading.Lock()
-        self.in_use_bytes = 0
-        self.allocations = 0
-        self.reuses = 0
-
-    @property
-    def cached_bytes(self) -> int:
-        return self._idle_bytes
-
-    def acquire(self, nbytes: int) -> _PinnedBlock:
-        size = size_class(nbytes)
-        with self._lock:
-            bucket = self._idle.get(size, [])
-            for i, block in enumerate(bucket):
-                if block.idle():
-                    bucket.pop(i)
-                    self._idle_bytes -= size
-                    self.in_use_bytes += size
-                    self.reuses += 1
-                    return block
-            self.in_use_bytes += size
-            self.allocations += 1
-        return _PinnedBlock(torch.empty(size, dtype=torch.uint8, pin_memory=True))
-
-    def release(self, block: _PinnedBlock) -> None:
-        size = block.buffer.numel()
-        with self._lock:
-            self.in_use_bytes -= size
-            if self._idle_bytes + size <= self.max_cached_bytes:
-                self._idle.setdefault(size, []).append(block)
-                self._idle_bytes += size
-
-    def clear(self) -> None:
-        with self._lock:
-            self._idle.clear()
-            self._idle_bytes = 0
-
-
-def size_class(nbytes: int) -> int:
-    """Round up so that varying shapes still reuse buffers: powers of two up to
-    1 MiB, then quarters of the power of two below (at most 25% slack)."""
-    nbytes = max(int(nbytes), 512)
-    if nbytes <= 2**20:
-        return 1 << (nbytes - 1).bit_length()
-    step = (1 << (nbytes.bit_length() - 1)) // 4
-    return -(-nbytes // step) * step
-
-
-def _host_view(block: _PinnedBlock, t: torch.Tensor) -> torch.Tensor:
-    """A view of the pinned buffer shaped like `t`: same strides when `t` is
-    dense (so backward sees the layout it saved), contiguous otherwise."""
-    flat = block.buffer[: nbytes_of(t)].view(t.dtype)
-    if t.is_contiguous():
-        return flat.view(t.shape)
-    probe = torch.empty_like(t, device="meta")  # preserve_format: t's strides when dense
-    return flat.as_strided(t.shape, probe.stride())
-
-
 class CudaTier:
     """Pinned pool + one D2H and one H2D side stream for one CUDA device."""
 
@@ -178,7 +99,7 @@ class CudaTier:
     def pack(self, t: torch.Tensor, group: "PackGroup | None") -> HostCopy:
         t = t.detach()
         block = self.pool.acquire(nbytes_of(t))  # idle: no copy still touches it
-        host = _host_view(block, t)
+        host = host_view(block, t)
         main = torch.cuda.current_stream(self.device)
         self.d2h.wait_stream(main)  # t is fully written before we read it
         with torch.cuda.stream(self.d2h):

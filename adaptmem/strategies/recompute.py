@@ -14,7 +14,7 @@ the checkpoint (inside the checkpoint, checkpoint's own hooks are innermost).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import (
@@ -24,10 +24,9 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from adaptmem.strategies.saved import Packer, restore
-
-if TYPE_CHECKING:
-    from adaptmem.strategies import BlockCall
+from adaptmem.strategies.call import BlockCall
+from adaptmem.strategies.packing import Packer
+from adaptmem.strategies.payloads import restore
 
 _aten = torch.ops.aten
 _SAVE_NAMES = (
@@ -90,42 +89,40 @@ def draws_randomness(op: Any, args: tuple, kwargs: dict) -> bool:
 _selective_contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
 
 
-def run_checkpoint(call: "BlockCall") -> Any:
+def run_checkpoint(call: BlockCall) -> Any:
     return _checkpointed(call, noop_context_fn)
 
 
-def run_selective(call: "BlockCall") -> Any:
+def run_selective(call: BlockCall) -> Any:
     return _checkpointed(call, _selective_contexts)
 
 
-def run_checkpoint_offloaded_input(call: "BlockCall") -> Any:
+def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
     """DeepSpeed's cpu_checkpointing: checkpoint, and keep the block input on the host."""
-    handle = call.handle
-    packer = Packer(handle.module, offload=handle.offload_options, runtime=call.runtime.offload,
+    packer = Packer(call.module, offload=call.offload, runtime=call.offload_runtime,
                     grad_only=True, stats=call.stats)
     with torch.autograd.graph.saved_tensors_hooks(packer, restore):
         return _checkpointed(call, noop_context_fn)
 
 
-def _checkpointed(call: "BlockCall", context_fn: Any) -> Any:
+def _checkpointed(call: BlockCall, context_fn: Any) -> Any:
     kwargs = without_cache(call, call.kwargs)
     tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     static = {k: v for k, v in kwargs.items() if k not in tensor_keys}
     n_args = len(call.args)
     forward = call.forward
-    observer = call.runtime.observer
-    handle = call.handle  # not `call`: checkpoint keeps `run` alive, and call.args would pin the inputs
+    notify = call.on_recompute  # not `call`: checkpoint keeps `run` alive, and call.args would pin the inputs
     runs = [0]
 
     def run(*flat: Any) -> Any:
         runs[0] += 1
-        if runs[0] == 1 or observer is None:
+        if runs[0] == 1 or notify is None:
             return forward(*flat[:n_args], **static, **dict(zip(tensor_keys, flat[n_args:])))
-        observer.recompute(handle, True)  # a rerun is the recompute, inside backward
+        notify(True)  # a rerun is the recompute, inside backward
         try:
             return forward(*flat[:n_args], **static, **dict(zip(tensor_keys, flat[n_args:])))
         finally:
-            observer.recompute(handle, False)
+            notify(False)
 
     return checkpoint(
         run,
@@ -140,14 +137,14 @@ def _checkpointed(call: "BlockCall", context_fn: Any) -> Any:
 _CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past")
 
 
-def without_cache(call: "BlockCall", kwargs: dict) -> dict:
+def without_cache(call: BlockCall, kwargs: dict) -> dict:
     """Drop a KV cache handed to a recomputed block, as Hugging Face's own checkpointing does.
 
     A cache that the block writes to would be written twice (once more by the
     recompute), giving the recomputed attention other shapes than forward had.
     Layers that declare `_can_checkpoint_with_cache` only read it and keep it.
     """
-    module = call.handle.module
+    module = call.module
     if getattr(module, "_can_checkpoint_with_cache", False):
         return kwargs
     dropped = [k for k in _CACHE_KEYS if kwargs.get(k) is not None]
@@ -160,7 +157,7 @@ def without_cache(call: "BlockCall", kwargs: dict) -> dict:
     if uses_cache:
         kwargs["use_cache"] = False
     cls = type(module).__name__
-    call.runtime.warn_once(
+    call.warn_once(
         f"cache:{cls}",
         f"adaptmem: {cls} recomputes in backward, so its KV cache is not written in training "
         "(set use_cache=False to silence this)",

@@ -1,0 +1,267 @@
+"""The cost model: what each mode of each block costs, learned from the run itself.
+
+For a batch of B sequences of S tokens, and per block and mode, it predicts
+
+  held    bytes the block adds from its start to the next block's start
+  fx      transient above its start during its forward
+  wx      transient above the start of its backward (a recomputed block
+          rematerializes its activations here)
+  seconds time the mode adds to a step
+
+plus per block `grad` (what else is alive when its backward starts: gradients
+so far, leftovers) and, per step, `head` (the model after the blocks: head and
+loss) and `tail` (the backward after the blocks).
+
+Where a mode has run on a block (or on a block of the same class), its own
+measurements are used. Elsewhere figures are derived (`adaptmem.control.priors`)
+from latent quantities every mode reveals some of: input bytes, output growth,
+recomputable activations (a checkpoint's recompute, an offload's packed bytes,
+or NONE's held bytes), backward temporaries, the forward transient, and
+timings.
+
+Every quantity is a `Fit` (`adaptmem.control.fits`) against the shape: a linear
+term in tokens T = B*S and a quadratic one T*S (attention scores), so a length
+never seen is predicted before it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from adaptmem.config.policy import Policy
+from adaptmem.control.fits import Fit
+from adaptmem.control.planner import Option
+from adaptmem.control.priors import (
+    CUDA_PRIORS,
+    DERIVATIONS,
+    HOST_PRIORS,
+    LATENT_NAMES,
+    Assumptions,
+    Figures,
+    Latents,
+    Priors,
+)
+from adaptmem.control.recorder import BlockSample, StepSample
+from adaptmem.modes import LADDER, Mode
+
+_REC = Mode.CHECKPOINT | Mode.OFFLOAD
+_CO = Mode.COMPRESS | Mode.OFFLOAD
+_QUANTITIES = ("held", "fx", "wx", "seconds")
+_TIE_BREAK = 1e-6  # seconds per ladder rung: far below any measured cost
+
+
+class CostModel:
+    """Per-block, per-mode costs for one instrumented model, learned step by step.
+
+    `priors` default to `CUDA_PRIORS` on CUDA and `HOST_PRIORS` elsewhere.
+    """
+
+    def __init__(self, classes: list[str], policy: Policy, *, cuda: bool, priors: Priors | None = None) -> None:
+        self.classes = classes
+        self.policy = policy
+        self.cuda = cuda
+        self.priors = priors if priors is not None else (CUDA_PRIORS if cuda else HOST_PRIORS)
+        n = len(classes)
+        self.direct: list[dict[Mode, dict[str, Fit]]] = [{} for _ in range(n)]
+        self.latent: list[dict[str, Fit]] = [{k: Fit() for k in LATENT_NAMES} for _ in range(n)]
+        self.grad: list[Fit] = [Fit("base") for _ in range(n)]
+        self.head = Fit("base")
+        self.tail = Fit("base")
+        self.elem_size = 4
+        self.steps_learned = 0
+
+    @property
+    def known(self) -> bool:
+        return self.steps_learned > 0
+
+    # ---------------------------------------------------------------- learn
+    def learn(self, sample: StepSample) -> None:
+        if not sample.blocks or sample.batch * sample.seq == 0:
+            return
+        b, s = sample.batch, sample.seq
+        start0 = sample.blocks[0].start
+        self.elem_size = sample.blocks[0].elem_size or self.elem_size
+        prefix = 0
+        for blk in sample.blocks:
+            if blk.index >= len(self.direct) or blk.held is None:
+                continue
+            prefix += blk.held
+            self._learn_block(blk, b, s)
+            if blk.bwd_start is not None:
+                self.grad[blk.index].add(b, s, blk.bwd_start - (start0 + prefix))
+        if sample.head_top:
+            self.head.add(b, s, sample.head_top - (start0 + prefix))
+        if sample.completed:
+            self.tail.add(b, s, max(sample.tail_top, sample.start) - sample.start)
+        self.steps_learned += 1
+
+    def _learn_block(self, blk: BlockSample, b: int, s: int) -> None:
+        mode, lat = blk.mode, self.latent[blk.index]
+        x = blk.input_bytes
+        lat["input_bytes"].add(b, s, x)
+        lat["output_growth"].add(b, s, max(0, blk.output_bytes - x))
+        fits = self.direct[blk.index].setdefault(mode, {q: Fit() for q in _QUANTITIES})
+        fits["held"].add(b, s, max(0, blk.held))
+        fits["fx"].add(b, s, blk.fwd_peak)
+        complete = blk.bwd_peak is not None and blk.bwd_seconds is not None
+        if complete:
+            fits["wx"].add(b, s, blk.bwd_peak)
+        activations = _revealed_activations(blk)
+        if activations is not None:
+            lat["activations"].add(b, s, max(0, activations))
+        if mode in (Mode.CHECKPOINT, _REC, Mode.OFFLOAD, _CO):
+            lat["forward_transient"].add(b, s, blk.fwd_peak)
+        if complete and mode is Mode.NONE:
+            lat["backward_temp"].add(b, s, blk.bwd_peak)
+        elif complete and mode is Mode.CHECKPOINT and blk.recompute_bytes is not None:
+            lat["backward_temp"].add(b, s, max(0, blk.bwd_peak - blk.recompute_bytes))
+        if not mode & (Mode.OFFLOAD | Mode.COMPRESS):
+            lat["forward_s"].add(b, s, blk.fwd_seconds)
+        if complete:
+            total = blk.fwd_seconds + blk.bwd_seconds
+            if mode is Mode.NONE:
+                lat["none_s"].add(b, s, total)
+            elif mode is Mode.CHECKPOINT:
+                lat["recompute_s"].add(b, s, blk.recompute_seconds)
+                lat["none_s"].add(b, s, max(0.0, total - blk.recompute_seconds))
+            fits["seconds"].add(b, s, total)
+
+    # -------------------------------------------------------------- predict
+    def figures(self, index: int, mode: Mode, batch: int, seq: int) -> Figures:
+        """Predicted figures of `mode` on block `index` for a batch of `batch` x `seq`.
+
+        A mode measured on this block (or a sibling) anchors the level. Its own fit
+        is used within the range of lengths it was measured at; beyond that, or
+        from a single length, the measurement is carried to the new shape by how
+        the derived figures scale, since the latents learn the shape from every mode.
+        """
+        derived = self._derive(mode, self._latents(index, batch, seq))
+        fits = self.direct[index].get(mode) or self._sibling(index, mode)
+        if fits is None or not fits["held"]:
+            return derived
+        seqs = {s for _, s in fits["held"].points}
+        if (batch, seq) in fits["held"].points or (len(seqs) >= 2 and min(seqs) <= seq <= max(seqs)):
+            q = self.policy.quadratic_prior
+            held, fx = fits["held"].predict(batch, seq, q), fits["fx"].predict(batch, seq, q)
+            wx = fits["wx"].predict(batch, seq, q) if fits["wx"] else derived.wx
+        else:
+            tokens = batch * seq
+            b0, s0 = min(fits["held"].points, key=lambda k: abs(k[0] * k[1] - tokens))
+            there = self._derive(mode, self._latents(index, b0, s0))
+            linear = tokens / max(1, b0 * s0)
+
+            def carry(fit: Fit, here: float, at: float) -> float:
+                return fit.points[(b0, s0)] * (here / at if at > 0 else linear)
+
+            held = carry(fits["held"], derived.held, there.held)
+            fx = carry(fits["fx"], derived.fx, there.fx)
+            wx = carry(fits["wx"], derived.wx, there.wx) if (b0, s0) in fits["wx"].points else derived.wx
+        return Figures(held, fx, wx, self._seconds(index, mode, batch, seq, derived), derived.host)
+
+    def _latents(self, index: int, batch: int, seq: int) -> Latents:
+        q = self.policy.quadratic_prior
+        return Latents(**{k: f.predict(batch, seq, q) for k, f in self.latent[index].items()})
+
+    def _seconds(self, index: int, mode: Mode, batch: int, seq: int, derived: Figures) -> float:
+        """Measured time of the mode less measured time of NONE (NONE's own when it ran)."""
+        if mode is Mode.NONE:
+            return 0.0
+        fits = self.direct[index].get(mode) or self._sibling(index, mode)
+        none = self.direct[index].get(Mode.NONE) or self._sibling(index, Mode.NONE)
+        baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]
+        if fits is None or not fits["seconds"] or not baseline:
+            return derived.seconds
+        lat = self._latents(index, batch, seq)
+        overhead = fits["seconds"].predict(batch, seq) - baseline.predict(batch, seq)
+        return max(0.0, overhead) + self._penalty(mode, lat)
+
+    def _sibling(self, index: int, mode: Mode) -> dict[str, Fit] | None:
+        cls = self.classes[index]
+        for j, fits in enumerate(self.direct):
+            if j != index and self.classes[j] == cls and mode in fits and fits[mode]["held"]:
+                return fits[mode]
+        return None
+
+    def _derive(self, mode: Mode, lat: Latents) -> Figures:
+        """A mode's figures from the latents (`DERIVATIONS`), plus a lossy mode's penalty."""
+        assumptions = Assumptions(self.priors, self.policy.prior_margin, self._kappa())
+        figures = DERIVATIONS[mode](lat, assumptions)
+        return replace(figures, seconds=figures.seconds + self._penalty(mode, lat))
+
+    def _kappa(self) -> float:
+        """Compressed bytes per original byte under the policy's codec."""
+        elem = max(1, self.elem_size)
+        if self.policy.compress_codec == "bf16":
+            return min(1.0, 2 / elem)
+        return min(1.0, (1 + 4 / self.policy.compress_group_size) / elem)
+
+    def _penalty(self, mode: Mode, lat: Latents) -> float:
+        """Planner cost of a lossy mode: a share of the block's forward time (policy.compress_penalty)."""
+        return self.policy.compress_penalty * lat.forward_s if Mode.COMPRESS in mode else 0.0
+
+    def options(self, batch: int, seq: int, allowed: tuple[Mode, ...], fixed: dict[int, Mode] | None = None) -> list[list[Option]]:
+        """Planner input: each block's options, with its `grad` term folded into `need`."""
+        fixed = fixed or {}
+        out = []
+        for i in range(len(self.classes)):
+            grad = self.grad[i].predict(batch, seq)
+            modes = (fixed[i],) if i in fixed else allowed
+            row = []
+            for mode in modes:
+                f = self.figures(i, mode, batch, seq)
+                # ties (a mode whose measured cost is within noise of zero) go to the simpler mode
+                seconds = f.seconds + _TIE_BREAK * LADDER.index(mode)
+                row.append(Option(mode, f.held, max(f.fx, f.held + grad + f.wx), seconds, f.host))
+            out.append(row)
+        return out
+
+    def head_bytes(self, batch: int, seq: int) -> float:
+        return self.head.predict(batch, seq)
+
+    def tail_bytes(self, batch: int, seq: int) -> float:
+        return self.tail.predict(batch, seq)
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {
+            "classes": self.classes,
+            "direct": [{m.label: {q: f.state_dict() for q, f in fits.items()} for m, fits in d.items()}
+                       for d in self.direct],
+            "latent": [{k: f.state_dict() for k, f in lat.items()} for lat in self.latent],
+            "grad": [f.state_dict() for f in self.grad],
+            "head": self.head.state_dict(),
+            "tail": self.tail.state_dict(),
+            "elem_size": self.elem_size,
+            "steps_learned": self.steps_learned,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state["classes"]) != list(self.classes):
+            raise ValueError(
+                f"cost model state is for {len(state['classes'])} blocks "
+                f"({', '.join(sorted(set(state['classes'])))}), this model has {len(self.classes)} "
+                f"({', '.join(sorted(set(self.classes)))}); resume with the same model and block selection"
+            )
+        self.direct = [{Mode.parse(m): {q: Fit.from_state(f) for q, f in fits.items()} for m, fits in d.items()}
+                       for d in state["direct"]]
+        self.latent = [{k: Fit.from_state(lat[k]) if k in lat else Fit() for k in LATENT_NAMES}
+                       for lat in state["latent"]]
+        self.grad = [Fit.from_state(f) for f in state["grad"]]
+        self.head = Fit.from_state(state["head"])
+        self.tail = Fit.from_state(state["tail"])
+        self.elem_size = int(state["elem_size"])
+        self.steps_learned = int(state["steps_learned"])
+
+
+def _revealed_activations(blk: BlockSample) -> float | None:
+    """The block's recomputable activations, as far as its mode shows them: a checkpoint's
+    recompute, NONE's held bytes less input and output, or the bytes a pack hook saw."""
+    mode = blk.mode
+    if mode in (Mode.CHECKPOINT, _REC) and blk.recompute_bytes is not None:
+        return blk.recompute_bytes
+    if mode is Mode.NONE:
+        return blk.held - blk.input_bytes - max(0, blk.output_bytes - blk.input_bytes)
+    if mode & (Mode.OFFLOAD | Mode.COMPRESS) and blk.packed:
+        return blk.packed - blk.input_bytes
+    return None

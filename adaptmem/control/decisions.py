@@ -1,0 +1,109 @@
+"""When to tighten or loosen: watermarks with hysteresis, as a small pure state machine.
+
+The planner aims the predicted peak at `headroom x budget`. After each step the
+observed peak is compared with the budget:
+
+  above the high watermark   escalate at once: headroom shrinks (at least by
+                             `escalate_factor`, more if the overshoot was larger)
+  under the low watermark    count a calm step; after `calm_steps` of them,
+                             relax: headroom grows by `relax_factor`
+  in between                 hold, and the calm count starts over
+
+A relaxation that has to be undone (an escalation within the calm window that
+follows it) caps later relaxations below the headroom that went too far and
+doubles the calm steps needed, so the controller cannot flip-flop between two
+plans in steady state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adaptmem.config.policy import Policy
+
+HOLD, ESCALATE, RELAX = "hold", "escalate", "relax"
+
+
+@dataclass
+class Decider:
+    policy: Policy
+    headroom: float = field(init=False)
+    calm: int = field(default=0, init=False)
+    calm_needed: int = field(init=False)
+    ceiling: float = field(init=False)
+    steps_since_relax: int | None = field(default=None, init=False)
+    relaxed_from: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.headroom = self.policy.headroom
+        self.calm_needed = self.policy.calm_steps
+        self.ceiling = self.policy.max_headroom
+
+    def update(self, observed: float, budget: float) -> str:
+        """One step's verdict from its observed peak (bytes) against the budget (bytes)."""
+        p = self.policy
+        ratio = observed / budget if budget > 0 else float("inf")
+        if self.steps_since_relax is not None:
+            self.steps_since_relax += 1
+        if ratio > p.high_watermark:
+            self.calm = 0
+            if self.steps_since_relax is not None and self.steps_since_relax <= self.calm_needed:
+                # the last relaxation went too far: never go that high again, and wait longer
+                self.ceiling = min(self.ceiling, self.relaxed_from or self.headroom)
+                self.calm_needed *= 2
+            self.steps_since_relax = None
+            shrink = min(p.escalate_factor, p.high_watermark / ratio)
+            new = max(p.min_headroom, self.headroom * shrink)
+            if new >= self.headroom:
+                return HOLD
+            self.headroom = new
+            return ESCALATE
+        if ratio < p.low_watermark:
+            self.calm += 1
+            if self.calm >= self.calm_needed:
+                new = min(p.max_headroom, self.ceiling, self.headroom * p.relax_factor)
+                self.calm = 0
+                if new > self.headroom:
+                    self.relaxed_from = self.headroom
+                    self.headroom = new
+                    self.steps_since_relax = 0
+                    return RELAX
+            return HOLD
+        self.calm = 0
+        return HOLD
+
+    def escalate(self) -> str:
+        """Escalate for a reason other than the peak (the allocator retrying, say)."""
+        self.calm = 0
+        self.steps_since_relax = None
+        new = max(self.policy.min_headroom, self.headroom * self.policy.escalate_factor)
+        if new >= self.headroom:
+            return HOLD
+        self.headroom = new
+        return ESCALATE
+
+    def after_oom(self) -> None:
+        """An out-of-memory error: aim lower at once."""
+        self.calm = 0
+        self.steps_since_relax = None
+        self.headroom = max(self.policy.min_headroom, self.headroom * self.policy.oom_backoff)
+
+    def state_dict(self) -> dict:
+        """Everything the decider decides with, so a resumed one decides as this one would."""
+        return {
+            "headroom": self.headroom,
+            "calm": self.calm,
+            "calm_needed": self.calm_needed,
+            "ceiling": self.ceiling,
+            "steps_since_relax": self.steps_since_relax,
+            "relaxed_from": self.relaxed_from,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.headroom = float(state["headroom"])
+        self.calm = int(state["calm"])
+        self.calm_needed = int(state["calm_needed"])
+        self.ceiling = float(state["ceiling"])
+        since, relaxed = state.get("steps_since_relax"), state.get("relaxed_from")
+        self.steps_since_relax = None if since is None else int(since)
+        self.relaxed_from = None if relaxed is None else float(relaxed)

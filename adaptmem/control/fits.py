@@ -1,0 +1,107 @@
+"""One learned quantity as a function of the batch shape (batch B, sequence S).
+
+`kind="act"` (activations): proportional to tokens T = B*S, plus a T*S term
+(attention scores) once two sequence lengths are seen; before that, a
+`quadratic` share is assumed when extrapolating to a longer sequence.
+`kind="base"` (gradients, the head): an intercept plus a token term; with one
+shape seen it is held constant when shapes shrink and scaled with tokens when
+they grow.
+
+The fits are least squares by `torch.linalg.lstsq` on a handful of points;
+coefficients are kept non-negative (bytes and seconds do not shrink as a
+batch grows) by refitting on one column when the joint fit gives one negative.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+#: Shapes remembered per quantity; past it the least recently observed is dropped.
+MAX_SHAPES = 32
+
+
+class Fit:
+    """One quantity as a function of (batch, seq), from the observations so far."""
+
+    def __init__(self, kind: str = "act") -> None:
+        if kind not in ("act", "base"):
+            raise ValueError(f"Fit kind must be 'act' or 'base', got {kind!r}")
+        self.kind = kind
+        self.points: OrderedDict[tuple[int, int], float] = OrderedDict()
+
+    def add(self, batch: int, seq: int, value: float) -> None:
+        """Observe `value` at this shape (averaged with an earlier observation of it).
+
+        The shape becomes the most recently used; past `MAX_SHAPES` the least
+        recently used one is forgotten, so a shape that keeps coming back stays.
+        """
+        key = (int(batch), int(seq))
+        old = self.points.pop(key, None)
+        self.points[key] = float(value) if old is None else 0.5 * old + 0.5 * float(value)
+        while len(self.points) > MAX_SHAPES:
+            self.points.popitem(last=False)
+
+    def __bool__(self) -> bool:
+        return bool(self.points)
+
+    def predict(self, batch: int, seq: int, quadratic: float = 0.0) -> float:
+        if not self.points:
+            return 0.0
+        tokens = batch * seq
+        if self.kind == "base":
+            return self._base(tokens)
+        # the nearest shape seen, scaled: tokens linearly, and an assumed quadratic share upwards
+        (b0, s0), y0 = min(self.points.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - tokens))
+        scale = tokens / max(1, b0 * s0)
+        guess = y0 * scale * ((1 - quadratic) + quadratic * seq / s0 if seq > s0 else 1.0)
+        if len({s for _, s in self.points}) < 2:
+            return guess
+        lin, quad = self._activation_terms()
+        return max(lin * tokens + quad * tokens * seq, y0 * scale)
+
+    def _activation_terms(self) -> tuple[float, float]:
+        """(bytes per token, bytes per token x token of sequence), both >= 0."""
+        shapes = list(self.points)
+        columns = torch.tensor([[b * s, b * s * s] for b, s in shapes], dtype=torch.float64)
+        y = torch.tensor(list(self.points.values()), dtype=torch.float64)
+        lin, quad = _lstsq(columns, y)
+        if lin >= 0 and quad >= 0:
+            return lin, quad
+        if quad > 0 > lin:
+            return 0.0, max(0.0, _lstsq(columns[:, 1:], y)[0])
+        return max(0.0, _lstsq(columns[:, :1], y)[0]), 0.0
+
+    def _base(self, tokens: int) -> float:
+        pts = [(b * s, y) for (b, s), y in self.points.items()]
+        if len({t for t, _ in pts}) < 2:
+            t0, y0 = max(pts)
+            return y0 * max(1.0, tokens / t0) if y0 > 0 else y0
+        t = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+        y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+        center = t.mean()
+        intercept, slope = _lstsq(torch.stack([torch.ones_like(t), t - center], dim=1), y)
+        if slope < 0:  # gradients and the head do not shrink with more tokens
+            return float(y.mean())
+        return intercept + slope * (tokens - float(center))
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "points": [[b, s, y] for (b, s), y in self.points.items()]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Fit":
+        fit = cls(state["kind"])
+        fit.points = OrderedDict(((int(b), int(s)), float(y)) for b, s, y in state["points"])
+        return fit
+
+
+def _lstsq(columns: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """Least-squares coefficients; columns are scaled to unit norm first (T and T*S
+    differ by orders of magnitude), and a rank-deficient system solves on its first column."""
+    norms = columns.norm(dim=0).clamp_min(1e-300)
+    solution = torch.linalg.lstsq(columns / norms, y.unsqueeze(1), driver="gelsd")
+    if columns.shape[1] > 1 and int(solution.rank) < columns.shape[1]:
+        first = _lstsq(columns[:, :1], y)
+        return first + [0.0] * (columns.shape[1] - 1)
+    return (solution.solution.squeeze(1) / norms).tolist()

@@ -1,0 +1,351 @@
+"""MemoryManager: plans per batch for the memory actually free, and survives OOMs.
+
+Per step: at the first managed block's forward, the live input's shape picks a
+plan (cached per shape bucket, made by the planner from the cost model); the
+blocks run; at the step's end the recorder's measurements teach the cost model
+and the watermark controller decides to hold, escalate or relax. A background
+thread watches for memory taken by others: the budget shrinks at once and the
+blocks not yet run in the current forward get a tighter plan. `run_step` runs a
+step and retries it under a tighter plan after an out-of-memory error, with the
+gradients restored exactly.
+
+Lifecycle, for frameworks that drive it from hooks: build it (or use `with`),
+bracket each forward+backward with `begin_step(label)` / `end_step(error)`
+(`step()` and `run_step()` do it for you), and `close()` it (twice is harmless).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaptmem.config.budget import Budget, resolve_budget
+from adaptmem.config.policy import Policy, load_policy
+from adaptmem.control.budgeting import BudgetKeeper
+from adaptmem.control.costs import CostModel
+from adaptmem.control.decisions import Decider
+from adaptmem.control.events import SCHEMA_VERSION, EventLog
+from adaptmem.control.plans import PlanBook
+from adaptmem.control.reactions import Reactions
+from adaptmem.control.recorder import StepRecorder
+from adaptmem.control.retry import StepGuard, StepOutOfMemoryError, oom_report
+from adaptmem.control.sampler import Sampler
+from adaptmem.devices.cuda import CudaProbe
+from adaptmem.devices.select import make_probe
+from adaptmem.modes import Mode
+from adaptmem.strategies import CompressOptions
+from adaptmem.wrapping import BlockHandle, BlockSelection, find_blocks, get_instrumentation, instrument, restore
+
+log = logging.getLogger("adaptmem")
+
+
+class MemoryManager(Reactions):
+    """Adaptive activation memory for one model; see `adaptmem.manage` for the arguments.
+
+    Everything that can fail (policy, budget, block selection, log path, probe,
+    the background thread) fails before the model is changed, or the change is
+    undone: a failed construction leaves the model exactly as it was.
+    """
+
+    def __init__(self, model: nn.Module, *, policy: str | Policy | None = None, budget: Budget = None,
+                 device: Any = None, blocks: BlockSelection = "auto", log: str | None = None) -> None:
+        self.policy = p = load_policy(policy)
+        self.probe = make_probe(device)
+        existing = get_instrumentation(model)
+        if existing is not None and existing.runtime.observer is not None:
+            raise RuntimeError("this model is already managed by another adaptmem.manage(); close that one first")
+        self.budgets = BudgetKeeper(resolve_budget(budget, p, self.probe), self.probe, p)
+        reuse = existing is not None and blocks == "auto"
+        if not reuse:
+            find_blocks(model, blocks)  # a bad selection is refused here, before anything changes
+        self.events = EventLog(log)
+        self.model = model
+        self._owns_instrumentation = existing is None
+        self.handles: list[BlockHandle] = (
+            list(existing.handles) if reuse else
+            instrument(model, blocks, compress=CompressOptions(codec=p.compress_codec, group_size=p.compress_group_size))
+        )
+        self._user_modes = None if existing is None else tuple(h.mode for h in self.handles)
+        try:
+            self._setup(model)
+        except BaseException:
+            self.events.close()
+            self._give_back()
+            raise
+
+    def _setup(self, model: nn.Module) -> None:
+        p = self.policy
+        self.recorder = StepRecorder(self.probe)
+        self.costs = CostModel([type(h.module).__name__ for h in self.handles], p,
+                               cuda=isinstance(self.probe, CudaProbe))
+        self.decider = Decider(p)
+        self._lock = threading.RLock()
+        self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe, start_plan=self._user_modes)
+        self._current: tuple[Mode, ...] = tuple(h.mode for h in self.handles)
+        self._in_step = False
+        self._closed = False
+        self._label: Any = None
+        self._step_key: tuple[int, int] | None = None
+        self._step_pred: float | None = None
+        self._unmarked_warned = False
+        self.steps = self.ooms = self.ooms_recovered = self.plan_changes = self.pressure_events = 0
+        self.peak_bytes = 0
+        self.errors: list[float] = []
+        self.decisions: Counter = Counter()
+        self._last_failure: dict = {}
+        self._mutable_buffers: set[int] | None = None  # buffers a step changes; None: not known yet
+        self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
+        self._runtime = get_instrumentation(model).runtime
+        self._sampler = Sampler(self._tick, self.events.flush, p.sample_interval_s)
+        self._sampler.start()
+        self._runtime.observer = self  # held weakly: dropping the manager does not keep it alive
+        self._finalizer = weakref.finalize(self, _shut_down, self._sampler, self.events, self.probe)
+        self.events.emit("start", step=0, schema=SCHEMA_VERSION, policy=p.name, device=self.probe.name,
+                         budget_bytes=self.budget, capacity_bytes=self.budgets.capacity,
+                         blocks=[h.name for h in self.handles],
+                         start_plan="user" if self._user_modes is not None else "calibrate")
+
+    # ------------------------------------------------------------ public
+    @property
+    def plan(self) -> dict[str, Mode]:
+        """The mode each block runs in now: {block name: Mode}."""
+        return {h.name: h.mode for h in self.handles}
+
+    @property
+    def budget(self) -> int:
+        """The budget in force now (bytes): the user's, or less while others take memory."""
+        return self.budgets.current
+
+    @property
+    def user_budget(self) -> int:
+        return self.budgets.user
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budgets.current
+
+    @property
+    def capacity(self) -> int | None:
+        return self.budgets.capacity
+
+    @property
+    def sampler(self) -> Sampler:
+        """The background thread (`sampler.wait_ticks(n)` waits for its reaction)."""
+        return self._sampler
+
+    @property
+    def last_step(self) -> dict | None:
+        """The record of the last completed step (its `observed_peak_bytes` is the step's peak)."""
+        return self.events.last("step")
+
+    def set_budget(self, budget: int | str) -> int:
+        """A new budget (bytes, "12GiB" or "80%" of capacity), in force from the next block
+        to run; returns it in bytes. Larger than the device is an error."""
+        value = resolve_budget(budget, self.policy, self.probe, use_env=False)
+        with self._lock:
+            before, after = self.budgets.set_user(value, self.budgets.available())
+            self.plans.cache.clear()
+            replanned = self._replan_running_forward()
+            self.events.emit("budget", step=self.steps + 1, budget_bytes_before=before, budget_bytes=after,
+                             user_budget_bytes=value, replanned_blocks=replanned)
+        return value
+
+    def begin_step(self, label: Any = None) -> None:
+        """Open one forward + backward; `label` (e.g. a framework's global step and micro-batch)
+        goes into the step's record."""
+        if self._closed:
+            raise RuntimeError("this MemoryManager is closed; create a new one to manage the model again")
+        if self._in_step:
+            raise RuntimeError("a step is already open: call end_step() before begin_step() (steps do not nest)")
+        with self._lock:
+            self._in_step = True
+            self._label = label
+            self._step_key = None
+            self._step_pred = None
+            self.recorder.begin()
+
+    def end_step(self, error: BaseException | None = None) -> dict | None:
+        """Close the step. `error`: None for a step that finished; a `torch.OutOfMemoryError`
+        is recorded (the next step plans tighter); any other error drops the step unlearned
+        of its verdict. Returns the step's record (an `oom` record after an OOM)."""
+        if not self._in_step:
+            raise RuntimeError("end_step() without an open step: call begin_step() first")
+        sample = self.recorder.end()
+        with self._lock:
+            self._in_step = False
+            if sample is not None and sample.blocks:
+                self.costs.learn(sample)
+            if isinstance(error, torch.OutOfMemoryError):
+                return self._record_oom(error, sample)
+            if error is None and sample is not None:
+                return self._after_step(sample)
+            return None
+
+    @contextlib.contextmanager
+    def step(self, label: Any = None) -> Iterator["MemoryManager"]:
+        """Mark one forward + backward. An OOM inside is recorded (the next step plans
+        tighter) and re-raised; use `run_step` to have it retried."""
+        self.begin_step(label)
+        try:
+            yield self
+        except BaseException as err:
+            self.end_step(error=err)
+            raise
+        else:
+            self.end_step()
+
+    def run_step(self, fn: Callable[..., Any], *args: Any, label: Any = None, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` (a forward and backward, no optimizer step) as one
+        step; after an out-of-memory error, free, tighten the plan and run it again."""
+        guard = StepGuard(self.model, self.policy.accumulation_snapshot, mutable=self._mutable_buffers)
+        attempts: list[dict] = []
+        try:
+            for attempt in range(self.policy.max_retries + 1):
+                self.plans.attempt = attempt
+                try:
+                    with self.step(label):
+                        result = fn(*args, **kwargs)
+                except torch.OutOfMemoryError:
+                    attempts.append(dict(self._last_failure))
+                else:
+                    self.ooms_recovered += len(attempts)
+                    self._mutable_buffers = (self._mutable_buffers or set()) | guard.changed_buffers()
+                    return result
+                guard.restore()
+                self._free_after_oom()
+            raise StepOutOfMemoryError(oom_report(attempts, self.policy.max_retries), attempts)
+        finally:
+            self.plans.attempt = 0
+            self.plans.succeeded()
+            guard.close()
+
+    def summary(self) -> dict[str, Any]:
+        errors = self.errors
+        return {
+            "steps": self.steps,
+            "peak_bytes": self.peak_bytes,
+            "budget_bytes": self.budget,
+            "user_budget_bytes": self.user_budget,
+            "ooms": self.ooms,
+            "ooms_recovered": self.ooms_recovered,
+            "plan_changes": self.plan_changes,
+            "prediction_error_mean": sum(abs(e) for e in errors) / len(errors) if errors else None,
+            "prediction_error_max": max((abs(e) for e in errors), default=None),
+            "prediction_error_last": errors[-1] if errors else None,
+            "decisions": dict(self.decisions),
+            "pressure_events": self.pressure_events,
+            "headroom": self.decider.headroom,
+            "plan_counts": dict(Counter(m.label for m in self._current)),
+            "policy": self.policy.name,
+            "device": self.probe.name,
+            "run": self.events.run_id,
+        }
+
+    def close(self) -> None:
+        """Stop the background thread, write the log, and give the model back as it was.
+        Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sampler.stop()
+        if self._in_step:
+            self.recorder.end()
+            self._in_step = False
+        self._runtime.observer = None
+        self.events.emit("end", step=self.steps, summary=self.summary())
+        self._finalizer()  # closes the log and the probe
+        self._give_back()
+
+    def __enter__(self) -> "MemoryManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _give_back(self) -> None:
+        if self._owns_instrumentation:
+            restore(self.model)
+        elif self._user_modes is not None:
+            for handle, mode in zip(self.handles, self._user_modes):
+                handle.mode = mode
+
+    # ------------------------------------------------------------- resume
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "version": SCHEMA_VERSION,
+                "run": self.events.run_id,
+                "blocks": [h.name for h in self.handles],
+                "costs": self.costs.state_dict(),
+                "decider": self.decider.state_dict(),
+                "plans": self.plans.state_dict(),
+                "current": [m.label for m in self._current],
+                "budget": self.budget,
+                "counters": {"steps": self.steps, "ooms": self.ooms, "ooms_recovered": self.ooms_recovered,
+                             "plan_changes": self.plan_changes, "peak_bytes": self.peak_bytes},
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a saved run: learned costs, decisions, cached plans, counters, and its
+        run id (so a log shared with the saved run continues it)."""
+        names = [h.name for h in self.handles]
+        if state.get("blocks") != names:
+            raise ValueError(
+                f"manager state is for blocks {state.get('blocks', [])[:3]}... ({len(state.get('blocks', []))}), "
+                f"this model has {names[:3]}... ({len(names)}); resume with the same model and block selection"
+            )
+        with self._lock:
+            self.costs.load_state_dict(state["costs"])
+            self.decider.load_state_dict(state["decider"])
+            self.plans.load_state_dict(state["plans"])
+            self.budgets.current = min(self.user_budget, int(state["budget"]))
+            counters = state["counters"]
+            self.steps, self.ooms = counters["steps"], counters["ooms"]
+            self.ooms_recovered, self.plan_changes = counters["ooms_recovered"], counters["plan_changes"]
+            self.peak_bytes = counters["peak_bytes"]
+            current = tuple(Mode.parse(m) for m in state["current"])
+            for handle, mode in zip(self.handles, current):
+                handle.mode = mode
+            self._current = current
+            started_as = self.events.run_id
+            self.events.run_id = state.get("run") or started_as
+        self.events.emit("resume", step=self.steps, started_as=started_as,
+                         plan={h.name: h.mode.label for h in self.handles})
+
+
+def _shut_down(sampler: Sampler, events: EventLog, probe: Any) -> None:
+    """Run by `close()`, or when a manager is dropped without it: stop the thread, close the
+    log and the probe. It holds none of the manager, so the manager can be collected."""
+    sampler.stop()
+    events.close()
+    closer = getattr(probe, "close", None)
+    if closer is not None:
+        closer()
+
+
+def manage(model: nn.Module, policy: str | Policy | None = None, budget: Budget = None,
+           device: Any = None, blocks: BlockSelection = "auto", log: str | None = None) -> MemoryManager:
+    """Manage `model`'s activation memory; use it as ``with adaptmem.manage(model) as mem:``
+    (the model is restored on exit) or keep it and `close()` it.
+
+    Args:
+        model: the model to train.
+        policy: a preset name ("balanced", the default; "max-savings", "long-context", "every-2",
+            "sqrt-n"), a path to a TOML policy, or a `Policy`. ADAPTMEM_POLICY overrides.
+        budget: ceiling for the device's peak allocated bytes in a step: bytes, "12GiB",
+            "80%" of capacity, or None for the policy's share of what others leave free.
+            ADAPTMEM_BUDGET overrides.
+        device: None (the current CUDA device, or the host), "cuda:N", or a SimulatedDevice.
+        blocks: which submodules are blocks (see `adaptmem.instrument`); with a model you
+            instrumented yourself, "auto" keeps your blocks and your modes as the starting plan.
+        log: path of a JSONL decision log (appended to), or None.
+    """
+    return MemoryManager(model, policy=policy, budget=budget, device=device, blocks=blocks, log=log)

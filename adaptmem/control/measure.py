@@ -1,0 +1,46 @@
+"""One-off measurements on the stand-in: the peak of a training step with every block in one mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from adaptmem.devices.simulated import SimulatedDevice
+from adaptmem.modes import Mode
+from adaptmem.wrapping import get_instrumentation, instrument, restore
+
+
+def measure_peak(model: torch.nn.Module, make_batch: Callable[[], dict], *, mode: Mode | str | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, steps: int = 1) -> int:
+    """Peak device bytes of a training step of `model`, weights counted, on a fresh stand-in.
+
+    `make_batch()` returns the keyword arguments of one forward, whose output
+    has a `.loss`. With `mode`, every block runs in it (a plain model is
+    instrumented for the measurement and restored after; an instrumented one
+    gets its own modes back). With `optimizer`, each step also steps it, so after
+    the first step its state is counted too. The peak of the last of `steps`
+    steps is returned; gradients are cleared after.
+    """
+    owned = mode is not None and get_instrumentation(model) is None
+    handles = instrument(model) if mode is not None else []
+    before = [h.mode for h in handles]
+    for handle in handles:
+        handle.mode = mode
+    dev = SimulatedDevice()
+    dev.track(model)
+    try:
+        with dev:
+            for _ in range(steps):
+                dev.reset_peak()
+                model(**make_batch()).loss.backward()
+                if optimizer is not None:
+                    optimizer.step()
+                model.zero_grad(set_to_none=True)
+    finally:
+        if owned:
+            restore(model)
+        else:
+            for handle, previous in zip(handles, before):
+                handle.mode = previous
+    return dev.peak_bytes

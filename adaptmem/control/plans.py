@@ -1,0 +1,182 @@
+"""Choosing a plan for a batch: the cache per shape bucket, and the plans of retries.
+
+`PlanBook` turns (batch, sequence, what is allocated now, budget) into one mode
+per block. A plan is made by the planner from the cost model, aimed at
+`headroom x budget`, and kept for its shape bucket (sequence lengths grouped
+geometrically, the plan made for the bucket's longest). Before anything is
+known, every block is checkpointed (the calibration step); static policies
+give their fixed plan; a model the user instrumented first starts from the
+user's modes instead. After an out-of-memory error, a retry's plan is no
+looser anywhere than the one that failed, and never one that already failed in
+this step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from adaptmem.control.costs import CostModel
+from adaptmem.control.decisions import Decider
+from adaptmem.modes import Mode, ladder, step_up
+from adaptmem.control.planner import plan as solve, predicted_peak
+from adaptmem.config.policy import Policy
+from adaptmem.config.units import format_bytes
+
+log = logging.getLogger("adaptmem")
+
+Key = tuple[int, int]  # (batch, bucketed sequence length)
+
+#: Plans kept, one per shape bucket; past it the least recently used is dropped.
+MAX_CACHED_PLANS = 64
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    modes: tuple[Mode, ...]
+    key: Key
+    start: int  # bytes allocated when the plan was made (it is redone if that grows)
+    predicted: float | None  # absolute predicted peak at the bucket's shape
+    reason: str
+    feasible: bool = True
+    shortfall: float = 0.0
+
+
+class PlanBook:
+    """Plans per shape bucket, for one model's blocks.
+
+    `start_plan`: the modes to run before anything is learned (default: every
+    block CHECKPOINT, the calibration plan).
+    """
+
+    def __init__(self, n_blocks: int, policy: Policy, costs: CostModel, decider: Decider, probe: Any,
+                 start_plan: tuple[Mode, ...] | None = None) -> None:
+        self.n = n_blocks
+        self.policy = policy
+        self.costs = costs
+        self.decider = decider
+        self.probe = probe
+        self.start_plan = start_plan
+        self.cache: OrderedDict[Key, PlanRecord] = OrderedDict()
+        self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory
+        self.tried: set[tuple[Mode, ...]] = set()  # plans that ran out of memory in this step
+        self.attempt = 0
+        self._warned: set[Key] = set()
+
+    def bucket(self, batch: int, seq: int) -> Key:
+        r = self.policy.bucket_ratio
+        top = math.ceil(r ** math.ceil(math.log(max(seq, 1), r) - 1e-9) - 1e-9)
+        return batch, max(seq, top)
+
+    def choose(self, batch: int, seq: int, start: int, budget: int) -> PlanRecord:
+        """The plan for a forward starting now: the bucket's, unless stale or retrying."""
+        key = self.bucket(batch, seq)
+        record = self.cache.get(key)
+        if record is None or start > record.start + 0.01 * budget or self.failed is not None:
+            record = self.make(key, start, budget, fixed={}, reason="new shape" if record is None else "replan")
+            self.cache[key] = record
+        self.cache.move_to_end(key)
+        while len(self.cache) > MAX_CACHED_PLANS:
+            self.cache.popitem(last=False)
+        return record
+
+    def make(self, key: Key, start: int, budget: int, *, fixed: dict[int, Mode], reason: str) -> PlanRecord:
+        p = self.policy
+        predicted, feasible, shortfall = None, True, 0.0
+        if p.static_plan != "none":
+            modes, reason = self._static(), "static"
+        elif not self.costs.known and self.start_plan is not None:
+            modes, reason = self.start_plan, "user"
+        elif not self.costs.known:
+            top = ladder(p.allowed)[-1]
+            modes = tuple(Mode.CHECKPOINT if Mode.CHECKPOINT in p.allowed else top for _ in range(self.n))
+            reason = "calibrate"
+        else:
+            modes, predicted, feasible, shortfall = self._solve(key, start, budget, fixed)
+        if self.failed is not None:
+            modes, reason = self._tighter_than_failed(modes, key), f"retry {self.attempt}"
+        for i, mode in fixed.items():
+            modes = modes[:i] + (mode,) + modes[i + 1:]
+        return PlanRecord(modes, key, start, predicted, reason, feasible, shortfall)
+
+    def predict(self, modes: tuple[Mode, ...], batch: int, seq: int, start: int) -> float | None:
+        """Predicted absolute peak of `modes` for this shape, or None before calibration."""
+        if not self.costs.known:
+            return None
+        rows = self.costs.options(batch, seq, self.policy.allowed, fixed=dict(enumerate(modes)))
+        chosen = [row[0] for row in rows]
+        return max(start + predicted_peak(chosen, self.costs.head_bytes(batch, seq)),
+                   start + self.costs.tail_bytes(batch, seq))
+
+    def failure(self, executed: tuple[Mode, ...]) -> None:
+        self.failed = executed
+        self.tried.add(executed)
+        self.cache.clear()
+
+    def succeeded(self) -> None:
+        self.failed = None
+        self.tried.clear()
+
+    # ------------------------------------------------------------------ inner
+    def _solve(self, key: Key, start: int, budget: int, fixed: dict[int, Mode]):
+        batch, seq = key
+        p = self.policy
+        target = self.decider.headroom * budget
+        head = self.costs.head_bytes(batch, seq)
+        options = self.costs.options(batch, seq, p.allowed, fixed)
+        host_limit = p.host_fraction * self.probe.host_available()
+        for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
+            result = solve(options, target - start, head, p.planner_bins)
+            chosen = [next(o for o in row if o.mode is m) for row, m in zip(options, result.modes)]
+            if sum(o.host for o in chosen) <= host_limit:
+                break
+            worst = max(range(len(chosen)), key=lambda i: chosen[i].host)
+            options[worst] = [o for o in options[worst] if o.host == 0] or options[worst]
+        if not result.feasible and key not in self._warned:
+            self._warned.add(key)
+            log.warning(
+                "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
+                "%d tokens: the tightest plan is predicted at %s, %s over. Running it; lower the batch "
+                "or sequence, or raise the budget.",
+                format_bytes(target), 100 * self.decider.headroom, format_bytes(budget), batch, seq,
+                format_bytes(start + result.peak), format_bytes(result.shortfall),
+            )
+        return result.modes, start + result.peak, result.feasible, result.shortfall
+
+    def _static(self) -> tuple[Mode, ...]:
+        k = self.policy.every_k if self.policy.static_plan == "every-k" else max(1, round(math.sqrt(self.n)))
+        return tuple(Mode.CHECKPOINT if (i + 1) % k == 0 else Mode.NONE for i in range(self.n))
+
+    def _tighter_than_failed(self, modes: tuple[Mode, ...], key: Key) -> tuple[Mode, ...]:
+        """No looser anywhere than the failed plan, and not one tried already: else each
+        block one rung up the ladder; past its top, uniform plans, tightest predicted first."""
+        allowed = self.policy.allowed
+        rank = {m: i for i, m in enumerate(ladder(allowed))}
+        failed = self.failed
+        merged = tuple(m if rank.get(m, 0) >= rank.get(f, 0) else f for m, f in zip(modes, failed))
+        candidates = [merged, tuple(step_up(f, allowed) for f in failed)]
+        candidates += [tuple(m for _ in failed) for m in self._uniform_by_peak(key)]
+        for candidate in candidates:
+            if candidate not in self.tried:
+                return candidate
+        return candidates[-1]
+
+    def _uniform_by_peak(self, key: Key) -> list[Mode]:
+        rungs = list(reversed(ladder(self.policy.allowed)))
+        if not self.costs.known:
+            return rungs
+        start = self.probe.allocated()
+        return sorted(rungs, key=lambda m: self.predict(tuple(m for _ in range(self.n)), *key, start) or 0.0)
+
+    # ----------------------------------------------------------------- resume
+    def state_dict(self) -> list:
+        return [[list(k), [m.label for m in r.modes], r.start, r.predicted] for k, r in self.cache.items()]
+
+    def load_state_dict(self, state: list) -> None:
+        self.cache = OrderedDict(
+            (tuple(k), PlanRecord(tuple(Mode.parse(m) for m in modes), tuple(k), start, pred, "resume"))
+            for k, modes, start, pred in state
+        )

@@ -1,0 +1,187 @@
+"""What a mode costs before it has run: named priors, and one small derivation per mode.
+
+Every mode reveals some of a block's latent quantities (`Latents`): a
+checkpointed block shows what its recompute rematerializes, an offloaded one
+how many bytes its pack hook saw, NONE what it keeps. From them each mode's
+figures are derived by a function of its own (`DERIVATIONS`), using the
+device's `Priors` for what no measurement shows (link speed, overlap, codec
+speed, how much SELECTIVE keeps).
+
+Margins: a figure that follows from measured latents (NONE from a checkpoint's
+recompute, say) is inflated by the `measured` margin; a guess (how much
+selective checkpointing keeps, how lazily offloaded tensors come back) by the
+policy's full `prior_margin`, the `guess` margin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from adaptmem.modes import Mode
+
+
+@dataclass(frozen=True)
+class Priors:
+    """What the cost model assumes about the hardware until it has measured."""
+
+    link_bytes_per_s: float
+    "Host link speed, one way (bytes/s), for moving offloaded tensors out and back."
+
+    hidden_share: float
+    "Share of transfer time hidden behind compute (0..1): side-stream copies overlap kernels."
+
+    codec_bytes_per_s: float
+    "Quantize plus dequantize throughput (bytes/s of the original tensor) for COMPRESS."
+
+    prefetches: bool
+    "Backward brings the next block's offloaded tensors back early: one more block resident."
+
+    selective_keep_share: float = 0.5
+    "Share of recomputable activations SELECTIVE keeps: matmul and attention outputs, about half of a block's."
+
+    selective_recompute_share: float = 0.4
+    "Share of a full recompute's time SELECTIVE pays: the pointwise ops and norms it reruns."
+
+    offload_residue_share: float = 0.02
+    "Share of activations OFFLOAD leaves on the device: tensors under min_bytes."
+
+    measured_margin_share: float = 0.2
+    "Share of the policy's prior_margin applied to figures that follow from measurements."
+
+
+#: CUDA: pinned copies over PCIe 4.0 x16 reach ~12 GB/s one way, and copies on a side
+#: stream hide behind about 70% of a block's kernels; quantize kernels are memory-bound.
+CUDA_PRIORS = Priors(link_bytes_per_s=12e9, hidden_share=0.7, codec_bytes_per_s=100e9, prefetches=True)
+
+#: The host (and the CPU stand-in): an offload is a synchronous memcpy in RAM, nothing
+#: overlaps, and quantizing runs on the CPU.
+HOST_PRIORS = Priors(link_bytes_per_s=4e9, hidden_share=0.0, codec_bytes_per_s=1.5e9, prefetches=False)
+
+
+@dataclass(frozen=True)
+class Latents:
+    """A block's latent quantities at one shape (bytes and seconds), as learned so far."""
+
+    input_bytes: float = 0.0  # X: the block's inputs that require grad
+    output_growth: float = 0.0  # O: output bytes beyond the input
+    activations: float = 0.0  # A: what a recompute rematerializes (the block's saved activations)
+    backward_temp: float = 0.0  # D: backward's temporaries above what was saved
+    forward_transient: float = 0.0  # peak above the block's start during a forward that keeps little
+    forward_s: float = 0.0  # the block's forward
+    recompute_s: float = 0.0  # a full recompute in backward
+    none_s: float = 0.0  # forward + backward under NONE
+
+
+LATENT_NAMES = tuple(f.name for f in fields(Latents))
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One mode's predicted figures on one block (bytes, seconds)."""
+
+    held: float  # bytes the block adds until the next block starts (kept for backward, and its output)
+    fx: float  # transient above its start during its forward
+    wx: float  # transient above the start of its backward
+    seconds: float  # time the mode adds to a step
+    host: float  # host bytes it keeps
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What a derivation needs beside the latents."""
+
+    priors: Priors
+    guess: float  # the policy's prior_margin
+    kappa: float  # compressed bytes per original byte
+
+    @property
+    def measured(self) -> float:
+        return 1.0 + (self.guess - 1.0) * self.priors.measured_margin_share
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Out to the host and back, less what overlaps."""
+        return 2 * nbytes / self.priors.link_bytes_per_s * (1 - self.priors.hidden_share)
+
+    def codec_s(self, nbytes: float) -> float:
+        return 2 * nbytes / self.priors.codec_bytes_per_s
+
+    def prefetched(self, nbytes: float) -> float:
+        return nbytes if self.priors.prefetches else 0.0
+
+
+def _kept(lat: Latents) -> float:
+    """What a block keeps that no mode removes: its input and its output's growth."""
+    return lat.input_bytes + lat.output_growth
+
+
+def _transient(lat: Latents) -> float:
+    return lat.forward_transient or (lat.activations + lat.input_bytes)
+
+
+def _moved(lat: Latents) -> float:
+    """Bytes a packing mode sees: the input and the activations."""
+    return lat.input_bytes + lat.activations
+
+
+def none(lat: Latents, a: Assumptions) -> Figures:
+    """Keeps everything: its figures follow from the latents."""
+    held = _kept(lat) + lat.activations
+    return Figures(a.measured * held, a.measured * max(_transient(lat), held), a.measured * lat.backward_temp, 0.0, 0.0)
+
+
+def selective(lat: Latents, a: Assumptions) -> Figures:
+    """Keeps a share of the activations, recomputes the rest at a share of a recompute's time."""
+    keep = a.priors.selective_keep_share * lat.activations
+    recompute = lat.recompute_s or lat.forward_s
+    return Figures(a.guess * (_kept(lat) + keep), a.guess * (_transient(lat) + keep),
+                   a.measured * (lat.activations + lat.backward_temp),
+                   a.priors.selective_recompute_share * recompute, 0.0)
+
+
+def checkpoint(lat: Latents, a: Assumptions) -> Figures:
+    """Keeps the input; rematerializes the activations in backward, for one more forward."""
+    return Figures(a.measured * _kept(lat), a.measured * _transient(lat),
+                   a.measured * (lat.activations + lat.backward_temp), lat.recompute_s or lat.forward_s, 0.0)
+
+
+def offload(lat: Latents, a: Assumptions) -> Figures:
+    """Sends input and activations to the host; they come back (prefetched on CUDA) in backward."""
+    move = _moved(lat)
+    held = _kept(lat) + a.priors.offload_residue_share * lat.activations
+    return Figures(a.guess * held, a.guess * _transient(lat),
+                   a.guess * (move + lat.backward_temp + a.prefetched(move)), a.transfer_s(move), move)
+
+
+def checkpoint_offload(lat: Latents, a: Assumptions) -> Figures:
+    """CHECKPOINT with its input on the host."""
+    x = lat.input_bytes
+    return Figures(a.measured * _kept(lat), a.measured * _transient(lat),
+                   a.measured * (_moved(lat) + lat.backward_temp),
+                   (lat.recompute_s or lat.forward_s) + a.transfer_s(x), x)
+
+
+def compress(lat: Latents, a: Assumptions) -> Figures:
+    """Keeps a `kappa` share of input and activations; backward holds both forms while it decodes."""
+    move, k = _moved(lat), a.kappa
+    return Figures(a.guess * (_kept(lat) + k * move), a.guess * (_transient(lat) + k * move),
+                   a.guess * ((1 + k) * move + lat.backward_temp), a.codec_s(move), 0.0)
+
+
+def compress_offload(lat: Latents, a: Assumptions) -> Figures:
+    """COMPRESS, with the smaller payload on the host."""
+    move, k = _moved(lat), a.kappa
+    return Figures(a.guess * _kept(lat), a.guess * (_transient(lat) + k * move),
+                   a.guess * ((1 + k) * move + lat.backward_temp + k * a.prefetched(move)),
+                   a.codec_s(move) + a.transfer_s(k * move), k * move)
+
+
+DERIVATIONS: dict[Mode, Callable[[Latents, Assumptions], Figures]] = {
+    Mode.NONE: none,
+    Mode.SELECTIVE: selective,
+    Mode.CHECKPOINT: checkpoint,
+    Mode.OFFLOAD: offload,
+    Mode.CHECKPOINT | Mode.OFFLOAD: checkpoint_offload,
+    Mode.COMPRESS: compress,
+    Mode.COMPRESS | Mode.OFFLOAD: compress_offload,
+}

@@ -1,0 +1,160 @@
+"""The manager's reactions: to blocks starting, steps ending, OOMs, and outside pressure.
+
+`Reactions` is the half of `MemoryManager` that runs inside training and the
+background thread; the other half (`manager.py`) is the lifecycle and the
+public API. It is a mixin over the manager's state, not a class used alone:
+the split keeps each half readable.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+
+from adaptmem.control.decisions import ESCALATE, HOLD
+from adaptmem.control.plans import PlanRecord
+from adaptmem.control.recorder import StepSample, shape_of
+from adaptmem.control.retry import failure_record
+from adaptmem.devices.cuda import CudaProbe
+from adaptmem.wrapping import BlockHandle
+
+log = logging.getLogger("adaptmem")
+
+
+class Reactions:
+    # ------------------------------------------------------- observer API
+    def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
+        if self._in_step and not self.recorder.forward_started:
+            self._plan_forward(*shape_of(args, kwargs))
+        elif not self._in_step and handle.index == 0:
+            self._warn_unmarked()
+            self._plan_forward(*shape_of(args, kwargs))
+        self.recorder.block_start(handle, args, kwargs)
+
+    def block_end(self, handle: BlockHandle, call: Any, output: Any) -> None:
+        self.recorder.block_end(handle, call, output)
+
+    def recompute(self, handle: BlockHandle, begin: bool) -> None:
+        self.recorder.recompute(handle, begin)
+
+    def _warn_unmarked(self) -> None:
+        if self._unmarked_warned:
+            return
+        self._unmarked_warned = True
+        log.warning(
+            "adaptmem: the model ran a training forward outside a marked step, so nothing is "
+            "learned from it and the blocks keep the %s plan. Wrap each forward + backward in "
+            "`with mem.step():`, call mem.run_step(fn, batch), or drive begin_step()/end_step() "
+            "from your framework's hooks (adaptmem.integrations).",
+            "user's" if self._user_modes is not None else "calibration (every block checkpointed)",
+        )
+
+    # ----------------------------------------------------------- planning
+    def _plan_forward(self, batch: int, seq: int) -> None:
+        with self._lock:
+            start = self.probe.allocated()
+            record = self.plans.choose(batch, seq, start, self.budget)
+            self._apply(record)
+            if self._in_step:
+                self._step_key = record.key
+                self._step_pred = self.plans.predict(record.modes, batch, seq, start)
+
+    def _apply(self, record: PlanRecord) -> None:
+        for handle, mode in zip(self.handles, record.modes):
+            handle.mode = mode
+        if record.modes != self._current:
+            self.plan_changes += 1
+            self._current = record.modes
+            self.events.emit(
+                "plan", step=self.steps + 1, reason=record.reason, batch=record.key[0], bucket_seq=record.key[1],
+                budget_bytes=self.budget, headroom=round(self.decider.headroom, 4),
+                predicted_peak_bytes=record.predicted, feasible=record.feasible,
+                shortfall_bytes=record.shortfall, plan={h.name: m.label for h, m in zip(self.handles, record.modes)},
+            )
+
+    def _replan_running_forward(self) -> int:
+        """Blocks not yet run in the current forward get a plan for the new budget."""
+        state = self.recorder.forward_state()
+        if state is None or not self.costs.known or self.policy.static_plan != "none":
+            return 0
+        batch, seq, start, done = state
+        if len(done) >= len(self.handles):
+            return 0
+        record = self.plans.make(self.plans.bucket(batch, seq), start, self.budget, fixed=done, reason="pressure")
+        changed = sum(1 for i, h in enumerate(self.handles) if i not in done and h.mode is not record.modes[i])
+        self._apply(record)
+        return changed
+
+    # -------------------------------------------------------------- steps
+    def _after_step(self, sample: StepSample) -> dict:
+        calibrating = self.costs.steps_learned <= 1
+        observed = sample.peak
+        self.steps += 1
+        self.peak_bytes = max(self.peak_bytes, observed)
+        retries = self.probe.signals().get("alloc_retries")  # also logs the fragmentation hint, once
+        retried = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
+        self._alloc_retries = retries
+        if self.policy.static_plan != "none":
+            decision = HOLD
+        else:
+            decision = self.decider.update(observed, self.budget)
+            if retried and decision != ESCALATE:
+                decision = self.decider.escalate()  # the allocator had to free and retry: close to an OOM
+        self.decisions[decision] += 1
+        pred, error = self._step_pred, None
+        if pred is not None and observed > 0:
+            error = (pred - observed) / observed
+            self.errors.append(error)
+        if decision != HOLD or calibrating:
+            self.plans.cache.clear()
+        elif pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget:
+            self.plans.cache.pop(self._step_key, None)
+        self.plans.succeeded()
+        relief = self.budgets.relieve(self.budgets.available())
+        if relief is not None:
+            self.plans.cache.clear()
+            self.events.emit("relief", step=self.steps, budget_bytes_before=relief[0], budget_bytes=relief[1])
+        return self.events.emit(
+            "step", step=self.steps, label=self._label, attempt=self.plans.attempt, batch=sample.batch,
+            seq=sample.seq, tokens=sample.tokens, predicted_peak_bytes=pred, observed_peak_bytes=observed,
+            budget_bytes=self.budget, prediction_error=error, decision=decision,
+            headroom=round(self.decider.headroom, 4), alloc_retries=retries,
+            plan_counts=dict(Counter(m.label for m in sample.plan.values())), seconds=round(sample.seconds, 6),
+        )
+
+    def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
+        self.ooms += 1
+        self.decider.after_oom()
+        self._tick()  # the device may have less free than we thought: read it now, not at the next sample
+        self.plans.cache.clear()
+        ran = sample is not None and bool(sample.blocks)
+        executed = tuple(sample.plan.get(i, h.mode) for i, h in enumerate(self.handles)) if ran else ()
+        if ran:  # a plan was running: the retry must not run it again
+            self.plans.failure(executed)
+        self._last_failure = failure_record(err, sample, executed, self._step_pred or 0, self.budget,
+                                            self.decider.headroom)
+        return self.events.emit("oom", step=self.steps + 1, label=self._label, attempt=self.plans.attempt,
+                                **self._last_failure)
+
+    def _free_after_oom(self) -> None:
+        gc.collect()
+        if isinstance(self.probe, CudaProbe) and self.policy.empty_cache_on_oom:
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------ pressure
+    def _tick(self) -> None:
+        """Background thread: shrink the budget at once when others take memory."""
+        available = self.budgets.available()
+        with self._lock:
+            squeezed = self.budgets.squeeze(available)
+            if squeezed is None:
+                return
+            self.plans.cache.clear()
+            replanned = self._replan_running_forward()
+            self.events.emit("pressure", step=self.steps + 1, external_bytes=self.probe.external(),
+                             budget_bytes_before=squeezed[0], budget_bytes=squeezed[1], replanned_blocks=replanned)
+            self.pressure_events += 1  # last: whoever waits on it sees the whole reaction

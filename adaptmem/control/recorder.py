@@ -1,0 +1,270 @@
+"""Watching one training step, block by block, to learn what each mode costs.
+
+A step is cut into segments at block boundaries: in forward, each block's start
+and end; in backward, the moment the gradient of a block's output is ready
+(a tensor hook), which is when that block's backward begins. At every boundary
+the recorder reads the probe's allocation and the peak since the previous
+boundary, then resets the peak. From these:
+
+  held      bytes a block adds from its start to the next block's start
+            (what it keeps for backward, plus its output, less what the caller frees)
+  fwd_peak  transient above its start during its forward
+  bwd_peak  transient above the start of its backward segment
+  recompute bytes a checkpointed block rematerializes in backward
+
+and, around the blocks, what the model does before them (embeddings), after
+them (head and loss, forward and backward) and in backward (gradients).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from adaptmem.devices.probe import MemoryProbe
+from adaptmem.modes import Mode
+from adaptmem.strategies import BlockCall
+from adaptmem.wrapping import BlockHandle
+
+
+@dataclass
+class BlockSample:
+    """What one block did in one step (bytes are absolute probe readings unless said)."""
+
+    index: int
+    mode: Mode
+    input_bytes: int  # tensor inputs that require grad (the block's activations in)
+    start: int  # allocated at block start
+    elem_size: int = 0  # bytes per element of the first such input (activation dtype)
+    end: int = 0  # allocated at block end
+    fwd_top: int = 0  # peak during its forward
+    held: int | None = None  # start of next block (or estimate) minus start
+    output_bytes: int = 0
+    packed: int = 0  # bytes handed to an OFFLOAD/COMPRESS pack hook
+    kept: int = 0  # of those, bytes left on the device
+    host: int = 0  # of those, bytes sent to the host
+    bwd_start: int | None = None  # allocated when its backward began
+    bwd_top: int | None = None  # peak during its backward
+    recompute_bytes: int | None = None
+    fwd_seconds: float = 0.0
+    bwd_seconds: float | None = None
+    recompute_seconds: float = 0.0
+    _marks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def fwd_peak(self) -> int:
+        return max(0, self.fwd_top - self.start)
+
+    @property
+    def bwd_peak(self) -> int | None:
+        if self.bwd_top is None or self.bwd_start is None:
+            return None
+        return max(0, self.bwd_top - self.bwd_start)
+
+
+@dataclass
+class StepSample:
+    """One step, as the recorder saw it."""
+
+    batch: int = 0
+    seq: int = 0
+    start: int = 0  # allocated at step start
+    head_top: int = 0  # peak from the last block's end to the first block backward
+    tail_top: int = 0  # peak after the last block backward
+    peak: int = 0  # the step's peak
+    blocks: list[BlockSample] = field(default_factory=list)
+    plan: dict[int, Mode] = field(default_factory=dict)
+    completed: bool = False  # every block's backward was seen
+    seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(obj)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def shape_of(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(batch, sequence) of a block's first floating tensor argument: (B, S, ...) or (S, H)."""
+    for t in tensors_in((args, kwargs)):
+        if t.is_floating_point() and t.dim() >= 2:
+            if t.dim() == 2:
+                return 1, int(t.shape[0])
+            return int(t.shape[0]), int(t.shape[1])
+    return 1, 1
+
+
+class StepRecorder:
+    """A `BlockObserver` that records one step at a time through a probe."""
+
+    def __init__(self, probe: MemoryProbe) -> None:
+        self.probe = probe
+        self._lock = threading.RLock()
+        self.sample: StepSample | None = None
+        self._open: str = "idle"  # which segment the next peak reading belongs to
+        self._bwd_current: BlockSample | None = None
+        self._step_mark: Any = None
+
+    # ---------------------------------------------------------------- steps
+    def begin(self) -> StepSample:
+        with self._lock:
+            started = getattr(self.probe, "step_started", None)
+            if started is not None:  # scripted probes follow the step count
+                started()
+            self.probe.reset_peak()
+            self.sample = StepSample(start=self.probe.allocated())
+            self._open = "pre"
+            self._bwd_current = None
+            self._step_mark = self.probe.mark()
+            return self.sample
+
+    def end(self) -> StepSample | None:
+        with self._lock:
+            sample = self.sample
+            if sample is None:
+                return None
+            self._close_segment()
+            end_mark = self.probe.mark()
+            self.probe.synchronize()
+            self._finish(sample, end_mark)
+            self.sample = None
+            self._open = "idle"
+            return sample
+
+    @property
+    def forward_started(self) -> bool:
+        return self.sample is not None and bool(self.sample.blocks)
+
+    def forward_state(self) -> tuple[int, int, int, dict[int, Mode]] | None:
+        """(batch, seq, allocation at the first block, {index: mode} of blocks run) while a
+        forward is under way and no backward has begun; None otherwise."""
+        with self._lock:
+            sample = self.sample
+            if sample is None or not sample.blocks or any(b.bwd_start is not None for b in sample.blocks):
+                return None
+            return sample.batch, sample.seq, sample.blocks[0].start, {b.index: b.mode for b in sample.blocks}
+
+    # ---------------------------------------------------------- observer API
+    def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
+        with self._lock:
+            sample = self.sample
+            if sample is None:
+                return
+            now = self._close_segment()
+            grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+            if not sample.blocks:
+                sample.batch, sample.seq = shape_of(args, kwargs)
+                if grad_inputs:  # its gradient marks the end of the last block backward
+                    grad_inputs[0].register_hook(self._make_bwd_hook(None))
+            elif sample.blocks[-1].held is None:
+                sample.blocks[-1].held = now - sample.blocks[-1].start
+            inputs = sum(t.numel() * t.element_size() for t in grad_inputs)
+            elem = grad_inputs[0].element_size() if grad_inputs else 0
+            block = BlockSample(index=handle.index, mode=handle.mode, input_bytes=inputs, start=now, elem_size=elem)
+            block._marks["fwd0"] = self.probe.mark()
+            sample.blocks.append(block)
+            sample.plan[handle.index] = handle.mode
+            self._open = "block"
+
+    def block_end(self, handle: BlockHandle, call: BlockCall, output: Any) -> None:
+        with self._lock:
+            sample = self.sample
+            if sample is None or not sample.blocks:
+                return
+            block = sample.blocks[-1]
+            block.fwd_top = max(self.probe.peak(), block.start)
+            self.probe.reset_peak()
+            block.end = self.probe.allocated()
+            block._marks["fwd1"] = self.probe.mark()
+            block.mode = call.mode
+            block.packed = call.stats.get("packed", 0)
+            block.kept = call.stats.get("kept", 0)
+            block.host = call.stats.get("host", 0)
+            outs = tensors_in(output)
+            block.output_bytes = sum(t.numel() * t.element_size() for t in outs)
+            grad_out = next((t for t in outs if t.requires_grad), None)
+            if grad_out is not None:
+                grad_out.register_hook(self._make_bwd_hook(block))
+            self._open = "between"
+
+    def recompute(self, handle: BlockHandle, begin: bool) -> None:
+        with self._lock:
+            block = self._bwd_current
+            if block is None or block.index != handle.index:
+                return
+            if begin:
+                block._marks["rc0"] = (self.probe.allocated(), self.probe.mark())
+            elif "rc0" in block._marks:
+                before, _ = block._marks["rc0"]
+                block.recompute_bytes = self.probe.allocated() - before
+                block._marks["rc1"] = self.probe.mark()
+
+    # ---------------------------------------------------------------- inner
+    def _make_bwd_hook(self, block: BlockSample | None):
+        def hook(grad: torch.Tensor) -> None:
+            self._bwd_boundary(block)
+
+        return hook
+
+    def _bwd_boundary(self, block: BlockSample | None) -> None:
+        """The gradient of `block`'s output is ready: its backward begins (None: the
+        first block's input gradient is ready, so the last block backward ended)."""
+        with self._lock:
+            if self.sample is None:
+                return
+            now = self._close_segment()
+            if block is None:
+                self._bwd_current = None
+                self._open = "tail"
+                return
+            block.bwd_start = now
+            block._marks["bwd0"] = self.probe.mark()
+            self._bwd_current = block
+            self._open = "bwd"
+
+    def _close_segment(self) -> int:
+        """Attribute the peak since the last boundary to the open segment; returns allocation now."""
+        sample = self.sample
+        top = self.probe.peak()
+        self.probe.reset_peak()
+        now = self.probe.allocated()
+        sample.peak = max(sample.peak, top)
+        if self._open == "between":  # only before the first backward boundary: the last one is the head and loss
+            sample.head_top = max(sample.head_top, top)
+        elif self._open == "block" and sample.blocks:
+            sample.blocks[-1].fwd_top = max(sample.blocks[-1].fwd_top, top)
+        elif self._open == "bwd" and self._bwd_current is not None:
+            current = self._bwd_current
+            current.bwd_top = max(current.bwd_top or 0, top)
+            current._marks["bwd1"] = self.probe.mark()
+        elif self._open == "tail":
+            sample.tail_top = max(sample.tail_top, top)
+        return now
+
+    def _finish(self, sample: StepSample, end_mark: Any) -> None:
+        probe = self.probe
+        sample.seconds = probe.seconds(self._step_mark, end_mark)
+        blocks = sample.blocks
+        if blocks and blocks[-1].held is None:
+            last = blocks[-1]
+            drops = [b.end - b.start - b.held for b in blocks[:-1] if b.held is not None and b.mode == last.mode]
+            last.held = last.end - last.start - (drops[-1] if drops else 0)
+        for block in blocks:
+            marks = block._marks
+            if "fwd0" in marks and "fwd1" in marks:
+                block.fwd_seconds = probe.seconds(marks["fwd0"], marks["fwd1"])
+            if "bwd0" in marks:
+                block.bwd_seconds = probe.seconds(marks["bwd0"], marks.get("bwd1", end_mark))
+                if block.bwd_top is None:  # its segment ran to the end of the step
+                    block.bwd_top = sample.tail_top or sample.peak
+            if "rc0" in marks and "rc1" in marks:
+                block.recompute_seconds = probe.seconds(marks["rc0"][1], marks["rc1"])
+            block._marks = {}
+        sample.completed = bool(blocks) and all(b.bwd_start is not None for b in blocks)

@@ -1,0 +1,104 @@
+"""One CUDA device: the caching allocator's figures, cudaMemGetInfo, and NVML when present."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import psutil
+import torch
+
+from adaptmem.config.units import format_bytes
+
+log = logging.getLogger("adaptmem")
+
+
+class CudaProbe:
+    """One CUDA device: the caching allocator's figures, cudaMemGetInfo, and NVML when present."""
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaProbe needs a CUDA device; none is available")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.name = f"cuda:{self.device.index}"
+        self._total = torch.cuda.get_device_properties(self.device).total_memory
+        self._nvml = _nvml_handle(self.device.index)
+        self._hinted = False
+
+    def capacity(self) -> int:
+        return self._total
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def external(self) -> int:
+        """Device bytes not held by PyTorch's allocator: other processes, the context, libraries."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return max(0, total - free - torch.cuda.memory_reserved(self.device))
+
+    def other_processes(self) -> int | None:
+        """Bytes NVML reports for other processes on this device (None without NVML)."""
+        if self._nvml is None:
+            return None
+        import pynvml
+
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)
+        except pynvml.NVMLError:
+            return None
+        me = os.getpid()
+        return sum((p.usedGpuMemory or 0) for p in procs if p.pid != me)
+
+    def host_available(self) -> int:
+        return psutil.virtual_memory().available
+
+    def signals(self) -> dict:
+        stats = torch.cuda.memory_stats(self.device)
+        reserved = stats.get("reserved_bytes.all.current", 0)
+        allocated = stats.get("allocated_bytes.all.current", 0)
+        fragmented = reserved - allocated
+        if not self._hinted and reserved > 0 and fragmented > 0.3 * reserved and fragmented > 2**30:
+            self._hinted = True
+            log.warning(
+                "adaptmem: %s is reserved by PyTorch but not allocated (%s); that is fragmentation, "
+                "which no plan of modes fixes. Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                format_bytes(fragmented), self.name,
+            )
+        return {
+            "alloc_retries": stats.get("num_alloc_retries", 0),
+            "device_ooms": stats.get("num_ooms", 0),
+            "reserved": reserved,
+            "fragmented": fragmented,
+        }
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return max(0.0, start.elapsed_time(end) / 1000.0)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def _nvml_handle(index: int) -> Any:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception as err:  # no driver library, no permission, MIG, a container...
+        log.info("adaptmem: NVML unavailable (%s); memory of other processes is read as "
+                 "total - free - reserved from cudaMemGetInfo", err)
+        return None

@@ -1,0 +1,354 @@
+"""A CPU stand-in for a GPU: a capacity, exact byte counts, and real OOMs.
+
+`SimulatedDevice` watches every tensor storage that is allocated while it is
+active (through a `TorchDispatchMode`, the same way
+`torch.distributed._tools.mem_tracker.MemTracker` does) and forgets it when the
+storage is freed. Copies made by the OFFLOAD strategy (inside
+`adaptmem.devices.tiers.host_allocations()`) are host bytes, everything else device
+bytes. An allocation that would take the device past its capacity raises a real
+`torch.OutOfMemoryError`, so out-of-memory handling is tested on machines
+without a GPU.
+
+Peaks are read through windows: the user's `peak_bytes` / `reset_peak()` are
+one window, and each probe (the manager's) opens its own with `open_window()`,
+so the manager cutting a step at block boundaries never disturbs what the user
+measures.
+
+Interception costs time: never compare a step timed under a SimulatedDevice
+with one timed without it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from adaptmem.config.units import format_bytes
+from adaptmem.devices.probe import HostClock
+from adaptmem.devices.tiers import allocating_on_host
+
+__all__ = ["PeakWindow", "SimulatedDevice", "SimulatedProbe"]
+
+_DEVICE, _HOST = 0, 1
+
+
+class _Entry:
+    """What the stand-in knows of one live storage."""
+
+    __slots__ = ("nbytes", "tier", "ref")
+
+    def __init__(self, nbytes: int, tier: int) -> None:
+        self.nbytes = nbytes
+        self.tier = tier
+        self.ref: weakref.ref | None = None
+
+
+class PeakWindow:
+    """A peak reading of its own over a `SimulatedDevice`: reset and read it without
+    disturbing any other window (the user's, or another manager's)."""
+
+    __slots__ = ("_device", "peaks", "__weakref__")
+
+    def __init__(self, device: "SimulatedDevice") -> None:
+        self._device = device
+        self.peaks = list(device._bytes)  # device, host
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peaks[_DEVICE]
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return self.peaks[_HOST]
+
+    def reset(self) -> None:
+        """Start a new window at the current allocation."""
+        with self._device._lock:
+            self.peaks = list(self._device._bytes)
+
+
+class _CountingMode(TorchDispatchMode):
+    def __init__(self, device: "SimulatedDevice") -> None:
+        super().__init__()
+        self._device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._device._account(out)
+        return out
+
+
+class SimulatedDevice:
+    """A CPU stand-in for a GPU with a capacity and real `torch.OutOfMemoryError`s.
+
+    Use as a context manager around the work to measure::
+
+        with SimulatedDevice(capacity_bytes=2 * 2**30) as dev:
+            loss = model(x).sum(); loss.backward()
+        dev.peak_bytes
+
+    Args:
+        capacity_bytes: device size in bytes; ``None`` means unlimited (count only).
+        name: shown in error messages.
+        host_capacity_bytes: host RAM the probes report for offloading (bytes);
+            ``None`` reports the real machine's available RAM. Host copies past
+            it are not refused: a probe reads it to keep offload under a ceiling.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None, *, name: str = "sim",
+                 host_capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+                raise TypeError(
+                    f"capacity_bytes must be an int number of bytes or None, got {capacity_bytes!r}"
+                )
+            if capacity_bytes <= 0:
+                raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self._capacity = capacity_bytes
+        self.name = name
+        self.host_capacity_bytes = host_capacity_bytes
+        # Re-entrant: a storage freed by a garbage collection that runs while the
+        # lock is held calls `release` on the same thread.
+        self._lock = threading.RLock()
+        self._live: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._bytes = [0, 0]  # device, host
+        self._windows: tuple[PeakWindow, ...] = ()  # a tuple: cheap to walk at every allocation
+        self._user = self.open_window()  # what peak_bytes / reset_peak() read
+        self._external = 0
+        self._modes: list[_CountingMode] = []
+        self.num_ooms = 0
+
+    # ------------------------------------------------------------ figures
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self._capacity
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Device bytes held by live storages allocated while active."""
+        return self._bytes[_DEVICE]
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest `allocated_bytes` since creation or the last `reset_peak()`."""
+        return self._user.peaks[_DEVICE]
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held by offloaded copies (live now)."""
+        return self._bytes[_HOST]
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return self._user.peaks[_HOST]
+
+    @property
+    def external_bytes(self) -> int:
+        """Bytes taken by 'other processes' (see `occupy`)."""
+        return self._external
+
+    @property
+    def free_bytes(self) -> int | None:
+        """Capacity less what tensors and other processes hold; None when unlimited."""
+        if self._capacity is None:
+            return None
+        return self._capacity - self._bytes[_DEVICE] - self._external
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current allocation (like torch.cuda.reset_peak_memory_stats)."""
+        self._user.reset()
+
+    def open_window(self) -> PeakWindow:
+        """A peak window of its own, updated until `close_window(window)`."""
+        with self._lock:
+            window = PeakWindow(self)
+            self._windows = (*self._windows, window)
+            return window
+
+    def close_window(self, window: PeakWindow) -> None:
+        with self._lock:
+            self._windows = tuple(w for w in self._windows if w is not window)
+
+    # ------------------------------------------------------------ control
+    def set_capacity(self, capacity_bytes: int | None) -> None:
+        """Change the device size (a smaller card, or a partition taken away)."""
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self._capacity = capacity_bytes
+
+    def occupy(self, nbytes: int) -> None:
+        """Pretend another process took `nbytes` of the device (negative gives them back)."""
+        with self._lock:
+            if self._external + nbytes < 0:
+                raise ValueError(
+                    f"cannot release {-nbytes} bytes: other processes hold only {self._external}"
+                )
+            self._external += nbytes
+
+    def track(self, *objs: Any) -> int:
+        """Count storages that already exist (a model's weights, an optimizer's state) as device bytes.
+
+        Accepts tensors, modules (parameters and buffers) and optimizers (their
+        state). Returns the bytes added. Storages already counted are skipped.
+        """
+        tensors: list[torch.Tensor] = []
+        for obj in objs:
+            tensors.extend(_tensors_of(obj))
+        return self._register(tensors, tier=_DEVICE, check=False)
+
+    # ------------------------------------------------------------ context
+    def __enter__(self) -> "SimulatedDevice":
+        mode = _CountingMode(self)
+        mode.__enter__()
+        self._modes.append(mode)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        mode = self._modes.pop()
+        mode.__exit__(*exc)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._modes)
+
+    def __repr__(self) -> str:
+        cap = "unlimited" if self._capacity is None else format_bytes(self._capacity)
+        return (
+            f"SimulatedDevice(name={self.name!r}, capacity={cap}, "
+            f"allocated={format_bytes(self.allocated_bytes)}, peak={format_bytes(self.peak_bytes)}, "
+            f"host={format_bytes(self.host_bytes)})"
+        )
+
+    # ------------------------------------------------------------ internals
+    def _account(self, out: Any) -> None:
+        leaves, _ = tree_flatten(out)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if tensors:
+            tier = _HOST if allocating_on_host() else _DEVICE
+            self._register(tensors, tier=tier, check=True)
+
+    def _register(self, tensors: Iterable[torch.Tensor], *, tier: int, check: bool) -> int:
+        fresh: dict[int, tuple[Any, int]] = {}
+        with self._lock:
+            for t in tensors:
+                st = _storage_of(t)
+                if st is None:
+                    continue
+                nbytes = st.nbytes()
+                entry = self._live.get(st)
+                if entry is not None:
+                    if entry.nbytes != nbytes:  # resized in place
+                        self._add(entry.tier, nbytes - entry.nbytes)
+                        entry.nbytes = nbytes
+                    continue
+                fresh.setdefault(id(st), (st, nbytes))
+            added = sum(n for _, n in fresh.values())
+            if check and tier == _DEVICE and self._capacity is not None:
+                free = self._capacity - self._bytes[_DEVICE] - self._external
+                if added > free:
+                    self.num_ooms += 1
+                    raise torch.OutOfMemoryError(self._oom_message(added, free))
+            for st, nbytes in fresh.values():
+                entry = _Entry(nbytes, tier)
+                entry.ref = weakref.ref(st, self._make_release(entry))
+                self._live[st] = entry
+                self._add(tier, nbytes)
+        return added
+
+    def _add(self, tier: int, nbytes: int) -> None:
+        self._bytes[tier] += nbytes
+        now = self._bytes[tier]
+        for window in self._windows:
+            if now > window.peaks[tier]:
+                window.peaks[tier] = now
+
+    def _make_release(self, entry: _Entry):
+        def release(_ref: weakref.ref) -> None:
+            with self._lock:
+                self._bytes[entry.tier] -= entry.nbytes
+
+        return release
+
+    def _oom_message(self, wanted: int, free: int) -> str:
+        return (
+            f"SimulatedDevice out of memory. Tried to allocate {format_bytes(wanted)}. "
+            f"Simulated device {self.name!r} has a total capacity of {format_bytes(self._capacity or 0)} "
+            f"of which {format_bytes(max(free, 0))} is free. "
+            f"Of the allocated memory {format_bytes(self._bytes[_DEVICE])} is allocated by tensors "
+            f"and {format_bytes(self._external)} by other processes. "
+            "(Raised by adaptmem.testing.SimulatedDevice where a CUDA allocation would fail.)"
+        )
+
+
+def _storage_of(t: torch.Tensor):
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
+        return None
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        return [*obj.parameters(), *obj.buffers()]
+    if isinstance(obj, torch.optim.Optimizer):
+        found: list[torch.Tensor] = []
+        for state in obj.state.values():
+            found.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        return found
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors_of(item)]
+    raise TypeError(
+        f"SimulatedDevice.track takes tensors, modules or optimizers, got {type(obj).__name__}"
+    )
+
+
+class SimulatedProbe(HostClock):
+    """Reads a `SimulatedDevice` through a peak window of its own."""
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        self.device = device
+        self.name = f"simulated:{device.name}"
+        self._window = device.open_window()
+        self._closer = weakref.finalize(self, device.close_window, self._window)
+
+    def close(self) -> None:
+        """Stop updating this probe's peak window (also done when the probe is collected)."""
+        self._closer()
+
+    def capacity(self) -> int:
+        cap = self.device.capacity_bytes
+        if cap is None:
+            raise ValueError(
+                "the SimulatedDevice has no capacity; create it with capacity_bytes=... "
+                "or pass budget= in bytes"
+            )
+        return cap
+
+    def allocated(self) -> int:
+        return self.device.allocated_bytes
+
+    def peak(self) -> int:
+        return self._window.peak_bytes
+
+    def reset_peak(self) -> None:
+        self._window.reset()
+
+    def external(self) -> int:
+        return self.device.external_bytes
+
+    def host_available(self) -> int:
+        cap = self.device.host_capacity_bytes
+        if cap is None:
+            return super().host_available()
+        return max(0, cap - self.device.host_bytes)

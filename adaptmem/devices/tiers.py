@@ -1,0 +1,31 @@
+"""Which memory tier an allocation belongs to, when the process cannot tell.
+
+On CUDA the tier is the tensor's device. On the CPU stand-in
+(`adaptmem.devices.simulated.SimulatedDevice`) every tensor lives in host RAM, so the
+offload strategy marks the copies it makes for the host tier, and the stand-in
+counts them as host bytes rather than device bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocations() -> Iterator[None]:
+    """Storages allocated in this thread inside the block are host-tier memory."""
+    depth = getattr(_state, "host_depth", 0)
+    _state.host_depth = depth + 1
+    try:
+        yield
+    finally:
+        _state.host_depth = depth
+
+
+def allocating_on_host() -> bool:
+    """True inside `host_allocations()` in the current thread."""
+    return getattr(_state, "host_depth", 0) > 0

@@ -1,0 +1,44 @@
+"""One forward call of a managed block, as a strategy sees it.
+
+The wrapper (`adaptmem.wrapping`) builds it; a strategy reads it and reports
+back only through it: the bytes it packed (`stats`) and, for recomputing modes,
+the start and end of each recompute (`on_recompute`). A strategy never sees the
+handle or the manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from adaptmem.modes import Mode
+from adaptmem.strategies.compress import CompressOptions
+from adaptmem.strategies.offload import OffloadOptions, OffloadRuntime
+
+
+def _quiet(key: str, message: str) -> None:
+    """The default `warn_once`: say nothing."""
+
+
+@dataclass
+class BlockCall:
+    """The block, its own forward and arguments, the mode to run, and where to report."""
+
+    module: nn.Module
+    forward: Callable[..., Any]  # the block's own forward, never the adaptmem wrapper
+    args: tuple
+    kwargs: dict
+    mode: Mode
+    compress: CompressOptions = field(default_factory=CompressOptions)
+    offload: OffloadOptions = field(default_factory=OffloadOptions)
+    offload_runtime: OffloadRuntime = field(default_factory=OffloadRuntime)
+    #: called with True as a recompute begins in backward, with False as it ends
+    on_recompute: Callable[[bool], None] | None = None
+    #: ``warn_once(key, message)``: logs a message once per instrumented model
+    warn_once: Callable[[str, str], None] = _quiet
+    #: what the strategy did, for the cost model: bytes handed to the pack hook
+    #: ("packed"), kept on the device ("kept"), sent to the host ("host").
+    stats: dict = field(default_factory=dict)

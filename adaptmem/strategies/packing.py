@@ -1,0 +1,98 @@
+"""The pack hook shared by OFFLOAD and COMPRESS (and CHECKPOINT|OFFLOAD's block input).
+
+PyTorch applies only the innermost `saved_tensors_hooks` pair, so a combined
+mode is one pack function (`Packer`), never nested contexts. Parameters and
+buffers that autograd saves pass through untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaptmem.strategies.compress import CompressOptions, encode
+from adaptmem.strategies.offload import OffloadOptions, OffloadRuntime
+from adaptmem.strategies.payloads import nbytes_of
+
+
+class Packer:
+    """One block call's pack hook: pass state through, compress, offload, in that order.
+
+    Args:
+        module: the block; its buffers are state and never packed.
+        compress: codec options, or None for no compression.
+        offload: offload options, or None to keep payloads on the device.
+        runtime: where offloaded bytes go (host tier or CUDA pinned pool).
+        grad_only: pack only tensors that require grad (used for checkpoint
+            inputs: masks and rotary tables are shared by every block and stay put).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        compress: CompressOptions | None = None,
+        offload: OffloadOptions | None = None,
+        runtime: OffloadRuntime | None = None,
+        grad_only: bool = False,
+        stats: dict | None = None,
+    ) -> None:
+        self._module = module
+        self._buffers: set[int] | None = None
+        self._compress = compress
+        self._offload = offload
+        self._runtime = runtime
+        self._group = runtime.new_group(offload) if offload is not None and runtime else None
+        self._grad_only = grad_only
+        self._stats = stats if stats is not None else {}
+        for key in ("packed", "kept", "host"):
+            self._stats.setdefault(key, 0)
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        if self._is_state(t) or (self._grad_only and not t.requires_grad):
+            return t.detach()
+        size = nbytes_of(t)
+        self._stats["packed"] += size
+        payload = None
+        if self._compress is not None:
+            payload = encode(t, self._compress)
+        if self._offload is None or self._runtime is None:
+            self._stats["kept"] += payload.nbytes() if payload is not None else size
+            return payload if payload is not None else t.detach()
+        if payload is not None:
+            self._stats["host"] += payload.nbytes()
+            return payload.map_tensors(self._send)
+        if size < self._offload.min_bytes:
+            self._stats["kept"] += size
+            return t.detach()
+        self._stats["host"] += size
+        return self._send(t)
+
+    def _send(self, t: torch.Tensor) -> Any:
+        return self._runtime.offload(t, self._group)
+
+    def _is_state(self, t: torch.Tensor) -> bool:
+        """Parameters (or views of them, like ``weight.t()``) and the block's buffers."""
+        base = t._base if t._base is not None else t
+        if isinstance(base, nn.Parameter) or _is_cast_of_leaf(base):
+            return True
+        if self._buffers is None:
+            self._buffers = {b.untyped_storage().data_ptr() for b in self._module.buffers()}
+        return bool(self._buffers) and t.untyped_storage().data_ptr() in self._buffers
+
+
+def _is_cast_of_leaf(t: torch.Tensor) -> bool:
+    """An autocast copy of a trainable parameter (``ToCopyBackward0`` straight onto its AccumulateGrad).
+
+    Autocast saves the fp16/bf16 cast of a weight, not a view of it; offloading
+    it would ship every weight over the bus each step, compressing it would
+    quantize weights. Casts of frozen weights carry no grad_fn and cannot be
+    told from activations here.
+    """
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nexts = fn.next_functions
+    return len(nexts) == 1 and nexts[0][0] is not None and type(nexts[0][0]).__name__ == "AccumulateGrad"

@@ -1,0 +1,46 @@
+"""Payloads: saved tensors in another form, each able to restore itself.
+
+Every value a pack hook returns is a tensor or a `Payload`; `restore` (the
+unpack hook) never reads the handle's current mode, so a mode flip between
+forward and backward is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class Payload:
+    """A saved tensor in some other form; `restore()` gives the tensor back."""
+
+    __slots__ = ()
+
+    def restore(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Payload":
+        """The same payload with each tensor part replaced by ``fn(part)``."""
+        raise NotImplementedError(f"{type(self).__name__} has no tensor parts to map")
+
+    def nbytes(self) -> int:
+        """Bytes of the payload's tensor parts."""
+        sizes: list[int] = []
+
+        def count(part: torch.Tensor) -> torch.Tensor:
+            sizes.append(nbytes_of(part))
+            return part
+
+        self.map_tensors(count)
+        return sum(sizes)
+
+
+def restore(packed: Any) -> torch.Tensor:
+    """The unpack hook: payloads restore themselves, tensors pass through."""
+    return packed.restore() if isinstance(packed, Payload) else packed
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

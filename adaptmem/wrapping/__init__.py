@@ -1,0 +1,28 @@
+"""Finding a model's blocks and wrapping them so each can switch mode on the fly.
+
+  selection.py  which submodules are blocks ("auto", classes, regexes, filters, lists)
+  handles.py    BlockHandle (name, module, mode), the shared runtime, the observer interface
+  attach.py     instrument / restore: an instance-level forward, attached and detached exactly
+
+The wrapper hands each training call to the strategy of the block's mode
+(`adaptmem.strategies`) and tells an observer, if one is set, that the block
+started and ended; the observer (the manager) lives in the layer above.
+"""
+
+from adaptmem.wrapping.attach import get_handles, get_instrumentation, instrument, restore
+from adaptmem.wrapping.handles import BlockHandle, BlockObserver, BlockRuntime, Instrumentation
+from adaptmem.wrapping.selection import BlockSelection, describe_model, find_blocks
+
+__all__ = [
+    "BlockHandle",
+    "BlockObserver",
+    "BlockRuntime",
+    "BlockSelection",
+    "Instrumentation",
+    "describe_model",
+    "find_blocks",
+    "get_handles",
+    "get_instrumentation",
+    "instrument",
+    "restore",
+]

@@ -1,0 +1,185 @@
+"""Hot-swappable per-block wrappers: `instrument` and its exact inverse `restore`.
+
+A block is wrapped by setting an instance attribute ``forward`` (the way
+accelerate's `add_hook_to_module` does), never by replacing the module: names,
+parameters, `state_dict` keys, classes and repr stay as they were, and the
+user's own hooks run as before. `restore` deletes the attribute again (or puts
+back an instance-level forward that was there first).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaptmem.modes import Mode
+from adaptmem.strategies import STRATEGIES, CompressOptions, OffloadOptions
+from adaptmem.wrapping.handles import BlockHandle, BlockRuntime, Instrumentation
+from adaptmem.wrapping.selection import BlockSelection, find_blocks
+
+_ATTR = "_adaptmem_instrumentation"
+
+class _BlockForward:
+    """The instance-level `forward` adaptmem installs on a block."""
+
+    def __init__(self, module: nn.Module, handle: BlockHandle, previous: Callable | None) -> None:
+        self._module = weakref.ref(module)
+        self._handle = weakref.ref(handle)
+        self.previous = previous  # an instance-level forward that was there before us
+
+    def original(self, module: nn.Module) -> Callable[..., Any]:
+        if self.previous is not None:
+            return self.previous
+        return types.MethodType(type(module).forward, module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        forward = self.original(module)
+        handle = self._handle()
+        if handle is None or not (module.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        observer = handle.runtime.observer
+        if observer is not None:
+            observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
+        call = handle.make_call(forward, args, kwargs)
+        output = STRATEGIES[call.mode](call)
+        handle.finished(call)
+        if observer is not None:
+            observer.block_end(handle, call, output)
+        return output
+
+    def belongs_to(self, handle: BlockHandle) -> bool:
+        return self._handle() is handle
+
+    # Weak references are copied as-is by `copy`; point them at the copies instead.
+    def __deepcopy__(self, memo: dict) -> "_BlockForward":
+        module, handle = self._module(), self._handle()
+        new = _BlockForward.__new__(_BlockForward)
+        new_module = memo.get(id(module), module)
+        new_handle = copy.deepcopy(handle, memo) if handle is not None else None
+        new._module = weakref.ref(new_module)
+        new._handle = weakref.ref(new_handle) if new_handle is not None else _dead
+        new.previous = copy.deepcopy(self.previous, memo)
+        return new
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild_forward, (self._module(), self._handle(), self.previous))
+
+
+def _dead() -> None:
+    """Stands in for a weak reference whose object is gone."""
+    return None
+
+
+def _rebuild_forward(module: nn.Module, handle: BlockHandle | None, previous: Callable | None) -> _BlockForward:
+    fwd = _BlockForward.__new__(_BlockForward)
+    fwd._module = weakref.ref(module)
+    fwd._handle = weakref.ref(handle) if handle is not None else _dead
+    fwd.previous = previous
+    return fwd
+
+
+def instrument(
+    model: nn.Module,
+    blocks: BlockSelection = "auto",
+    *,
+    mode: Mode | str = Mode.NONE,
+    compress: CompressOptions | None = None,
+    offload: OffloadOptions | None = None,
+) -> list[BlockHandle]:
+    """Wrap the selected blocks of `model` so each can switch mode on the fly.
+
+    Args:
+        model: the model; it is changed in place (and `restore` undoes it).
+        blocks: which submodules are blocks; see `adaptmem.wrapping.selection`.
+        mode: the mode every block starts in.
+        compress: codec options for COMPRESS (per handle afterwards).
+        offload: options for OFFLOAD (per handle afterwards).
+
+    Returns the handles in forward order. Calling it again with the same
+    selection returns the same handles; a different selection is an error
+    (restore first).
+    """
+    chosen = find_blocks(model, blocks)
+    existing: Instrumentation | None = model.__dict__.get(_ATTR)
+    if existing is not None:
+        if [id(m) for _, m in chosen] == [id(m) for m in existing.modules]:
+            return list(existing.handles)
+        raise ValueError(
+            f"{type(model).__name__} is already instrumented with {len(existing.handles)} blocks "
+            f"({_names(existing.handles)}); blocks={blocks!r} selects {len(chosen)} others. "
+            "Call adaptmem.restore(model) first to change the selection."
+        )
+    for name, module in chosen:
+        if isinstance(module.__dict__.get("forward"), _BlockForward):
+            raise ValueError(
+                f"block {name!r} is already instrumented through another model object; "
+                "call adaptmem.restore on that model first"
+            )
+    runtime = BlockRuntime()
+    start = Mode.parse(mode)
+    handles = [
+        BlockHandle(name, module, i, runtime, start, compress or CompressOptions(), offload or OffloadOptions())
+        for i, (name, module) in enumerate(chosen)
+    ]
+    for handle in handles:
+        _warn_if_hf_checkpointing(handle, runtime)
+        module = handle.module
+        module.__dict__["forward"] = _BlockForward(module, handle, module.__dict__.get("forward"))
+    model.__dict__[_ATTR] = Instrumentation(handles, runtime)
+    return list(handles)
+
+
+def restore(model: nn.Module) -> None:
+    """Undo `instrument`: the model looks and behaves exactly as before. A no-op on a plain model."""
+    inst: Instrumentation | None = model.__dict__.get(_ATTR)
+    if inst is None:
+        return
+    for handle in inst.handles:  # check everything before changing anything
+        current = handle.module.__dict__.get("forward")
+        if not (isinstance(current, _BlockForward) and current.belongs_to(handle)):
+            raise RuntimeError(
+                f"block {handle.name!r}: its forward was replaced after adaptmem.instrument "
+                f"(now {current!r}); remove that wrapper first, then call adaptmem.restore"
+            )
+    for handle in inst.handles:
+        module = handle.module
+        previous = module.__dict__["forward"].previous
+        if previous is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = previous
+    inst.runtime.observer = None
+    inst.runtime.offload.pool.clear()
+    del model.__dict__[_ATTR]
+
+
+def get_handles(model: nn.Module) -> list[BlockHandle]:
+    """The handles of an instrumented model ([] for a plain one)."""
+    inst: Instrumentation | None = model.__dict__.get(_ATTR)
+    return list(inst.handles) if inst is not None else []
+
+
+def get_instrumentation(model: nn.Module) -> Instrumentation | None:
+    return model.__dict__.get(_ATTR)
+
+
+def _warn_if_hf_checkpointing(handle: BlockHandle, runtime: BlockRuntime) -> None:
+    if getattr(handle.module, "gradient_checkpointing", False) is True:
+        runtime.warn_once(
+            "hf-gc",
+            f"adaptmem: {handle.name} has Hugging Face gradient checkpointing enabled, so it is "
+            "recomputed twice under adaptmem's recompute modes; call "
+            "model.gradient_checkpointing_disable() and let adaptmem decide",
+        )
+
+
+def _names(handles: list[BlockHandle]) -> str:
+    names = [h.name for h in handles]
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")

@@ -1,0 +1,147 @@
+"""Handles: one per managed block, and what the blocks of one model share.
+
+Ownership is one-way so that no reference cycle keeps a model's memory alive
+after the user drops it: the root model holds the `Instrumentation`, which
+holds the handles, which hold their modules; a block's wrapper holds its module
+and handle only weakly, and the runtime holds its observer (the manager)
+weakly, so a manager nobody holds is not kept alive by the model it watches.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch import nn
+
+from adaptmem.modes import Mode
+from adaptmem.strategies import BlockCall, CompressOptions, OffloadOptions, OffloadRuntime
+
+log = logging.getLogger("adaptmem")
+
+
+class BlockObserver(Protocol):
+    """Who watches managed blocks run in training (the memory manager)."""
+
+    def block_start(self, handle: "BlockHandle", args: tuple, kwargs: dict) -> None: ...
+
+    def block_end(self, handle: "BlockHandle", call: BlockCall, output: Any) -> None: ...
+
+    def recompute(self, handle: "BlockHandle", begin: bool) -> None: ...
+
+
+class BlockRuntime:
+    """What the blocks of one instrumented model share: offload tiers, the observer, warnings said."""
+
+    def __init__(self) -> None:
+        self.offload = OffloadRuntime()
+        self._observer: Callable[[], BlockObserver | None] = _nobody
+        self._warned: set[str] = set()
+
+    @property
+    def observer(self) -> BlockObserver | None:
+        return self._observer()
+
+    @observer.setter
+    def observer(self, value: BlockObserver | None) -> None:
+        self._observer = _nobody if value is None else weakref.ref(value)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    def __deepcopy__(self, memo: dict) -> "BlockRuntime":
+        return BlockRuntime()  # the observer belongs to whoever manages the original
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+def _nobody() -> None:
+    return None
+
+
+class BlockHandle:
+    """One managed block: its qualified name, the module, and the mode it runs in.
+
+    Setting `mode` takes effect at the block's next forward, also in the middle
+    of a model's forward for blocks that have not run yet. Tensors saved under
+    the previous mode still restore correctly.
+
+    Counters, for the curious and for tests that a mode really ran: `calls`
+    (forwards on the managed path), `recomputes` (recomputes finished in
+    backward), `packed_bytes` (bytes handed to a pack hook), `host_bytes` (of
+    those, sent to the host).
+    """
+
+    def __init__(self, name: str, module: nn.Module, index: int, runtime: BlockRuntime,
+                 mode: Mode, compress: CompressOptions, offload: OffloadOptions) -> None:
+        self.name = name
+        self.module = module
+        self.index = index
+        self.runtime = runtime
+        self._mode = Mode.parse(mode)
+        self.compress_options = compress
+        self.offload_options = offload
+        self.calls = 0
+        self.recomputes = 0
+        self.packed_bytes = 0
+        self.host_bytes = 0
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: Mode | str) -> None:
+        self._mode = Mode.parse(value)
+
+    def make_call(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> BlockCall:
+        """The strategy's view of one forward call of this block, in its current mode."""
+        self.calls += 1
+        return BlockCall(
+            self.module, forward, args, kwargs, self._mode, self.compress_options, self.offload_options,
+            self.runtime.offload, on_recompute=_RecomputeListener(self), warn_once=self.runtime.warn_once,
+        )
+
+    def finished(self, call: BlockCall) -> None:
+        self.packed_bytes += call.stats.get("packed", 0)
+        self.host_bytes += call.stats.get("host", 0)
+
+    def __repr__(self) -> str:
+        return f"BlockHandle(name={self.name!r}, mode={self._mode.label}, module={type(self.module).__name__})"
+
+
+class _RecomputeListener:
+    """Counts a block's recomputes and tells the observer (if any) when one begins and ends."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: BlockHandle) -> None:
+        self.handle = handle
+
+    def __call__(self, begin: bool) -> None:
+        handle = self.handle
+        if not begin:
+            handle.recomputes += 1
+        observer = handle.runtime.observer
+        if observer is not None:
+            observer.recompute(handle, begin)
+
+
+class Instrumentation:
+    """The record `instrument` keeps on a root model; `restore` removes it."""
+
+    def __init__(self, handles: list[BlockHandle], runtime: BlockRuntime) -> None:
+        self.handles = handles
+        self.runtime = runtime
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [h.module for h in self.handles]

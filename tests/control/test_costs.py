@@ -1,0 +1,112 @@
+"""The cost model: shape fits, and predictions learned from the run itself."""
+
+import pytest
+
+import adaptmem
+from adaptmem import ALLOWED_MODES, Mode
+from adaptmem.control.costs import CostModel
+from adaptmem.control.fits import Fit
+from adaptmem.control.recorder import StepRecorder
+from adaptmem.control.planner import predicted_peak
+from adaptmem.config.policy import load_policy
+from adaptmem.testing import SimulatedProbe
+from adaptmem.testing import SimulatedDevice
+from adaptmem.wrapping import get_instrumentation
+
+from helpers import hf_batch, llama, tiny, tiny_batch
+
+
+def test_activation_fit_scales_with_tokens_and_learns_the_quadratic_term():
+    fit = Fit("act")
+    fit.add(2, 100, 2 * 100 * 10.0)  # 10 bytes per token
+    assert fit.predict(4, 100) == pytest.approx(4000)
+    assert fit.predict(2, 50) == pytest.approx(1000)
+    assert fit.predict(2, 200, quadratic=0.5) == pytest.approx(4000 * (0.5 + 0.5 * 2))
+    truth = lambda b, s: 7.0 * b * s + 0.25 * b * s * s  # noqa: E731
+    fit = Fit("act")
+    for b, s in ((2, 128), (2, 512)):
+        fit.add(b, s, truth(b, s))
+    assert fit.predict(3, 1024) == pytest.approx(truth(3, 1024), rel=1e-6)
+
+
+def test_base_fit_is_constant_downwards_and_linear_once_two_sizes_are_seen():
+    fit = Fit("base")
+    fit.add(1, 100, 5000.0)
+    assert fit.predict(1, 50) == 5000.0
+    assert fit.predict(1, 200) == 10000.0
+    fit.add(1, 300, 7000.0)
+    assert fit.predict(1, 500) == pytest.approx(9000.0)
+
+
+class Harness:
+    """A model, a stand-in device, a recorder and a cost model, wired as the manager wires them."""
+
+    def __init__(self, model, make_batch, policy="max-savings"):
+        self.model, self.make_batch = model, make_batch
+        self.handles = adaptmem.instrument(model)
+        self.dev = SimulatedDevice()
+        self.dev.track(model)
+        self.recorder = StepRecorder(SimulatedProbe(self.dev))
+        get_instrumentation(model).runtime.observer = self.recorder
+        self.costs = CostModel([type(h.module).__name__ for h in self.handles], load_policy(policy), cuda=False)
+
+    def run(self, modes, seq, learn=True):
+        for h, m in zip(self.handles, modes):
+            h.mode = m
+        self.model.zero_grad(set_to_none=True)
+        with self.dev:
+            self.recorder.begin()
+            self.model(**self.make_batch(seq)).loss.backward()
+            sample = self.recorder.end()
+        if learn:
+            self.costs.learn(sample)
+        return sample
+
+    def predict(self, modes, sample):
+        rows = self.costs.options(sample.batch, sample.seq, ALLOWED_MODES, fixed=dict(enumerate(modes)))
+        head = self.costs.head_bytes(sample.batch, sample.seq)
+        return sample.blocks[0].start + predicted_peak([r[0] for r in rows], head)
+
+
+@pytest.fixture(params=["tiny", "hf-llama"])
+def harness(request):
+    if request.param == "tiny":
+        model = tiny(dim=128, n_layers=4, vocab_size=256)
+        return Harness(model, lambda s: tiny_batch(model, batch=4, seq=s))
+    return Harness(llama(layers=4, hidden=128), lambda s: hf_batch(batch=2, seq=s))
+
+
+def test_one_checkpoint_step_predicts_none_closely_and_every_mode_conservatively(harness):
+    harness.run([Mode.CHECKPOINT] * 4, 256)
+    for mode in ALLOWED_MODES:
+        sample = harness.run([mode] * 4, 256, learn=False)
+        predicted = harness.predict([mode] * 4, sample)
+        assert predicted >= sample.peak * 0.97, mode.label  # never far below
+        if mode in (Mode.NONE, Mode.CHECKPOINT, Mode.CHECKPOINT | Mode.OFFLOAD):
+            assert predicted <= sample.peak * 1.10, mode.label  # follow from measurements
+
+
+def test_measured_modes_predict_mixed_plans(harness):
+    for mode in ALLOWED_MODES:
+        harness.run([mode] * 4, 256)
+    for modes in ([Mode.NONE, Mode.OFFLOAD, Mode.COMPRESS, Mode.CHECKPOINT],
+                  [Mode.SELECTIVE, Mode.NONE, Mode.CHECKPOINT | Mode.OFFLOAD, Mode.NONE]):
+        sample = harness.run(modes, 256, learn=False)
+        assert harness.predict(modes, sample) == pytest.approx(sample.peak, rel=0.08)
+
+
+def test_two_lengths_predict_a_third_never_seen(harness):
+    for seq in (64, 256):
+        harness.run([Mode.NONE] * 4, seq)
+    sample = harness.run([Mode.NONE] * 4, 512, learn=False)
+    assert harness.predict([Mode.NONE] * 4, sample) == pytest.approx(sample.peak, rel=0.12)
+
+
+def test_state_round_trip_and_mismatch(harness):
+    harness.run([Mode.CHECKPOINT] * 4, 128)
+    other = CostModel(harness.costs.classes, harness.costs.policy, cuda=False)
+    other.load_state_dict(harness.costs.state_dict())
+    assert other.figures(1, Mode.NONE, 2, 300) == harness.costs.figures(1, Mode.NONE, 2, 300)
+    wrong = CostModel(["Other"] * 3, harness.costs.policy, cuda=False)
+    with pytest.raises(ValueError, match="cost model state is for 4 blocks"):
+        wrong.load_state_dict(harness.costs.state_dict())

@@ -1,0 +1,71 @@
+"""Watermarks and hysteresis: exact decision sequences, and no flip-flopping."""
+
+import pytest
+
+from adaptmem.control.decisions import ESCALATE, HOLD, RELAX, Decider
+from adaptmem.config.policy import Policy
+
+POLICY = Policy(calm_steps=3, headroom=0.9, max_headroom=0.97, min_headroom=0.5,
+                high_watermark=0.98, low_watermark=0.8, escalate_factor=0.9, relax_factor=1.03)
+
+
+def run(decider, ratios, budget=1000.0):
+    return [decider.update(r * budget, budget) for r in ratios]
+
+
+def test_in_band_holds_forever():
+    d = Decider(POLICY)
+    assert run(d, [0.85, 0.9, 0.95, 0.97] * 5) == [HOLD] * 20
+    assert d.headroom == 0.9
+
+
+def test_escalates_at_once_above_the_high_watermark():
+    d = Decider(POLICY)
+    assert run(d, [0.9, 0.99, 0.9]) == [HOLD, ESCALATE, HOLD]
+    assert d.headroom == pytest.approx(0.9 * 0.9)
+    d2 = Decider(POLICY)
+    run(d2, [1.5])  # a large overshoot shrinks more than the factor
+    assert d2.headroom == pytest.approx(0.9 * 0.98 / 1.5)
+
+
+def test_relaxes_only_after_calm_steps_and_not_above_max():
+    d = Decider(POLICY)
+    # 0.9 -> 0.927 -> 0.955 -> 0.97 (0.983 capped at max_headroom), then nothing left to relax
+    assert run(d, [0.5] * 12) == [HOLD, HOLD, RELAX] * 3 + [HOLD] * 3
+    assert d.headroom == pytest.approx(0.97)
+
+
+def test_a_step_in_band_resets_the_calm_count():
+    d = Decider(POLICY)
+    assert run(d, [0.5, 0.5, 0.85, 0.5, 0.5, 0.5]) == [HOLD, HOLD, HOLD, HOLD, HOLD, RELAX]
+
+
+def test_no_flip_flop_when_a_relaxation_goes_too_far():
+    """The load goes over the high watermark whenever headroom passes 0.92: after one
+    relax-escalate cycle the controller settles below it and holds."""
+    d = Decider(POLICY)
+    decisions, headrooms = [], []
+    for _ in range(60):
+        ratio = 0.99 if d.headroom > 0.92 else 0.7
+        decisions.append(d.update(ratio * 1000, 1000))
+        headrooms.append(d.headroom)
+    assert decisions[:4] == [HOLD, HOLD, RELAX, ESCALATE]
+    assert decisions.count(ESCALATE) == 1
+    assert d.ceiling == pytest.approx(0.9) and d.calm_needed == 6
+    assert all(h <= 0.92 for h in headrooms[4:])
+    assert decisions[-20:] == [HOLD] * 20
+
+
+def test_after_oom_backs_off_and_respects_the_floor():
+    d = Decider(POLICY)
+    for _ in range(10):
+        d.after_oom()
+    assert d.headroom == POLICY.min_headroom
+
+
+def test_state_round_trip():
+    d = Decider(POLICY)
+    run(d, [0.99, 0.5, 0.5])
+    e = Decider(POLICY)
+    e.load_state_dict(d.state_dict())
+    assert e.state_dict() == d.state_dict()

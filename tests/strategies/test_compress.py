@@ -1,0 +1,160 @@
+"""COMPRESS: codec accuracy, what passes through, and training close to exact."""
+
+import pytest
+import torch
+from torch import nn
+
+import adaptmem
+from adaptmem import CompressOptions, Mode
+from adaptmem.strategies.compress import BitPacked, Quantized, encode
+from adaptmem.strategies.packing import Packer
+from adaptmem.strategies.payloads import restore
+
+from helpers import hf_batch, llama, min_cosine, step, tiny, tiny_batch
+
+
+def roundtrip(t, **opts):
+    payload = encode(t, CompressOptions(min_bytes=0, **opts))
+    return payload, restore(payload)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (7, 33), (4, 16, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_error_is_within_half_a_step_per_group(shape, dtype):
+    torch.manual_seed(0)
+    t = (torch.randn(shape) * 3).to(dtype)
+    payload, back = roundtrip(t, group_size=64)
+    assert isinstance(payload, Quantized) and payload.codes.dtype == torch.int8
+    assert back.shape == t.shape and back.dtype == t.dtype
+    flat = t.float().reshape(-1)
+    pad = (-flat.numel()) % 64
+    groups = torch.nn.functional.pad(flat, (0, pad)).view(-1, 64)
+    step_size = groups.abs().amax(1, keepdim=True) / 127
+    bound = (step_size / 2).expand_as(groups).reshape(-1)[: flat.numel()]
+    tolerance = flat.abs() * (0.01 if dtype != torch.float32 else 0) + 1e-6
+    assert ((back.float().reshape(-1) - flat).abs() <= bound + tolerance).all()
+
+
+def test_fp8_and_bf16_relative_error():
+    torch.manual_seed(0)
+    t = torch.randn(64, 256)
+    _, fp8 = roundtrip(t, codec="fp8")
+    _, bf16 = roundtrip(t, codec="bf16")
+    rel = lambda x: ((x - t).norm() / t.norm()).item()  # noqa: E731
+    assert rel(fp8) < 0.05
+    assert rel(bf16) < 0.005
+
+
+def test_bool_masks_are_bit_packed_losslessly():
+    torch.manual_seed(0)
+    mask = torch.rand(3, 5, 37) > 0.3
+    payload, back = roundtrip(mask)
+    assert isinstance(payload, BitPacked)
+    assert payload.bits.numel() == -(-mask.numel() // 8)
+    assert torch.equal(back, mask)
+
+
+def test_zero_tensor_and_non_contiguous_input():
+    z = torch.zeros(10, 100)
+    assert torch.equal(roundtrip(z)[1], z)
+    t = torch.randn(100, 64).t()
+    assert torch.allclose(roundtrip(t)[1], t, atol=t.abs().max().item() / 100)
+
+
+def test_what_passes_through_untouched():
+    opts = CompressOptions(min_bytes=1024)
+    assert encode(torch.randn(10), opts) is None  # below min_bytes
+    assert encode(torch.arange(10_000), opts) is None  # integers
+    assert encode(torch.randn(1000).half(), CompressOptions(codec="bf16", min_bytes=0)) is None
+    assert encode(torch.rand(2000) > 0.5, CompressOptions(min_bytes=0, pack_bool=False)) is None
+
+
+def test_parameters_buffers_and_autocast_weight_copies_are_never_compressed():
+    lin = nn.Linear(64, 64)
+    lin.register_buffer("table", torch.randn(64, 64))
+    packer = Packer(lin, compress=CompressOptions(min_bytes=0))
+    assert not isinstance(packer(lin.weight), Quantized)
+    assert not isinstance(packer(lin.weight.t()), Quantized)
+    assert not isinstance(packer(lin.table), Quantized)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = lin.weight.to(torch.bfloat16)
+    assert not isinstance(packer(cast), Quantized)
+    assert isinstance(packer(torch.randn(64, 64)), Quantized)
+
+
+def test_autocast_training_keeps_weights_exact_in_saved_tensors(monkeypatch):
+    model = tiny()
+    adaptmem.instrument(model, mode=Mode.COMPRESS, compress=CompressOptions(min_bytes=0))
+    seen = []
+    original = Packer.__call__
+
+    def spy(self, t):
+        out = original(self, t)
+        if isinstance(out, Quantized):
+            seen.append(t.shape)
+        return out
+
+    monkeypatch.setattr(Packer, "__call__", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**tiny_batch(model, batch=2, seq=24)).loss  # 48 rows: no weight has that shape
+    loss.backward()
+    weight_shapes = {tuple(p.shape) for p in model.blocks.parameters() if p.dim() == 2}
+    assert seen and not any(tuple(s) in weight_shapes for s in seen)
+
+
+def test_bad_options_name_the_field():
+    with pytest.raises(ValueError, match="codec must be one of"):
+        CompressOptions(codec="int4")
+    with pytest.raises(ValueError, match="group_size must be an int >= 8"):
+        CompressOptions(group_size=2)
+    with pytest.raises(ValueError, match="min_bytes must be a non-negative int"):
+        CompressOptions(min_bytes=-5)
+
+
+def test_int8_gradients_point_the_same_way_on_hf_llama():
+    model = llama(layers=3)
+    batch = hf_batch(seq=128)
+    _, exact = step(model, batch)
+    adaptmem.instrument(model, mode=Mode.COMPRESS, compress=CompressOptions(codec="int8", min_bytes=0))
+    _, approx = step(model, batch)
+    assert min_cosine(approx, exact) >= 0.99
+
+
+def _losses(mode, codec="int8", steps=50):
+    model = tiny(dim=96, n_layers=4, vocab_size=64, dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    adaptmem.instrument(model, mode=mode, compress=CompressOptions(codec=codec, min_bytes=0))
+    gen = torch.Generator().manual_seed(0)
+    # a learnable task: each sequence repeats a short random motif
+    motifs = torch.randint(0, 64, (8, 6), generator=gen)
+    data = motifs.repeat(1, 8)
+    losses = []
+    for i in range(steps):
+        loss, _ = step(model, {"input_ids": data, "labels": data}, seed=i)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_int8_training_loss_within_two_percent_of_exact_over_50_steps():
+    exact = _losses(Mode.NONE)
+    int8 = _losses(Mode.COMPRESS)
+    assert exact[-1] < 0.5 * exact[0], "the task must be learnable for the comparison to mean anything"
+    assert abs(int8[-1] - exact[-1]) <= 0.02 * exact[-1]
+
+
+@pytest.mark.parametrize("codec,min_cos", [("bf16", 0.999), ("fp8", 0.95)])
+def test_bf16_and_fp8_errors_are_reported(codec, min_cos, record_property, capsys):
+    model = llama(layers=3)
+    batch = hf_batch(seq=128)
+    _, exact = step(model, batch)
+    handles = adaptmem.instrument(model, mode=Mode.COMPRESS, compress=CompressOptions(codec=codec, min_bytes=0))
+    _, approx = step(model, batch)
+    cos = min_cosine(approx, exact)
+    rel = max(((approx[n] - exact[n]).norm() / exact[n].norm()).item() for n in exact)
+    record_property(f"{codec}_min_grad_cosine", cos)
+    record_property(f"{codec}_max_grad_rel_error", rel)
+    with capsys.disabled():
+        print(f"\n[compress {codec}] min gradient cosine {cos:.6f}, max relative gradient error {rel:.4%}")
+    assert handles[0].compress_options.codec == codec
+    assert cos >= min_cos

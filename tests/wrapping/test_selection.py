@@ -1,0 +1,126 @@
+import pytest
+import torch
+from torch import nn
+
+import adaptmem
+from adaptmem.wrapping import find_blocks
+from adaptmem.demo.tiny import Block
+
+from helpers import gpt2, llama, tiny
+
+
+def names(model, blocks="auto"):
+    return [n for n, _ in find_blocks(model, blocks)]
+
+
+def test_auto_finds_the_tiny_stack():
+    assert names(tiny()) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+
+
+def test_auto_finds_hf_llama_layers():
+    assert names(llama(layers=3)) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+
+
+def test_auto_finds_hf_gpt2_h():
+    assert names(gpt2(layers=3)) == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+
+
+class MoELayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(8))
+
+    def forward(self, x):
+        return sum(e(x) for e in self.experts)
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(MoELayer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_auto_prefers_the_outer_stack_over_longer_expert_lists():
+    assert names(MoE()) == ["layers.0", "layers.1", "layers.2"]
+
+
+class EncDec(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.decoder = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+
+def test_auto_takes_every_stack_of_the_longest_length():
+    assert names(EncDec()) == [f"encoder.{i}" for i in range(3)] + [f"decoder.{i}" for i in range(3)]
+
+
+def test_class_class_name_and_tuple():
+    model = tiny()
+    assert names(model, Block) == names(model)
+    assert names(model, "Block") == names(model)
+    assert names(model, ("Attention", nn.LayerNorm))[:3] == ["blocks.0.norm1", "blocks.0.attn", "blocks.0.norm2"]
+
+
+def test_regex_matches_whole_name_or_dotted_suffix():
+    model = llama(layers=4)
+    assert names(model, r"layers\.[02]") == ["model.layers.0", "model.layers.2"]
+    assert names(model, r"model\.layers\.3") == ["model.layers.3"]
+    assert names(model, r"mlp") == [f"model.layers.{i}.mlp" for i in range(4)]
+
+
+def test_filter_function_and_module_list():
+    model = tiny()
+    picked = names(model, lambda m, n: n.endswith(".attn"))
+    assert picked == [f"blocks.{i}.attn" for i in range(4)]
+    assert names(model, [model.blocks[2], model.blocks[0]]) == ["blocks.0", "blocks.2"]
+
+
+def test_nothing_matched_lists_what_the_model_has():
+    with pytest.raises(ValueError) as err:
+        find_blocks(llama(layers=2), "DecoderBlockThatIsNotThere")
+    text = str(err.value)
+    assert "no blocks matched" in text
+    assert "model.layers (2 x LlamaDecoderLayer)" in text
+    assert "LlamaDecoderLayer x2" in text
+
+
+def test_model_without_any_stack_is_explained():
+    with pytest.raises(ValueError, match="Its module stacks: none"):
+        find_blocks(nn.Linear(3, 3))
+
+
+def test_nested_selection_is_rejected():
+    model = tiny()
+    with pytest.raises(ValueError, match="block 'blocks.0' contains block 'blocks.0.attn'"):
+        find_blocks(model, [model.blocks[0], model.blocks[0].attn])
+
+
+def test_foreign_module_and_bad_types():
+    model = tiny()
+    with pytest.raises(ValueError, match="is not a submodule"):
+        find_blocks(model, [nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match="torch.nn.Module subclass"):
+        find_blocks(model, int)
+    with pytest.raises(ValueError, match="neither a class name in the model nor a valid regex"):
+        find_blocks(model, "blocks.(")
+    with pytest.raises(ValueError, match=r"block class name\(s\) \['Nope'\] do not occur"):
+        find_blocks(model, ("Block", "Nope"))
+    with pytest.raises(TypeError, match="blocks must be 'auto'"):
+        find_blocks(model, 3.5)
+
+
+def test_instrument_uses_the_same_selection_rules():
+    model = tiny()
+    handles = adaptmem.instrument(model, r"blocks\.[13]")
+    assert [h.name for h in handles] == ["blocks.1", "blocks.3"]
+    assert [h.index for h in handles] == [0, 1]
+    assert handles[0].module is model.blocks[1]
+    x = torch.randint(0, 128, (1, 8))
+    model(x)  # still runs
