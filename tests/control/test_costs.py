@@ -1,11 +1,15 @@
 """The cost model: shape fits, and predictions learned from the run itself."""
 
+from dataclasses import fields, replace
+
 import pytest
 
 import adaptmem
 from adaptmem import ALLOWED_MODES, Mode
 from adaptmem.control.costs import CostModel
-from adaptmem.control.fits import Fit
+from adaptmem.control.fits import MAX_SHAPES, Fit
+from adaptmem.control.plans import MAX_CACHED_PLANS
+from adaptmem.control.priors import DERIVATIONS, HOST_PRIORS, Assumptions, Latents, Priors
 from adaptmem.control.recorder import StepRecorder
 from adaptmem.control.planner import predicted_peak
 from adaptmem.config.policy import load_policy
@@ -36,6 +40,52 @@ def test_base_fit_is_constant_downwards_and_linear_once_two_sizes_are_seen():
     assert fit.predict(1, 200) == 10000.0
     fit.add(1, 300, 7000.0)
     assert fit.predict(1, 500) == pytest.approx(9000.0)
+
+
+def test_the_shape_cache_forgets_the_least_recently_used_shape():
+    fit = Fit("act")
+    for seq in range(1, MAX_SHAPES + 1):
+        fit.add(1, seq, float(seq))
+    fit.add(1, 1, 1.0)  # the first shape seen comes back: now the most recent
+    fit.add(1, 1000, 1000.0)  # one too many: the least recently used, seq=2, goes
+    assert (1, 1) in fit.points and (1, 2) not in fit.points and len(fit.points) == MAX_SHAPES
+    assert Fit.from_state(fit.state_dict()).points == fit.points  # order kept through a resume
+
+
+def test_the_plan_cache_forgets_the_least_recently_used_bucket():
+    model = tiny(n_layers=2)
+    with adaptmem.manage(model, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31)) as mem:
+        with mem.step():
+            model(**tiny_batch(model)).loss.backward()
+        book = mem.plans
+        for seq in range(1, MAX_CACHED_PLANS + 1):
+            book.choose(seq, 64, 0, mem.budget)
+        book.choose(1, 64, 0, mem.budget)  # used again
+        book.choose(999, 64, 0, mem.budget)
+        keys = list(book.cache)
+    assert len(keys) == MAX_CACHED_PLANS and book.bucket(1, 64) in keys and book.bucket(2, 64) not in keys
+
+
+def test_every_mode_has_a_documented_derivation_and_priors_are_named():
+    for mode in ALLOWED_MODES:
+        derive = DERIVATIONS[mode]
+        assert derive.__doc__ and len(derive.__doc__.split()) >= 4, mode.label
+    assert {f.name for f in fields(Priors)} >= {"link_bytes_per_s", "hidden_share", "codec_bytes_per_s",
+                                                 "selective_keep_share", "selective_recompute_share"}
+
+
+def test_a_faster_link_makes_offload_cheaper_and_nothing_else():
+    lat = Latents(input_bytes=1e6, output_growth=0.0, activations=8e6, backward_temp=2e6,
+                  forward_transient=9e6, forward_s=0.01, recompute_s=0.01, none_s=0.03)
+    slow = Assumptions(HOST_PRIORS, guess=1.25, kappa=0.27)
+    fast = Assumptions(replace(HOST_PRIORS, link_bytes_per_s=2 * HOST_PRIORS.link_bytes_per_s), 1.25, 0.27)
+    for mode in ALLOWED_MODES:
+        a, b = DERIVATIONS[mode](lat, slow), DERIVATIONS[mode](lat, fast)
+        assert (a.held, a.fx, a.wx, a.host) == (b.held, b.fx, b.wx, b.host), mode.label
+        if Mode.OFFLOAD in mode:
+            assert b.seconds < a.seconds, mode.label
+        else:
+            assert b.seconds == a.seconds, mode.label
 
 
 class Harness:

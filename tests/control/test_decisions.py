@@ -63,9 +63,24 @@ def test_after_oom_backs_off_and_respects_the_floor():
     assert d.headroom == POLICY.min_headroom
 
 
-def test_state_round_trip():
-    d = Decider(POLICY)
-    run(d, [0.99, 0.5, 0.5])
-    e = Decider(POLICY)
-    e.load_state_dict(d.state_dict())
-    assert e.state_dict() == d.state_dict()
+def load(ratio_at):
+    """The load of the no-flip-flop test: over the high watermark whenever headroom passes 0.92."""
+    return lambda d: 0.99 if d.headroom > 0.92 else ratio_at
+
+
+@pytest.mark.parametrize("cut", range(1, 12))
+def test_a_resumed_decider_decides_as_an_uninterrupted_one(cut):
+    """Saved at any step (also just after a relaxation, when the next escalation must cap
+    the ceiling and double the calm steps), a resumed decider decides exactly as one that
+    never stopped."""
+    load_of = load(0.7)
+    straight = Decider(POLICY)
+    expected = [straight.update(load_of(straight) * 1000, 1000) for _ in range(30)]
+    first = Decider(POLICY)
+    got = [first.update(load_of(first) * 1000, 1000) for _ in range(cut)]
+    resumed = Decider(POLICY)
+    resumed.load_state_dict(first.state_dict())
+    got += [resumed.update(load_of(resumed) * 1000, 1000) for _ in range(30 - cut)]
+    assert got == expected
+    assert resumed.state_dict() == straight.state_dict()
+    assert expected.count(RELAX) >= 1 and expected.count(ESCALATE) == 1  # the scenario has both

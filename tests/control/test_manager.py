@@ -3,7 +3,6 @@
 import copy
 import threading
 from collections import Counter
-import time
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ def uniform_peak(make, make_batch, mode):
     return measure_peak(model, lambda: make_batch(model), mode=mode, optimizer=opt, steps=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
 def test_peak_stays_within_budget_after_the_first_step(name):
     make, make_batch = models()[name]
@@ -81,6 +81,7 @@ def ladder_rank(plan_counts):
     return sum(labels.index(label) * n for label, n in plan_counts.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
 def test_varying_lengths_survive_and_the_plan_relaxes_after_the_spike(name):
     make, make_batch = models()[name]
@@ -124,6 +125,7 @@ def clean_grads(model, batches):
     return {n: p.grad.clone() for n, p in ref.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
 def test_injected_ooms_are_recovered_with_exact_gradients(name):
     make, make_batch = models()[name]
@@ -263,10 +265,7 @@ def test_the_daemon_tightens_blocks_not_yet_run_when_others_take_memory(name):
 
         def squeeze(module, args):  # another process takes memory while block 2 is about to run
             dev.occupy(int(unmanaged * 1.9))
-            start = time.perf_counter()
-            while mem.pressure_events == 0 and time.perf_counter() - start < 5:
-                time.sleep(0.002)
-            seen["seconds"] = time.perf_counter() - start
+            mem.sampler.wait_ticks(1)  # a whole tick after the squeeze, however loaded the machine
             seen["modes"] = [h.mode for h in mem.handles]
 
         hook = mem.handles[2].module.register_forward_pre_hook(squeeze)
@@ -275,7 +274,7 @@ def test_the_daemon_tightens_blocks_not_yet_run_when_others_take_memory(name):
         hook.remove()
         step = mem.events.of_type("step")[-1]
         pressure = mem.events.of_type("pressure")
-    assert mem.pressure_events == 1 and seen["seconds"] < 2
+    assert mem.pressure_events == 1
     assert seen["modes"][:2] == [Mode.NONE, Mode.NONE]  # already ran: untouched
     assert any(m is not Mode.NONE for m in seen["modes"][2:])  # not yet run: tighter
     assert pressure[0]["budget_bytes"] < pressure[0]["budget_bytes_before"]
@@ -298,8 +297,8 @@ def test_a_failing_sampler_tick_is_logged_and_sampling_goes_on(caplog):
             return real()
 
         mem.probe.external = flaky
-        time.sleep(0.3)
-        sampler = mem._sampler
+        sampler = mem.sampler
+        assert sampler.wait_ticks(5)
         assert sampler.errors >= 2 and sampler.ticks >= 5 and sampler.is_alive()
     assert not sampler.is_alive()
     assert "background sampler error" in caplog.text
@@ -319,6 +318,7 @@ def test_exit_restores_the_model_and_stops_the_thread_even_on_error():
     assert not any(t.name == "adaptmem-sampler" for t in threading.enumerate())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
 def test_resumed_manager_starts_with_the_same_plan(tmp_path, name):
     make, make_batch = models()[name]
@@ -417,7 +417,7 @@ def test_event_log_is_jsonl_with_steps_plans_and_ooms(tmp_path):
         for seq in (64, 256):
             mem.run_step(lambda s=seq: model(**make_batch(model, s)).loss.backward())
         mem.run_step(squeezed_once)
-        time.sleep(3 * mem.policy.sample_interval_s)
+        mem.sampler.wait_ticks(1)
         assert path.stat().st_size > 0  # written by the background thread before the end
     records = read_log(path)
     kinds = [r["type"] for r in records]
@@ -435,12 +435,11 @@ def test_event_log_is_jsonl_with_steps_plans_and_ooms(tmp_path):
 
 @pytest.mark.parametrize("name,expected", [
     ("every-2", ["NONE", "CHECKPOINT"] * 4),
-    ("sqrt-n", ["NONE", "NONE", "NONE", "CHECKPOINT"] * 2),  # round(sqrt(8)) = 3 -> every 3rd
+    # round(sqrt(8)) = 3: every third block
+    ("sqrt-n", ["NONE", "NONE", "CHECKPOINT", "NONE", "NONE", "CHECKPOINT", "NONE", "NONE"]),
 ])
 def test_static_policies(name, expected):
     model = tiny(n_layers=8)
-    if name == "sqrt-n":
-        expected = ["CHECKPOINT" if (i + 1) % 3 == 0 else "NONE" for i in range(8)]
     with adaptmem.manage(model, policy=name, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31)) as mem:
         for _ in range(2):
             with mem.step():

@@ -48,9 +48,11 @@ def test_same_objective_as_brute_force(seed):
 def test_large_byte_counts_never_exceed_capacity(seed):
     rng = random.Random(100 + seed)
     options = random_instance(rng, 30, 6, scale=10**7 + 13)
-    capacity = 30 * 40 * (10**7) * 0.6
-    result = plan(options, capacity, final=3e7, bins=512)
-    if result.feasible:
+    roomy = 30 * 40 * (10**7) * 0.6
+    tight = tightest_capacity(options, 3e7, bins=512) * 1.002  # at the edge, where rounding matters
+    for capacity in (roomy, tight):
+        result = plan(options, capacity, final=3e7, bins=512)
+        assert result.feasible, capacity
         assert result.peak <= capacity
 
 

@@ -29,7 +29,20 @@ def test_lossless_mode_equals_none(name, mode):
     reference = step(model, batch)
     handles = adaptmem.instrument(model, mode=mode)
     assert_same(step(model, batch), reference)
-    assert all(h.calls == 1 for h in handles)
+    assert_mode_ran(handles, mode)
+
+
+def assert_mode_ran(handles, mode):
+    """Equal gradients prove nothing if the mode did not run: each block's counters show it did."""
+    for h in handles:
+        assert h.calls == 1, h
+        assert h.recomputes == (1 if mode.recomputes else 0), (h, h.recomputes)
+        if Mode.OFFLOAD in mode:
+            assert h.host_bytes > 0, h
+        else:
+            assert h.host_bytes == 0, h
+        if mode in (Mode.OFFLOAD, Mode.CHECKPOINT | Mode.OFFLOAD):
+            assert h.packed_bytes > 0, h
 
 
 def test_mixed_modes_across_blocks_equal_none():
@@ -40,6 +53,8 @@ def test_mixed_modes_across_blocks_equal_none():
     for handle, mode in zip(handles, RECOMPUTED_OR_MOVED + [Mode.NONE]):
         handle.mode = mode
     assert_same(step(model, batch), reference)
+    for handle, mode in zip(handles, RECOMPUTED_OR_MOVED + [Mode.NONE]):
+        assert_mode_ran([handle], mode)
 
 
 def _train(model, batches, on_step=None, install=None, steps=3):
