@@ -59,6 +59,7 @@ class MemoryManager(Reactions):
                  device: Any = None, blocks: BlockSelection = "auto", log: str | None = None) -> None:
         self.policy = p = load_policy(policy)
         self.probe = make_probe(device)
+        self._device = device
         existing = get_instrumentation(model)
         if existing is not None and existing.runtime.observer is not None:
             raise RuntimeError("this model is already managed by another adaptmem.manage(); close that one first")
@@ -107,7 +108,9 @@ class MemoryManager(Reactions):
         self._sampler = Sampler(self._tick, self.events.flush, p.sample_interval_s)
         self._sampler.start()
         self._runtime.observer = self  # held weakly: dropping the manager does not keep it alive
-        self._finalizer = weakref.finalize(self, _shut_down, self._sampler, self.events, self.probe)
+        made_here = self.probe is not self._device  # a probe the user passed in stays open for them
+        self._finalizer = weakref.finalize(self, _shut_down, self._sampler, self.events,
+                                           self.probe if made_here else None)
         self.events.emit("start", step=0, schema=SCHEMA_VERSION, policy=p.name, device=self.probe.name,
                          budget_bytes=self.budget, capacity_bytes=self.budgets.capacity,
                          blocks=[h.name for h in self.handles],
