@@ -81,3 +81,131 @@ def min_cosine(grads: dict, reference: dict) -> float:
         torch.nn.functional.cosine_similarity(grads[n].flatten().double(), reference[n].flatten().double(), dim=0).item()
         for n in reference
     )
+
+
+# ------------------------------------------------------------------ vision and mixed models
+class _Out:
+    def __init__(self, loss, logits):
+        self.loss, self.logits = loss, logits
+
+
+class ConvBlock(torch.nn.Module):
+    """A residual conv stage: conv, batch norm, ReLU, channel dropout, conv, batch norm."""
+
+    def __init__(self, channels: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+            nn.Dropout2d(dropout), nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+class SmallCNN(torch.nn.Module):
+    """``model(images, labels) -> .loss``: a stem, four residual stages with batch norm, a head."""
+
+    def __init__(self, channels: int = 16, stages: int = 4, classes: int = 10, dropout: float = 0.1) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        self.stages = nn.Sequential(*[ConvBlock(channels, dropout) for _ in range(stages)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> _Out:
+        x = self.stages(self.stem(images))
+        logits = self.head(x.mean(dim=(2, 3)))
+        loss = torch.nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return _Out(loss, logits)
+
+
+class MixedBlock(torch.nn.Module):
+    """Attention with layer norm, then an MLP whose hidden features pass a BatchNorm1d."""
+
+    def __init__(self, dim: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 4, dropout=dropout, batch_first=True)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.bn = nn.BatchNorm1d(2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        u = self.bn(self.up(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.drop(self.down(torch.nn.functional.gelu(u)))
+
+
+class MixedModel(torch.nn.Module):
+    """``model(input_ids, labels) -> .loss``: token embeddings, mixed blocks, a head."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(MixedBlock(dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> _Out:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return _Out(loss, logits)
+
+
+def cnn(**kwargs) -> SmallCNN:
+    torch.manual_seed(0)
+    return SmallCNN(**kwargs)
+
+
+def image_batch(batch: int = 4, size: int = 16, classes: int = 10, seed: int = 1) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"images": torch.randn(batch, 3, size, size, generator=gen),
+            "labels": torch.randint(0, classes, (batch,), generator=gen)}
+
+
+def mixed(**kwargs) -> MixedModel:
+    torch.manual_seed(0)
+    return MixedModel(**kwargs)
+
+
+def mixed_batch(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 1) -> dict:
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Everything a training step leaves behind, by value: parameters, gradients, buffers
+    (running statistics and counters), the RNG state and the optimizer's state."""
+    state = {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "rng": torch.get_rng_state(),
+    }
+    if optimizer is not None:
+        state["optimizer"] = {
+            (i, k): v.detach().clone() for i, s in enumerate(optimizer.state.values())
+            for k, v in s.items() if isinstance(v, torch.Tensor)
+        }
+    return state
+
+
+def assert_same_state(got: dict, expected: dict) -> None:
+    """Two `training_state`s equal bit for bit, part by part."""
+    assert got.keys() == expected.keys()
+    for part in expected:
+        if part == "rng":
+            assert torch.equal(got["rng"], expected["rng"]), "RNG state differs"
+            continue
+        assert got[part].keys() == expected[part].keys(), part
+        bad = [k for k in expected[part] if not torch.equal(got[part][k], expected[part][k])]
+        assert not bad, f"{part} differ: {bad[:4]}"

@@ -115,6 +115,9 @@ class Policy(BaseModel):
     accumulation_snapshot: Literal["device", "host", "off"] = "device"
     "Before an existing .grad is accumulated into, copy it (on the device or host) so an OOM retry restores it exactly; 'off' makes such an OOM an error."
 
+    buffer_snapshot_limit: int = Field(256 * 2**20, ge=0)
+    "Before each run_step the model's buffers are copied to the host, up to this many bytes in all, so a retry puts back what a failed attempt changed (bytes)."
+
     empty_cache_on_oom: bool = True
     "After an out-of-memory error, release PyTorch's cached CUDA blocks before retrying."
 

@@ -102,7 +102,6 @@ class MemoryManager(Reactions):
         self.errors: list[float] = []
         self.decisions: Counter = Counter()
         self._last_failure: dict = {}
-        self._mutable_buffers: set[int] | None = None  # buffers a step changes; None: not known yet
         self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
         self._runtime = get_instrumentation(model).runtime
         self._sampler = Sampler(self._tick, self.events.flush, p.sample_interval_s)
@@ -208,7 +207,7 @@ class MemoryManager(Reactions):
     def run_step(self, fn: Callable[..., Any], *args: Any, label: Any = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a forward and backward, no optimizer step) as one
         step; after an out-of-memory error, free, tighten the plan and run it again."""
-        guard = StepGuard(self.model, self.policy.accumulation_snapshot, mutable=self._mutable_buffers)
+        guard = StepGuard(self.model, self.policy.accumulation_snapshot, buffer_limit=self.policy.buffer_snapshot_limit)
         attempts: list[dict] = []
         try:
             for attempt in range(self.policy.max_retries + 1):
@@ -220,7 +219,6 @@ class MemoryManager(Reactions):
                     attempts.append(dict(self._last_failure))
                 else:
                     self.ooms_recovered += len(attempts)
-                    self._mutable_buffers = (self._mutable_buffers or set()) | guard.changed_buffers()
                     return result
                 guard.restore()
                 self._free_after_oom()

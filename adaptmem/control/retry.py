@@ -1,19 +1,25 @@
-"""Retrying a step after an out-of-memory error, with the gradients left exact.
+"""Retrying a step after an out-of-memory error, with the training state left exact.
 
 A failed attempt changes state that a clean step would not have: it drew
-random numbers (dropout), may have updated buffers in forward (BatchNorm's
-running statistics), and may have written gradients: fresh `.grad` tensors
-where there were none, and additions into `.grad` tensors that already held the
-sum of earlier micro-batches. `StepGuard` undoes all of it. RNG states (CPU
-and every initialized CUDA device) are put back, buffers from a host copy. Fresh ones are dropped. An
-existing one is copied just before backward first accumulates into it (a hook
-on the parameter runs before accumulation), so a retry starts from exactly the
-gradients the attempt started from, and accumulation itself happens in place
-as PyTorch always does it: the recovered step's gradients equal those of a
-clean step bit for bit.
+random numbers (dropout), may have updated buffers in forward (normalization
+running statistics, updated in place *without* bumping the tensor version), and
+may have written gradients: fresh `.grad` tensors where there were none,
+additions into `.grad` tensors that already held the sum of earlier
+micro-batches, or a `zero_grad()` the step function itself calls between
+forward and backward. `StepGuard` undoes all of it:
 
-With `accumulation_snapshot="off"` nothing is copied; an OOM after an existing
-gradient was changed then raises `InexactRetryError` instead of double counting.
+  - RNG states (CPU and every initialized CUDA device) are put back;
+  - every buffer is copied to the host by value when the guard is made (up to
+    the policy's `buffer_snapshot_limit`), and put back where its values differ;
+  - fresh gradients are dropped; an existing one is copied just before backward
+    first accumulates into it (a hook on the parameter runs before
+    accumulation), and one the step function replaced (`zero_grad(set_to_none=True)`)
+    gets its untouched original back; one it zeroed in place (`zero_grad()`)
+    stays zeroed, as the retry zeroes it again.
+
+Accumulation itself happens in place as PyTorch always does it: the recovered
+step's state equals that of a clean step bit for bit. Where that cannot be
+promised, `InexactRetryError` names the cause and the setting that avoids it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import torch
 
 from adaptmem.config.units import format_bytes
+from adaptmem.devices.tiers import host_allocations
 
 
 class StepOutOfMemoryError(torch.OutOfMemoryError):
@@ -35,29 +42,29 @@ class StepOutOfMemoryError(torch.OutOfMemoryError):
 
 
 class InexactRetryError(RuntimeError):
-    """A retry could not restore the gradients exactly."""
+    """A retry could not restore the training state exactly; the message says why and what avoids it."""
 
 
 class StepGuard:
     """Remembers what a step may change (gradients, RNG, buffers) so a failed attempt can be undone.
 
-    Buffers named in `mutable` (all of them when None) are copied to the host, up
-    to `buffer_limit` bytes in all; the others are only watched, and a failed
-    attempt that changed one of them is an error.
+    Args:
+        model: the managed model.
+        snapshot: the policy's `accumulation_snapshot` ("device", "host" or "off").
+        buffer_limit: the policy's `buffer_snapshot_limit` (bytes): buffers past it are not copied.
     """
 
-    def __init__(self, model: torch.nn.Module, snapshot: str = "device", *,
-                 mutable: set[int] | None = None, buffer_limit: int = 256 * 2**20) -> None:
+    def __init__(self, model: torch.nn.Module, snapshot: str = "device", *, buffer_limit: int = 256 * 2**20) -> None:
         self.snapshot = snapshot
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         buffers = list(model.buffers())
-        self.buffer_versions = [(b, b._version) for b in buffers]
-        copied = [b for b in buffers if mutable is None or id(b) in mutable]
-        total = sum(b.numel() * b.element_size() for b in copied)
-        self.buffer_copies: dict[int, torch.Tensor] | None = (
-            {id(b): b.detach().to("cpu", copy=True) for b in copied} if total <= buffer_limit else None
-        )
+        self.buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
+        self.buffer_limit = buffer_limit
+        self.buffer_copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.buffer_bytes <= buffer_limit:
+            with torch.no_grad(), host_allocations():
+                self.buffer_copies = [(b, b.detach().to("cpu", copy=True)) for b in buffers]
         params = model.parameters()
         self.params = [p for p in params if p.requires_grad]
         self.existing = {p: p.grad for p in self.params if p.grad is not None}
@@ -82,6 +89,7 @@ class StepGuard:
 
     def restore(self) -> None:
         """Put gradients, RNG states and buffers back as they were when the guard was made."""
+        self._check_gradients()
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -93,35 +101,43 @@ class StepGuard:
             if p in self.saved:
                 copy = self.saved[p]
                 p.grad = copy.to(grad.device) if copy.device != grad.device else copy
-            elif p.grad is not grad or grad._version != self.versions[p]:
-                raise InexactRetryError(
-                    "adaptmem: out of memory after gradients from earlier micro-batches were partly "
-                    "updated, and the policy keeps no copy (accumulation_snapshot='off'), so the step "
-                    "cannot be retried exactly. Use accumulation_snapshot='device' or 'host'."
-                )
+            else:
+                p.grad = grad  # untouched, or zeroed in place by the step function (which zeroes it again)
         self.saved.clear()
         self.versions = {p: g._version for p, g in ((p, p.grad) for p in self.existing)}
         self.existing = {p: p.grad for p in self.existing}
 
-    def changed_buffers(self) -> set[int]:
-        """ids of the buffers whose contents changed since the guard was made."""
-        return {id(b) for b, v in self.buffer_versions if b._version != v}
-
-    def _restore_buffers(self) -> None:
-        changed = [b for b, v in self.buffer_versions if b._version != v]
+    def _check_gradients(self) -> None:
+        """Refuse, before changing anything, a retry that could not be exact."""
+        changed = [p for p, g in self.existing.items() if p not in self.saved and g._version != self.versions[p]]
         if not changed:
             return
-        copies = self.buffer_copies or {}
-        missing = [b for b in changed if id(b) not in copies]
-        if missing:
+        if self.snapshot == "off":
             raise InexactRetryError(
-                f"adaptmem: out of memory after the forward changed {len(missing)} model buffer(s) "
-                "(e.g. BatchNorm statistics) that had no copy, so the step cannot be retried exactly"
+                f"adaptmem: out of memory after {len(changed)} gradient(s) from earlier micro-batches were "
+                "partly updated, and the policy keeps no copy (accumulation_snapshot='off'), so the step "
+                "cannot be retried exactly. Set accumulation_snapshot='device' (or 'host') in the policy."
+            )
+        scaled = [p for p in changed if bool(self.existing[p].detach().ne(0).any())]
+        if scaled:
+            raise InexactRetryError(
+                f"adaptmem: the step function changed {len(scaled)} existing gradient(s) in place before "
+                "backward (something other than zero_grad), which a retry would apply twice. Make that "
+                "change outside the function given to run_step (after it returns)."
+            )
+
+    def _restore_buffers(self) -> None:
+        if self.buffer_copies is None:
+            raise InexactRetryError(
+                f"adaptmem: the model's buffers take {format_bytes(self.buffer_bytes)}, more than the "
+                f"{format_bytes(self.buffer_limit)} copied before each step, so a retry cannot put back "
+                "what the failed attempt changed in them (normalization statistics, say). Raise "
+                "buffer_snapshot_limit in the policy."
             )
         with torch.no_grad():
-            for buf in changed:
-                buf.copy_(copies[id(buf)])
-        self.buffer_versions = [(b, b._version) for b, _ in self.buffer_versions]
+            for buffer, copy in self.buffer_copies:
+                if not torch.equal(buffer, copy.to(buffer.device)):
+                    buffer.copy_(copy)
 
     def close(self) -> None:
         for handle in self._hooks:

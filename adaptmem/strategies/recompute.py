@@ -13,15 +13,14 @@ the checkpoint (inside the checkpoint, checkpoint's own hooks are innermost).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 from adaptmem.strategies.call import BlockCall
@@ -86,15 +85,17 @@ def draws_randomness(op: Any, args: tuple, kwargs: dict) -> bool:
     return float(p) > 0.0
 
 
-_selective_contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+def selective_contexts() -> tuple[Any, Any]:
+    """The context pair of SELECTIVE: a plain function, so torch.compile can trace the checkpoint."""
+    return create_selective_checkpoint_contexts(selective_policy)
 
 
 def run_checkpoint(call: BlockCall) -> Any:
-    return _checkpointed(call, noop_context_fn)
+    return _checkpointed(call, None)
 
 
 def run_selective(call: BlockCall) -> Any:
-    return _checkpointed(call, _selective_contexts)
+    return _checkpointed(call, selective_contexts)
 
 
 def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
@@ -102,35 +103,84 @@ def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
     packer = Packer(call.module, offload=call.offload, runtime=call.offload_runtime,
                     grad_only=True, stats=call.stats)
     with torch.autograd.graph.saved_tensors_hooks(packer, restore):
-        return _checkpointed(call, noop_context_fn)
+        return _checkpointed(call, None)
+
+
+class BlockRun:
+    """The function checkpoint runs: the block's forward, once in forward and again as the
+    recompute in backward.
+
+    The recompute must leave the block's state as forward left it. Normalization
+    layers update their running statistics in place (without bumping the tensor
+    version), so a recompute would apply the update a second time: the block's
+    buffers are copied by value as a recompute begins and put back as it ends
+    (only those it changed, so a buffer autograd saved keeps its version). It
+    holds the module, the forward and the listener, never the call's arguments:
+    checkpoint keeps it alive until backward.
+    """
+
+    __slots__ = ("module", "forward", "n_args", "tensor_keys", "static", "notify", "runs")
+
+    def __init__(self, call: BlockCall, tensor_keys: list[str], static: dict) -> None:
+        self.module = call.module
+        self.forward = call.forward
+        self.n_args = len(call.args)
+        self.tensor_keys = tensor_keys
+        self.static = static
+        self.notify = call.on_recompute
+        self.runs = 0
+
+    def _forward(self, flat: tuple) -> Any:
+        n = self.n_args
+        return self.forward(*flat[:n], **self.static, **dict(zip(self.tensor_keys, flat[n:])))
+
+    def __call__(self, *flat: Any) -> Any:
+        if torch.compiler.is_compiling():  # compiled: the recompute is part of the compiled backward
+            return self._forward(flat)
+        self.runs += 1
+        if self.runs == 1:
+            return self._forward(flat)
+        if self.notify is not None:
+            self.notify(True)  # a rerun is the recompute, inside backward
+        state = keep_buffers(self.module)
+        try:
+            return self._forward(flat)
+        finally:
+            put_back_buffers(state)
+            if self.notify is not None:
+                self.notify(False)
+
+
+def keep_buffers(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(buffer, a copy of its values) for every buffer of `module`.
+
+    Outside any dispatch mode: under SELECTIVE the recompute runs inside
+    PyTorch's caching mode, which refuses ops the forward did not run.
+    """
+    with torch.no_grad(), _disable_current_modes():
+        return [(b, b.detach().clone()) for b in module.buffers()]
+
+
+def put_back_buffers(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy back the values of the buffers that changed since `keep_buffers`."""
+    with torch.no_grad(), _disable_current_modes():
+        for buffer, copy in state:
+            if not torch.equal(buffer, copy):
+                buffer.copy_(copy)
 
 
 def _checkpointed(call: BlockCall, context_fn: Any) -> Any:
     kwargs = without_cache(call, call.kwargs)
     tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     static = {k: v for k, v in kwargs.items() if k not in tensor_keys}
-    n_args = len(call.args)
-    forward = call.forward
-    notify = call.on_recompute  # not `call`: checkpoint keeps `run` alive, and call.args would pin the inputs
-    runs = [0]
-
-    def run(*flat: Any) -> Any:
-        runs[0] += 1
-        if runs[0] == 1 or notify is None:
-            return forward(*flat[:n_args], **static, **dict(zip(tensor_keys, flat[n_args:])))
-        notify(True)  # a rerun is the recompute, inside backward
-        try:
-            return forward(*flat[:n_args], **static, **dict(zip(tensor_keys, flat[n_args:])))
-        finally:
-            notify(False)
-
+    options = {} if context_fn is None else {"context_fn": context_fn}  # the default is what torch.compile expects
     return checkpoint(
-        run,
+        BlockRun(call, tensor_keys, static),
         *call.args,
         *(kwargs[k] for k in tensor_keys),
         use_reentrant=False,
         preserve_rng_state=True,
-        context_fn=context_fn,
+        **options,
     )
 
 
