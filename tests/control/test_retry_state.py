@@ -79,3 +79,72 @@ def test_a_recovered_oom_leaves_the_whole_state_exact(name, where):
     make, make_batch, _, _ = MODELS[name]
     expected = run(make, make_batch, managed=False)
     assert_same_state(run(make, make_batch, managed=True, where=where), expected)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["no-accumulation", "accumulate-2"])
+def test_a_step_that_zeroes_gradients_between_forward_and_backward_is_retried_exactly(set_to_none, where, accumulate):
+    """Lightning's closure calls zero_grad between forward and backward, at the first
+    micro-batch of each accumulation window; every micro-batch runs out of memory once."""
+
+    def run(managed):
+        model = mixed()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        mem = injector = None
+        if managed:
+            injector = Injector(model.blocks[1], model.blocks[1].up, where)
+            policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0})
+            mem = adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31))
+        torch.manual_seed(11)
+        for i in range(4):
+
+            def closure(batch=mixed_batch(seed=i), first=(i % accumulate == 0)):
+                loss = model(**batch).loss
+                if first:
+                    opt.zero_grad(set_to_none=set_to_none)
+                loss.backward()
+
+            if managed:
+                injector.armed = True
+                mem.run_step(closure)
+            else:
+                closure()
+            if (i + 1) % accumulate == 0:
+                opt.step()
+        if managed:
+            assert injector.fired == 4 and mem.summary()["ooms_recovered"] == 4
+            mem.close()
+        return training_state(model, opt)
+
+    assert_same_state(run(managed=True), run(managed=False))
+
+
+def test_a_step_that_scales_gradients_in_place_is_refused_with_the_cause():
+    model = mixed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    injector = Injector(model.blocks[1], model.blocks[1].up, "backward")
+    policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0})
+    with adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31)) as mem:
+        mem.run_step(lambda: model(**mixed_batch()).loss.backward())
+
+        def scaled():
+            loss = model(**mixed_batch(seed=2)).loss
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+            loss.backward()
+
+        injector.armed = True
+        with pytest.raises(adaptmem.InexactRetryError, match="changed .* existing gradient.* in place before backward"):
+            mem.run_step(scaled)
+    del opt
+
+
+def test_buffers_past_the_snapshot_limit_are_refused_with_the_setting():
+    model = cnn()
+    injector = Injector(model.stages[1], model.stages[1].body[0], "forward")
+    policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0, "buffer_snapshot_limit": 16})
+    with adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31)) as mem:
+        injector.armed = True
+        with pytest.raises(adaptmem.InexactRetryError, match="buffer_snapshot_limit"):
+            mem.run_step(lambda: model(**image_batch()).loss.backward())
