@@ -1,6 +1,8 @@
 """The cost model: what each mode of each block costs, learned from the run itself.
 
-For a batch of B sequences of S tokens, and per block and mode, it predicts
+For a batch of B samples of E elements each (the first block's main input,
+`recorder.shape_of`: S x H for tokens, C x H x W for images), and per block and
+mode, it predicts
 
   held    bytes the block adds from its start to the next block's start
   fx      transient above its start during its forward
@@ -20,7 +22,7 @@ or NONE's held bytes), backward temporaries, the forward transient, and
 timings.
 
 Every quantity is a `Fit` (`adaptmem.control.fits`) against the shape: a linear
-term in tokens T = B*S and a quadratic one T*S (attention scores), so a length
+term in T = B*E and a quadratic one T*E (attention scores), so a size
 never seen is predicted before it runs.
 """
 
@@ -77,9 +79,9 @@ class CostModel:
 
     # ---------------------------------------------------------------- learn
     def learn(self, sample: StepSample) -> None:
-        if not sample.blocks or sample.batch * sample.seq == 0:
+        if not sample.blocks or sample.batch * sample.extent == 0:
             return
-        b, s = sample.batch, sample.seq
+        b, s = sample.batch, sample.extent
         start0 = sample.blocks[0].start
         self.elem_size = sample.blocks[0].elem_size or self.elem_size
         prefix = 0
@@ -128,42 +130,42 @@ class CostModel:
             fits["seconds"].add(b, s, total)
 
     # -------------------------------------------------------------- predict
-    def figures(self, index: int, mode: Mode, batch: int, seq: int) -> Figures:
-        """Predicted figures of `mode` on block `index` for a batch of `batch` x `seq`.
+    def figures(self, index: int, mode: Mode, batch: int, extent: int) -> Figures:
+        """Predicted figures of `mode` on block `index` for a batch of `batch` x `extent`.
 
         A mode measured on this block (or a sibling) anchors the level. Its own fit
         is used within the range of lengths it was measured at; beyond that, or
         from a single length, the measurement is carried to the new shape by how
         the derived figures scale, since the latents learn the shape from every mode.
         """
-        derived = self._derive(mode, self._latents(index, batch, seq))
+        derived = self._derive(mode, self._latents(index, batch, extent))
         fits = self.direct[index].get(mode) or self._sibling(index, mode)
         if fits is None or not fits["held"]:
             return derived
-        seqs = {s for _, s in fits["held"].points}
-        if (batch, seq) in fits["held"].points or (len(seqs) >= 2 and min(seqs) <= seq <= max(seqs)):
+        extents = {s for _, s in fits["held"].points}
+        if (batch, extent) in fits["held"].points or (len(extents) >= 2 and min(extents) <= extent <= max(extents)):
             q = self.policy.quadratic_prior
-            held, fx = fits["held"].predict(batch, seq, q), fits["fx"].predict(batch, seq, q)
-            wx = fits["wx"].predict(batch, seq, q) if fits["wx"] else derived.wx
+            held, fx = fits["held"].predict(batch, extent, q), fits["fx"].predict(batch, extent, q)
+            wx = fits["wx"].predict(batch, extent, q) if fits["wx"] else derived.wx
         else:
-            tokens = batch * seq
-            b0, s0 = min(fits["held"].points, key=lambda k: abs(k[0] * k[1] - tokens))
-            there = self._derive(mode, self._latents(index, b0, s0))
-            linear = tokens / max(1, b0 * s0)
+            tokens = batch * extent
+            b0, e0 = min(fits["held"].points, key=lambda k: abs(k[0] * k[1] - tokens))
+            there = self._derive(mode, self._latents(index, b0, e0))
+            linear = tokens / max(1, b0 * e0)
 
             def carry(fit: Fit, here: float, at: float) -> float:
-                return fit.points[(b0, s0)] * (here / at if at > 0 else linear)
+                return fit.points[(b0, e0)] * (here / at if at > 0 else linear)
 
             held = carry(fits["held"], derived.held, there.held)
             fx = carry(fits["fx"], derived.fx, there.fx)
-            wx = carry(fits["wx"], derived.wx, there.wx) if (b0, s0) in fits["wx"].points else derived.wx
-        return Figures(held, fx, wx, self._seconds(index, mode, batch, seq, derived), derived.host)
+            wx = carry(fits["wx"], derived.wx, there.wx) if (b0, e0) in fits["wx"].points else derived.wx
+        return Figures(held, fx, wx, self._seconds(index, mode, batch, extent, derived), derived.host)
 
-    def _latents(self, index: int, batch: int, seq: int) -> Latents:
+    def _latents(self, index: int, batch: int, extent: int) -> Latents:
         q = self.policy.quadratic_prior
-        return Latents(**{k: f.predict(batch, seq, q) for k, f in self.latent[index].items()})
+        return Latents(**{k: f.predict(batch, extent, q) for k, f in self.latent[index].items()})
 
-    def _seconds(self, index: int, mode: Mode, batch: int, seq: int, derived: Figures) -> float:
+    def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
         """Measured time of the mode less measured time of NONE (NONE's own when it ran)."""
         if mode is Mode.NONE:
             return 0.0
@@ -172,8 +174,8 @@ class CostModel:
         baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]
         if fits is None or not fits["seconds"] or not baseline:
             return derived.seconds
-        lat = self._latents(index, batch, seq)
-        overhead = fits["seconds"].predict(batch, seq) - baseline.predict(batch, seq)
+        lat = self._latents(index, batch, extent)
+        overhead = fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
         return max(0.0, overhead) + self._penalty(mode, lat)
 
     def _sibling(self, index: int, mode: Mode) -> dict[str, Fit] | None:
@@ -200,27 +202,27 @@ class CostModel:
         """Planner cost of a lossy mode: a share of the block's forward time (policy.compress_penalty)."""
         return self.policy.compress_penalty * lat.forward_s if Mode.COMPRESS in mode else 0.0
 
-    def options(self, batch: int, seq: int, allowed: tuple[Mode, ...], fixed: dict[int, Mode] | None = None) -> list[list[Option]]:
+    def options(self, batch: int, extent: int, allowed: tuple[Mode, ...], fixed: dict[int, Mode] | None = None) -> list[list[Option]]:
         """Planner input: each block's options, with its `grad` term folded into `need`."""
         fixed = fixed or {}
         out = []
         for i in range(len(self.classes)):
-            grad = self.grad[i].predict(batch, seq)
+            grad = self.grad[i].predict(batch, extent)
             modes = (fixed[i],) if i in fixed else allowed
             row = []
             for mode in modes:
-                f = self.figures(i, mode, batch, seq)
+                f = self.figures(i, mode, batch, extent)
                 # ties (a mode whose measured cost is within noise of zero) go to the simpler mode
                 seconds = f.seconds + _TIE_BREAK * LADDER.index(mode)
                 row.append(Option(mode, f.held, max(f.fx, f.held + grad + f.wx), seconds, f.host))
             out.append(row)
         return out
 
-    def head_bytes(self, batch: int, seq: int) -> float:
-        return self.head.predict(batch, seq)
+    def head_bytes(self, batch: int, extent: int) -> float:
+        return self.head.predict(batch, extent)
 
-    def tail_bytes(self, batch: int, seq: int) -> float:
-        return self.tail.predict(batch, seq)
+    def tail_bytes(self, batch: int, extent: int) -> float:
+        return self.tail.predict(batch, extent)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:

@@ -1,8 +1,10 @@
-"""One learned quantity as a function of the batch shape (batch B, sequence S).
+"""One learned quantity as a function of the batch shape: B samples of E elements each.
 
-`kind="act"` (activations): proportional to tokens T = B*S, plus a T*S term
-(attention scores) once two sequence lengths are seen; before that, a
-`quadratic` share is assumed when extrapolating to a longer sequence.
+E is the whole size of a sample of the main input (S x H for tokens, C x H x W
+for images), so it grows with the sequence or the resolution.
+`kind="act"` (activations): proportional to T = B*E, plus a T*E term
+(attention scores grow with the sequence squared) once two sizes are seen;
+before that, a `quadratic` share is assumed when extrapolating to a larger one.
 `kind="base"` (gradients, the head): an intercept plus a token term; with one
 shape seen it is held constant when shapes shrink and scaled with tokens when
 they grow.
@@ -23,7 +25,7 @@ MAX_SHAPES = 32
 
 
 class Fit:
-    """One quantity as a function of (batch, seq), from the observations so far."""
+    """One quantity as a function of (batch, extent), from the observations so far."""
 
     def __init__(self, kind: str = "act") -> None:
         if kind not in ("act", "base"):
@@ -31,13 +33,13 @@ class Fit:
         self.kind = kind
         self.points: OrderedDict[tuple[int, int], float] = OrderedDict()
 
-    def add(self, batch: int, seq: int, value: float) -> None:
+    def add(self, batch: int, extent: int, value: float) -> None:
         """Observe `value` at this shape (averaged with an earlier observation of it).
 
         The shape becomes the most recently used; past `MAX_SHAPES` the least
         recently used one is forgotten, so a shape that keeps coming back stays.
         """
-        key = (int(batch), int(seq))
+        key = (int(batch), int(extent))
         old = self.points.pop(key, None)
         self.points[key] = float(value) if old is None else 0.5 * old + 0.5 * float(value)
         while len(self.points) > MAX_SHAPES:
@@ -46,20 +48,20 @@ class Fit:
     def __bool__(self) -> bool:
         return bool(self.points)
 
-    def predict(self, batch: int, seq: int, quadratic: float = 0.0) -> float:
+    def predict(self, batch: int, extent: int, quadratic: float = 0.0) -> float:
         if not self.points:
             return 0.0
-        tokens = batch * seq
+        elements = batch * extent
         if self.kind == "base":
-            return self._base(tokens)
+            return self._base(elements)
         # the nearest shape seen, scaled: tokens linearly, and an assumed quadratic share upwards
-        (b0, s0), y0 = min(self.points.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - tokens))
-        scale = tokens / max(1, b0 * s0)
-        guess = y0 * scale * ((1 - quadratic) + quadratic * seq / s0 if seq > s0 else 1.0)
+        (b0, e0), y0 = min(self.points.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - elements))
+        scale = elements / max(1, b0 * e0)
+        guess = y0 * scale * ((1 - quadratic) + quadratic * extent / e0 if extent > e0 else 1.0)
         if len({s for _, s in self.points}) < 2:
             return guess
         lin, quad = self._activation_terms()
-        return max(lin * tokens + quad * tokens * seq, y0 * scale)
+        return max(lin * elements + quad * elements * extent, y0 * scale)
 
     def _activation_terms(self) -> tuple[float, float]:
         """(bytes per token, bytes per token x token of sequence), both >= 0."""

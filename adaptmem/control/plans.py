@@ -1,8 +1,9 @@
 """Choosing a plan for a batch: the cache per shape bucket, and the plans of retries.
 
-`PlanBook` turns (batch, sequence, what is allocated now, budget) into one mode
+`PlanBook` turns (batch, input elements per sample, what is allocated now,
+budget) into one mode
 per block. A plan is made by the planner from the cost model, aimed at
-`headroom x budget`, and kept for its shape bucket (sequence lengths grouped
+`headroom x budget`, and kept for its shape bucket (input sizes grouped
 geometrically, the plan made for the bucket's longest). Before anything is
 known, every block is checkpointed (the calibration step); static policies
 give their fixed plan; a model the user instrumented first starts from the
@@ -28,7 +29,7 @@ from adaptmem.config.units import format_bytes
 
 log = logging.getLogger("adaptmem")
 
-Key = tuple[int, int]  # (batch, bucketed sequence length)
+Key = tuple[int, int]  # (batch, bucketed elements per sample of the main input)
 
 #: Plans kept, one per shape bucket; past it the least recently used is dropped.
 MAX_CACHED_PLANS = 64
@@ -66,14 +67,14 @@ class PlanBook:
         self.attempt = 0
         self._warned: set[Key] = set()
 
-    def bucket(self, batch: int, seq: int) -> Key:
+    def bucket(self, batch: int, extent: int) -> Key:
         r = self.policy.bucket_ratio
-        top = math.ceil(r ** math.ceil(math.log(max(seq, 1), r) - 1e-9) - 1e-9)
-        return batch, max(seq, top)
+        top = math.ceil(r ** math.ceil(math.log(max(extent, 1), r) - 1e-9) - 1e-9)
+        return batch, max(extent, top)
 
-    def choose(self, batch: int, seq: int, start: int, budget: int) -> PlanRecord:
+    def choose(self, batch: int, extent: int, start: int, budget: int) -> PlanRecord:
         """The plan for a forward starting now: the bucket's, unless stale or retrying."""
-        key = self.bucket(batch, seq)
+        key = self.bucket(batch, extent)
         record = self.cache.get(key)
         if record is None or start > record.start + 0.01 * budget or self.failed is not None:
             record = self.make(key, start, budget, fixed={}, reason="new shape" if record is None else "replan")
@@ -102,14 +103,14 @@ class PlanBook:
             modes = modes[:i] + (mode,) + modes[i + 1:]
         return PlanRecord(modes, key, start, predicted, reason, feasible, shortfall)
 
-    def predict(self, modes: tuple[Mode, ...], batch: int, seq: int, start: int) -> float | None:
+    def predict(self, modes: tuple[Mode, ...], batch: int, extent: int, start: int) -> float | None:
         """Predicted absolute peak of `modes` for this shape, or None before calibration."""
         if not self.costs.known:
             return None
-        rows = self.costs.options(batch, seq, self.policy.allowed, fixed=dict(enumerate(modes)))
+        rows = self.costs.options(batch, extent, self.policy.allowed, fixed=dict(enumerate(modes)))
         chosen = [row[0] for row in rows]
-        return max(start + predicted_peak(chosen, self.costs.head_bytes(batch, seq)),
-                   start + self.costs.tail_bytes(batch, seq))
+        return max(start + predicted_peak(chosen, self.costs.head_bytes(batch, extent)),
+                   start + self.costs.tail_bytes(batch, extent))
 
     def failure(self, executed: tuple[Mode, ...]) -> None:
         self.failed = executed
@@ -122,11 +123,11 @@ class PlanBook:
 
     # ------------------------------------------------------------------ inner
     def _solve(self, key: Key, start: int, budget: int, fixed: dict[int, Mode]):
-        batch, seq = key
+        batch, extent = key
         p = self.policy
         target = self.decider.headroom * budget
-        head = self.costs.head_bytes(batch, seq)
-        options = self.costs.options(batch, seq, p.allowed, fixed)
+        head = self.costs.head_bytes(batch, extent)
+        options = self.costs.options(batch, extent, p.allowed, fixed)
         host_limit = p.host_fraction * self.probe.host_available()
         for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
             result = solve(options, target - start, head, p.planner_bins)
@@ -139,9 +140,9 @@ class PlanBook:
             self._warned.add(key)
             log.warning(
                 "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
-                "%d tokens: the tightest plan is predicted at %s, %s over. Running it; lower the batch "
-                "or sequence, or raise the budget.",
-                format_bytes(target), 100 * self.decider.headroom, format_bytes(budget), batch, seq,
+                "%d input elements each: the tightest plan is predicted at %s, %s over. Running it; lower the batch "
+                "or input size, or raise the budget.",
+                format_bytes(target), 100 * self.decider.headroom, format_bytes(budget), batch, extent,
                 format_bytes(start + result.peak), format_bytes(result.shortfall),
             )
         return result.modes, start + result.peak, result.feasible, result.shortfall

@@ -17,7 +17,7 @@ import torch
 
 from adaptmem.control.decisions import ESCALATE, HOLD
 from adaptmem.control.plans import PlanRecord
-from adaptmem.control.recorder import StepSample, shape_of
+from adaptmem.control.recorder import InputShape, StepSample, shape_of
 from adaptmem.control.retry import failure_record
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.wrapping import BlockHandle
@@ -29,10 +29,10 @@ class Reactions:
     # ------------------------------------------------------- observer API
     def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
         if self._in_step and not self.recorder.forward_started:
-            self._plan_forward(*shape_of(args, kwargs))
+            self._plan_forward(shape_of(args, kwargs))
         elif not self._in_step and handle.index == 0:
             self._warn_unmarked()
-            self._plan_forward(*shape_of(args, kwargs))
+            self._plan_forward(shape_of(args, kwargs))
         self.recorder.block_start(handle, args, kwargs)
 
     def block_end(self, handle: BlockHandle, call: Any, output: Any) -> None:
@@ -54,14 +54,14 @@ class Reactions:
         )
 
     # ----------------------------------------------------------- planning
-    def _plan_forward(self, batch: int, seq: int) -> None:
+    def _plan_forward(self, shape: InputShape) -> None:
         with self._lock:
             start = self.probe.allocated()
-            record = self.plans.choose(batch, seq, start, self.budget)
+            record = self.plans.choose(shape.batch, shape.extent, start, self.budget)
             self._apply(record)
             if self._in_step:
                 self._step_key = record.key
-                self._step_pred = self.plans.predict(record.modes, batch, seq, start)
+                self._step_pred = self.plans.predict(record.modes, shape.batch, shape.extent, start)
 
     def _apply(self, record: PlanRecord) -> None:
         for handle, mode in zip(self.handles, record.modes):
@@ -70,7 +70,7 @@ class Reactions:
             self.plan_changes += 1
             self._current = record.modes
             self.events.emit(
-                "plan", step=self.steps + 1, reason=record.reason, batch=record.key[0], bucket_seq=record.key[1],
+                "plan", step=self.steps + 1, reason=record.reason, batch=record.key[0], bucket=record.key[1],
                 budget_bytes=self.budget, headroom=round(self.decider.headroom, 4),
                 predicted_peak_bytes=record.predicted, feasible=record.feasible,
                 shortfall_bytes=record.shortfall, plan={h.name: m.label for h, m in zip(self.handles, record.modes)},
@@ -81,10 +81,10 @@ class Reactions:
         state = self.recorder.forward_state()
         if state is None or not self.costs.known or self.policy.static_plan != "none":
             return 0
-        batch, seq, start, done = state
+        batch, extent, start, done = state
         if len(done) >= len(self.handles):
             return 0
-        record = self.plans.make(self.plans.bucket(batch, seq), start, self.budget, fixed=done, reason="pressure")
+        record = self.plans.make(self.plans.bucket(batch, extent), start, self.budget, fixed=done, reason="pressure")
         changed = sum(1 for i, h in enumerate(self.handles) if i not in done and h.mode is not record.modes[i])
         self._apply(record)
         return changed
@@ -120,7 +120,7 @@ class Reactions:
             self.events.emit("relief", step=self.steps, budget_bytes_before=relief[0], budget_bytes=relief[1])
         return self.events.emit(
             "step", step=self.steps, label=self._label, attempt=self.plans.attempt, batch=sample.batch,
-            seq=sample.seq, tokens=sample.tokens, predicted_peak_bytes=pred, observed_peak_bytes=observed,
+            seq=sample.seq, tokens=sample.tokens, sample_elements=sample.extent, predicted_peak_bytes=pred, observed_peak_bytes=observed,
             budget_bytes=self.budget, prediction_error=error, decision=decision,
             headroom=round(self.decider.headroom, 4), alloc_retries=retries,
             plan_counts=dict(Counter(m.label for m in sample.plan.values())), seconds=round(sample.seconds, 6),

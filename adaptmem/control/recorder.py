@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -71,7 +71,8 @@ class StepSample:
     """One step, as the recorder saw it."""
 
     batch: int = 0
-    seq: int = 0
+    extent: int = 0  # elements per sample of the first block's main input (see `shape_of`)
+    seq: int = 0  # its dimension 1, for logs
     start: int = 0  # allocated at step start
     head_top: int = 0  # peak from the last block's end to the first block backward
     tail_top: int = 0  # peak after the last block backward
@@ -91,14 +92,29 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
-def shape_of(args: tuple, kwargs: dict) -> tuple[int, int]:
-    """(batch, sequence) of a block's first floating tensor argument: (B, S, ...) or (S, H)."""
+class InputShape(NamedTuple):
+    """The size of a block's main input: what plans and costs are keyed on."""
+
+    batch: int  # its dimension 0
+    extent: int  # its elements per sample: all the other dimensions together (C x H x W, S x H, ...)
+    seq: int  # its dimension 1 (a token model's sequence length), for reading logs only
+
+
+def shape_of(args: tuple, kwargs: dict) -> InputShape:
+    """The shape of a block's main input: its first floating tensor argument of two or
+    more dimensions (positional, then keyword), taken whole.
+
+    Images (B, C, H, W), video (B, C, T, H, W), audio frames (B, T, F) and token
+    activations (B, S, H) are keyed on every dimension, so larger images or longer
+    sequences are a new, larger shape. A 2-D input (S, H) or (B, F) is one sample.
+    """
     for t in tensors_in((args, kwargs)):
         if t.is_floating_point() and t.dim() >= 2:
             if t.dim() == 2:
-                return 1, int(t.shape[0])
-            return int(t.shape[0]), int(t.shape[1])
-    return 1, 1
+                return InputShape(1, max(1, t.numel()), int(t.shape[0]))
+            batch = max(1, int(t.shape[0]))
+            return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]))
+    return InputShape(1, 1, 1)
 
 
 class StepRecorder:
@@ -143,13 +159,13 @@ class StepRecorder:
         return self.sample is not None and bool(self.sample.blocks)
 
     def forward_state(self) -> tuple[int, int, int, dict[int, Mode]] | None:
-        """(batch, seq, allocation at the first block, {index: mode} of blocks run) while a
+        """(batch, extent, allocation at the first block, {index: mode} of blocks run) while a
         forward is under way and no backward has begun; None otherwise."""
         with self._lock:
             sample = self.sample
             if sample is None or not sample.blocks or any(b.bwd_start is not None for b in sample.blocks):
                 return None
-            return sample.batch, sample.seq, sample.blocks[0].start, {b.index: b.mode for b in sample.blocks}
+            return sample.batch, sample.extent, sample.blocks[0].start, {b.index: b.mode for b in sample.blocks}
 
     # ---------------------------------------------------------- observer API
     def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
@@ -160,7 +176,7 @@ class StepRecorder:
             now = self._close_segment()
             grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
             if not sample.blocks:
-                sample.batch, sample.seq = shape_of(args, kwargs)
+                sample.batch, sample.extent, sample.seq = shape_of(args, kwargs)
                 if grad_inputs:  # its gradient marks the end of the last block backward
                     grad_inputs[0].register_hook(self._make_bwd_hook(None))
             elif sample.blocks[-1].held is None:

@@ -113,8 +113,8 @@ class Harness:
         return sample
 
     def predict(self, modes, sample):
-        rows = self.costs.options(sample.batch, sample.seq, ALLOWED_MODES, fixed=dict(enumerate(modes)))
-        head = self.costs.head_bytes(sample.batch, sample.seq)
+        rows = self.costs.options(sample.batch, sample.extent, ALLOWED_MODES, fixed=dict(enumerate(modes)))
+        head = self.costs.head_bytes(sample.batch, sample.extent)
         return sample.blocks[0].start + predicted_peak([r[0] for r in rows], head)
 
 

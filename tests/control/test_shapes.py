@@ -1,0 +1,53 @@
+"""Plans and costs key on the whole input: images that grow from batch to batch are
+predicted before they run, and the budget holds on every step after the first."""
+
+import pytest
+import torch
+
+import adaptmem
+from adaptmem import Mode
+from adaptmem.control.recorder import shape_of
+from adaptmem.testing import SimulatedDevice, measure_peak
+
+from helpers import cnn, image_batch
+
+
+@pytest.mark.parametrize("args,kwargs,expected", [
+    ((torch.zeros(4, 3, 32, 48),), {}, (4, 3 * 32 * 48, 3)),  # images: every dimension
+    ((torch.zeros(2, 3, 8, 16, 16),), {}, (2, 3 * 8 * 16 * 16, 3)),  # video
+    ((torch.zeros(2, 100, 80),), {}, (2, 8000, 100)),  # audio frames
+    ((torch.zeros(2, 128, 64), torch.zeros(2, 1, 128, 128)), {}, (2, 128 * 64, 128)),  # hidden states first
+    ((), {"hidden_states": torch.zeros(3, 10, 8)}, (3, 80, 10)),  # keyword arguments too
+    ((torch.zeros(10, 8, dtype=torch.long), torch.zeros(50, 16)), {}, (1, 800, 50)),  # 2-D: one sample
+])
+def test_the_main_input_is_taken_whole(args, kwargs, expected):
+    assert tuple(shape_of(args, kwargs)) == expected
+
+
+def test_growing_images_stay_under_the_budget_from_the_second_step():
+    sizes = [16, 24, 32, 40, 48, 56]
+    model = cnn(channels=16, stages=4)
+    largest = image_batch(batch=8, size=sizes[-1])
+    none = measure_peak(model, lambda: largest)
+    low = measure_peak(model, lambda: largest, mode=Mode.CHECKPOINT)
+    budget = int(low + 0.5 * (none - low))
+    assert measure_peak(model, lambda: image_batch(batch=8, size=sizes[2])) < budget  # small ones fit plain
+    truth = SimulatedDevice()  # a meter the manager does not read
+    dev = SimulatedDevice(capacity_bytes=2 * none)
+    truth.track(model)
+    dev.track(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    peaks, records = [], []
+    with truth, dev, adaptmem.manage(model, budget=budget, device=dev) as mem:
+        for size in sizes:
+            truth.reset_peak()
+            mem.run_step(lambda b=image_batch(batch=8, size=size): model(**b).loss.backward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            peaks.append(truth.peak_bytes)
+            records.append(mem.last_step)
+        summary = mem.summary()
+    assert summary["ooms"] == 0
+    assert max(peaks[1:]) <= budget, [round(p / budget, 3) for p in peaks]
+    assert [r["sample_elements"] for r in records] == [16 * s * s for s in sizes]
+    assert any(c != {"NONE": 4} for c in (r["plan_counts"] for r in records[1:]))  # the large ones needed managing
