@@ -89,10 +89,10 @@ class Policy(BaseModel):
     "Predicted bytes of a mode never yet seen on a block are inflated by this factor."
 
     quadratic_prior: float = Field(0.25, ge=0, le=1)
-    "Share of activation bytes assumed to grow with sequence length squared when extrapolating to a longer sequence than any seen."
+    "Share of activation bytes assumed to grow with the input size squared (attention over a sequence) when extrapolating to a larger input than any seen."
 
     bucket_ratio: float = Field(1.25, gt=1, le=4)
-    "Sequence-length buckets (one cached plan each) grow geometrically by this ratio."
+    "Input-size buckets (elements per sample; one cached plan each) grow geometrically by this ratio."
 
     sample_interval_s: float = Field(0.05, gt=0, le=10)
     "How often the background thread reads the device (seconds)."
