@@ -8,7 +8,7 @@ from adaptmem.control.events import read_log
 from adaptmem.control.manager import MemoryManager, manage
 from adaptmem.control.retry import InexactRetryError, StepOutOfMemoryError
 from adaptmem.modes import ALLOWED_MODES, LOSSLESS_MODES, Mode
-from adaptmem.strategies import CompressOptions, OffloadOptions
+from adaptmem.strategies import CompressOptions, OffloadOptions, SelectiveBackwardError
 from adaptmem.wrapping import BlockHandle, get_handles, instrument, restore
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "OffloadOptions",
     "Policy",
     "PolicyError",
+    "SelectiveBackwardError",
     "StepOutOfMemoryError",
     "get_handles",
     "instrument",

@@ -183,6 +183,8 @@ class MemoryManager(Reactions):
         sample = self.recorder.end()
         with self._lock:
             self._in_step = False
+            if sample is not None and sample.double_backward:
+                self._no_second_backward_for(Mode.SELECTIVE)
             if sample is not None and sample.blocks:
                 self.costs.learn(sample)
             if isinstance(error, torch.OutOfMemoryError):

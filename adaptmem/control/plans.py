@@ -61,6 +61,7 @@ class PlanBook:
         self.decider = decider
         self.probe = probe
         self.start_plan = start_plan
+        self.allowed: tuple[Mode, ...] = policy.allowed  # the policy's modes, less any found unusable in this run
         self.cache: OrderedDict[Key, PlanRecord] = OrderedDict()
         self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory
         self.tried: set[tuple[Mode, ...]] = set()  # plans that ran out of memory in this step
@@ -92,8 +93,8 @@ class PlanBook:
         elif not self.costs.known and self.start_plan is not None:
             modes, reason = self.start_plan, "user"
         elif not self.costs.known:
-            top = ladder(p.allowed)[-1]
-            modes = tuple(Mode.CHECKPOINT if Mode.CHECKPOINT in p.allowed else top for _ in range(self.n))
+            top = ladder(self.allowed)[-1]
+            modes = tuple(Mode.CHECKPOINT if Mode.CHECKPOINT in self.allowed else top for _ in range(self.n))
             reason = "calibrate"
         else:
             modes, predicted, feasible, shortfall = self._solve(key, start, budget, fixed)
@@ -107,10 +108,19 @@ class PlanBook:
         """Predicted absolute peak of `modes` for this shape, or None before calibration."""
         if not self.costs.known:
             return None
-        rows = self.costs.options(batch, extent, self.policy.allowed, fixed=dict(enumerate(modes)))
+        rows = self.costs.options(batch, extent, self.allowed, fixed=dict(enumerate(modes)))
         chosen = [row[0] for row in rows]
         return max(start + predicted_peak(chosen, self.costs.head_bytes(batch, extent)),
                    start + self.costs.tail_bytes(batch, extent))
+
+    def forbid(self, mode: Mode) -> bool:
+        """Never plan `mode` again in this run (cached plans that use it are dropped).
+        False when it was not allowed anyway, or is the last mode left."""
+        if mode not in self.allowed or len(self.allowed) == 1:
+            return False
+        self.allowed = tuple(m for m in self.allowed if m is not mode)
+        self.cache.clear()
+        return True
 
     def failure(self, executed: tuple[Mode, ...]) -> None:
         self.failed = executed
@@ -127,7 +137,7 @@ class PlanBook:
         p = self.policy
         target = self.decider.headroom * budget
         head = self.costs.head_bytes(batch, extent)
-        options = self.costs.options(batch, extent, p.allowed, fixed)
+        options = self.costs.options(batch, extent, self.allowed, fixed)
         host_limit = p.host_fraction * self.probe.host_available()
         for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
             result = solve(options, target - start, head, p.planner_bins)
@@ -154,7 +164,7 @@ class PlanBook:
     def _tighter_than_failed(self, modes: tuple[Mode, ...], key: Key) -> tuple[Mode, ...]:
         """No looser anywhere than the failed plan, and not one tried already: else each
         block one rung up the ladder; past its top, uniform plans, tightest predicted first."""
-        allowed = self.policy.allowed
+        allowed = self.allowed
         rank = {m: i for i, m in enumerate(ladder(allowed))}
         failed = self.failed
         merged = tuple(m if rank.get(m, 0) >= rank.get(f, 0) else f for m, f in zip(modes, failed))
@@ -166,7 +176,7 @@ class PlanBook:
         return candidates[-1]
 
     def _uniform_by_peak(self, key: Key) -> list[Mode]:
-        rungs = list(reversed(ladder(self.policy.allowed)))
+        rungs = list(reversed(ladder(self.allowed)))
         if not self.costs.known:
             return rungs
         start = self.probe.allocated()

@@ -20,6 +20,7 @@ from adaptmem.control.plans import PlanRecord
 from adaptmem.control.recorder import InputShape, StepSample, shape_of
 from adaptmem.control.retry import failure_record
 from adaptmem.devices.cuda import CudaProbe
+from adaptmem.modes import Mode
 from adaptmem.wrapping import BlockHandle
 
 log = logging.getLogger("adaptmem")
@@ -40,6 +41,15 @@ class Reactions:
 
     def recompute(self, handle: BlockHandle, begin: bool) -> None:
         self.recorder.recompute(handle, begin)
+
+    def _no_second_backward_for(self, mode: Mode) -> None:
+        """The run backwards twice through a step (retain_graph / create_graph): `mode`,
+        which PyTorch cannot backward twice, is never planned again in this run."""
+        if self.plans.forbid(mode):
+            log.warning("adaptmem: this run backwards twice through a step (retain_graph=True or "
+                        "create_graph=True); %s cannot, so it is not used for the rest of the run", mode.label)
+            self.events.emit("restrict", step=self.steps + 1, mode=mode.label, reason="double backward",
+                             allowed=[m.label for m in self.plans.allowed])
 
     def _warn_unmarked(self) -> None:
         if self._unmarked_warned:

@@ -80,6 +80,8 @@ class StepSample:
     blocks: list[BlockSample] = field(default_factory=list)
     plan: dict[int, Mode] = field(default_factory=dict)
     completed: bool = False  # every block's backward was seen
+    completed_once: bool = False  # the first block's input gradient arrived (the blocks' backward ended)
+    double_backward: bool = False  # some block's backward ran twice in this step
     seconds: float = 0.0
 
     @property
@@ -235,15 +237,23 @@ class StepRecorder:
         with self._lock:
             if self.sample is None:
                 return
+            if self._seen_twice(block):
+                self.sample.double_backward = True  # a second backward (retain_graph / create_graph)
+                return
             now = self._close_segment()
             if block is None:
                 self._bwd_current = None
                 self._open = "tail"
+                self.sample.completed_once = True
                 return
             block.bwd_start = now
             block._marks["bwd0"] = self.probe.mark()
             self._bwd_current = block
             self._open = "bwd"
+
+    def _seen_twice(self, block: BlockSample | None) -> bool:
+        """This boundary was passed before in this step: backward is running again."""
+        return block.bwd_start is not None if block is not None else self.sample.completed_once
 
     def _close_segment(self) -> int:
         """Attribute the peak since the last boundary to the open segment; returns allocation now."""

@@ -25,9 +25,14 @@ from adaptmem.strategies.compress import CompressOptions
 from adaptmem.strategies.offload import OffloadOptions, OffloadRuntime
 from adaptmem.strategies.packing import Packer
 from adaptmem.strategies.payloads import restore
-from adaptmem.strategies.recompute import run_checkpoint, run_checkpoint_offloaded_input, run_selective
+from adaptmem.strategies.recompute import (
+    SelectiveBackwardError,
+    run_checkpoint,
+    run_checkpoint_offloaded_input,
+    run_selective,
+)
 
-__all__ = ["STRATEGIES", "BlockCall", "CompressOptions", "OffloadOptions", "OffloadRuntime"]
+__all__ = ["STRATEGIES", "BlockCall", "CompressOptions", "OffloadOptions", "OffloadRuntime", "SelectiveBackwardError"]
 
 
 def run_plain(call: BlockCall) -> Any:

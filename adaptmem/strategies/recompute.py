@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -95,7 +96,42 @@ def run_checkpoint(call: BlockCall) -> Any:
 
 
 def run_selective(call: BlockCall) -> Any:
-    return _checkpointed(call, selective_contexts)
+    output = _checkpointed(call, selective_contexts)
+    if not torch.compiler.is_compiling():
+        _refuse_second_backward(output)
+    return output
+
+
+class SelectiveBackwardError(RuntimeError):
+    """A block in SELECTIVE mode was asked to backward a second time."""
+
+
+class _BackwardCounter:
+    """A gradient hook on a SELECTIVE block's output: its second call is a second backward
+    through the block, which PyTorch's selective checkpointing cannot do."""
+
+    __slots__ = ("passes",)
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.passes += 1
+        if self.passes > 1:
+            raise SelectiveBackwardError(
+                "adaptmem: a block in SELECTIVE mode is being backwarded a second time "
+                "(retain_graph=True or create_graph=True), which PyTorch's selective activation "
+                "checkpointing cannot do. Use Mode.CHECKPOINT (also lossless) for this block, or let "
+                "adaptmem.manage choose: it stops choosing SELECTIVE once it sees a second backward."
+            )
+
+
+def _refuse_second_backward(output: Any) -> None:
+    leaves, _ = tree_flatten(output)
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(_BackwardCounter())
+            return
 
 
 def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
