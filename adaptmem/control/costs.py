@@ -79,7 +79,7 @@ class CostModel:
 
     # ---------------------------------------------------------------- learn
     def learn(self, sample: StepSample) -> None:
-        if not sample.blocks or sample.batch * sample.extent == 0:
+        if not sample.blocks or sample.batch * sample.extent == 0 or sample.overlapped:
             return
         b, s = sample.batch, sample.extent
         start0 = sample.blocks[0].start

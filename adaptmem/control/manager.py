@@ -97,6 +97,9 @@ class MemoryManager(Reactions):
         self._step_key: tuple[int, int] | None = None
         self._step_pred: float | None = None
         self._unmarked_warned = False
+        self._overlapping = False  # the current step ran a second forward before its backward
+        self._overlap_warned = False
+        self._own_checkpointing: frozenset[int] = frozenset()  # blocks whose model checkpoints them itself
         self.steps = self.ooms = self.ooms_recovered = self.plan_changes = self.pressure_events = 0
         self.peak_bytes = 0
         self.errors: list[float] = []
@@ -167,8 +170,10 @@ class MemoryManager(Reactions):
             raise RuntimeError("this MemoryManager is closed; create a new one to manage the model again")
         if self._in_step:
             raise RuntimeError("a step is already open: call end_step() before begin_step() (steps do not nest)")
+        self._check_own_checkpointing()
         with self._lock:
             self._in_step = True
+            self._overlapping = False
             self._label = label
             self._step_key = None
             self._step_pred = None

@@ -62,6 +62,7 @@ class PlanBook:
         self.probe = probe
         self.start_plan = start_plan
         self.allowed: tuple[Mode, ...] = policy.allowed  # the policy's modes, less any found unusable in this run
+        self.pinned: dict[int, Mode] = {}  # blocks whose mode is not the planner's to choose
         self.cache: OrderedDict[Key, PlanRecord] = OrderedDict()
         self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory
         self.tried: set[tuple[Mode, ...]] = set()  # plans that ran out of memory in this step
@@ -85,8 +86,14 @@ class PlanBook:
             self.cache.popitem(last=False)
         return record
 
+    def pin(self, pinned: dict[int, Mode]) -> None:
+        """Blocks that keep the given modes whatever the plan (cached plans are dropped)."""
+        self.pinned = dict(pinned)
+        self.cache.clear()
+
     def make(self, key: Key, start: int, budget: int, *, fixed: dict[int, Mode], reason: str) -> PlanRecord:
         p = self.policy
+        fixed = {**self.pinned, **fixed}
         predicted, feasible, shortfall = None, True, 0.0
         if p.static_plan != "none":
             modes, reason = self._static(), "static"

@@ -29,12 +29,35 @@ log = logging.getLogger("adaptmem")
 class Reactions:
     # ------------------------------------------------------- observer API
     def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
+        if self._in_step and self.recorder.ran(handle.index):
+            self._second_forward()
         if self._in_step and not self.recorder.forward_started:
             self._plan_forward(shape_of(args, kwargs))
         elif not self._in_step and handle.index == 0:
             self._warn_unmarked()
             self._plan_forward(shape_of(args, kwargs))
+        elif self._in_step and self._overlapping and handle.index == 0:
+            self._plan_second_forward(shape_of(args, kwargs))
         self.recorder.block_start(handle, args, kwargs)
+
+    def _second_forward(self) -> None:
+        """A block runs a second time in one step. After the first forward's backward, it is
+        a second micro-batch: the step is closed and another opened with the same label.
+        Before it (two forwards, then one backward), the second forward is planned for the
+        memory the first leaves free, and the step teaches only its peak."""
+        if self.recorder.backward_done:
+            label = self._label
+            self.end_step()
+            self.begin_step(label)
+            return
+        if not self._overlapping:
+            self._overlapping = True
+            self.recorder.overlap()
+            if not self._overlap_warned:
+                self._overlap_warned = True
+                log.warning("adaptmem: a step ran a second forward before its backward; its second forward is "
+                            "planned for the memory the first leaves, and the step teaches the cost model only "
+                            "its peak. Mark each forward + backward as its own step where you can.")
 
     def block_end(self, handle: BlockHandle, call: Any, output: Any) -> None:
         self.recorder.block_end(handle, call, output)
@@ -72,6 +95,38 @@ class Reactions:
             if self._in_step:
                 self._step_key = record.key
                 self._step_pred = self.plans.predict(record.modes, shape.batch, shape.extent, start)
+
+    def _plan_second_forward(self, shape: InputShape) -> None:
+        """Plan a forward for what the step's first forward leaves free (not cached: a lone
+        forward of this shape starts with more room)."""
+        with self._lock:
+            start = self.probe.allocated()
+            bucket = self.plans.bucket(shape.batch, shape.extent)
+            self._apply(self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward"))
+
+    def _check_own_checkpointing(self) -> None:
+        """The model's own gradient checkpointing (Hugging Face's `gradient_checkpointing`),
+        switched on or off since the last step: it decides for its blocks, which run in NONE."""
+        own = frozenset(h.index for h in self.handles if getattr(h.module, "gradient_checkpointing", False) is True)
+        if own == self._own_checkpointing:
+            return
+        with self._lock:
+            added = own - self._own_checkpointing
+            self._own_checkpointing = own
+            self.plans.pin({i: Mode.NONE for i in own})
+            names = [self.handles[i].name for i in sorted(own)]
+            self.events.emit("own_checkpointing", step=self.steps + 1, blocks=names)
+        if added:
+            log.warning(
+                "adaptmem: %d block(s) (%s) now checkpoint themselves: the model's own gradient checkpointing "
+                "(model.gradient_checkpointing_enable()) decides for them, recomputing them whatever adaptmem "
+                "plans, so adaptmem runs them in NONE (its own recompute would run them once more) and plans "
+                "the others. Call model.gradient_checkpointing_disable() to let adaptmem decide for every block.",
+                len(own), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+            )
+        else:
+            log.warning("adaptmem: the model's own gradient checkpointing is off again for %d block(s); "
+                        "adaptmem decides for every block", len(self.handles) - len(own))
 
     def _apply(self, record: PlanRecord) -> None:
         for handle, mode in zip(self.handles, record.modes):
@@ -115,7 +170,7 @@ class Reactions:
             if retried and decision != ESCALATE:
                 decision = self.decider.escalate()  # the allocator had to free and retry: close to an OOM
         self.decisions[decision] += 1
-        pred, error = self._step_pred, None
+        pred, error = (None, None) if sample.overlapped else (self._step_pred, None)
         if pred is not None and observed > 0:
             error = (pred - observed) / observed
             self.errors.append(error)

@@ -82,6 +82,7 @@ class StepSample:
     completed: bool = False  # every block's backward was seen
     completed_once: bool = False  # the first block's input gradient arrived (the blocks' backward ended)
     double_backward: bool = False  # some block's backward ran twice in this step
+    overlapped: bool = False  # a second forward began before the first one's backward
     seconds: float = 0.0
 
     @property
@@ -170,10 +171,29 @@ class StepRecorder:
             return sample.batch, sample.extent, sample.blocks[0].start, {b.index: b.mode for b in sample.blocks}
 
     # ---------------------------------------------------------- observer API
+    def ran(self, index: int) -> bool:
+        """Block `index` already ran in this step's forward."""
+        sample = self.sample
+        return sample is not None and index in sample.plan
+
+    @property
+    def backward_done(self) -> bool:
+        """This step's backward has gone through every block."""
+        return self.sample is not None and self.sample.completed_once
+
+    def overlap(self) -> None:
+        """A second forward began before the first one's backward: from here on the step is
+        only watched for its peak; its per-block figures are not learned."""
+        with self._lock:
+            if self.sample is not None:
+                self._close_segment()
+                self.sample.overlapped = True
+                self._open = "overlap"
+
     def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
         with self._lock:
             sample = self.sample
-            if sample is None:
+            if sample is None or sample.overlapped:
                 return
             now = self._close_segment()
             grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
@@ -194,7 +214,7 @@ class StepRecorder:
     def block_end(self, handle: BlockHandle, call: BlockCall, output: Any) -> None:
         with self._lock:
             sample = self.sample
-            if sample is None or not sample.blocks:
+            if sample is None or not sample.blocks or sample.overlapped:
                 return
             block = sample.blocks[-1]
             block.fwd_top = max(self.probe.peak(), block.start)
@@ -235,7 +255,7 @@ class StepRecorder:
         """The gradient of `block`'s output is ready: its backward begins (None: the
         first block's input gradient is ready, so the last block backward ended)."""
         with self._lock:
-            if self.sample is None:
+            if self.sample is None or self.sample.overlapped:
                 return
             if self._seen_twice(block):
                 self.sample.double_backward = True  # a second backward (retain_graph / create_graph)

@@ -42,7 +42,7 @@ class _BlockForward:
         module = self._module()
         forward = self.original(module)
         handle = self._handle()
-        if handle is None or not (module.training and torch.is_grad_enabled()):
+        if handle is None or not (module.training and torch.is_grad_enabled()) or _in_backward():
             return forward(*args, **kwargs)
         observer = handle.runtime.observer
         if observer is not None:
@@ -70,6 +70,12 @@ class _BlockForward:
 
     def __reduce__(self) -> tuple:
         return (_rebuild_forward, (self._module(), self._handle(), self.previous))
+
+
+def _in_backward() -> bool:
+    """Inside autograd's backward: a checkpoint outside adaptmem (the user's own, around
+    several blocks) is recomputing this block, which runs as it is, unobserved."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _dead() -> None:

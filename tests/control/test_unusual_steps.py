@@ -1,0 +1,129 @@
+"""Steps that are not one forward and one backward: a second micro-batch inside a step,
+two forwards before one backward, a validation forward, the model's own checkpointing."""
+
+import logging
+
+import torch
+
+import adaptmem
+from adaptmem import Mode
+from adaptmem.testing import SimulatedDevice
+
+from helpers import hf_batch, llama, tiny, tiny_batch
+
+
+def device():
+    return SimulatedDevice(capacity_bytes=2**31)
+
+
+def grads_of(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_second_forward_after_backward_is_a_second_micro_batch():
+    batches = [tiny_batch(tiny(), seq=s) for s in (32, 48)]
+    plain = tiny()
+    torch.manual_seed(1)
+    for b in batches:
+        plain(**b).loss.backward()
+    model = tiny()
+    with adaptmem.manage(model, budget="1GiB", device=device()) as mem:
+        torch.manual_seed(1)
+        with mem.step(label="window 0"):
+            for b in batches:
+                model(**b).loss.backward()
+        steps = mem.events.of_type("step")
+        assert mem.costs.steps_learned == 2
+    assert [(s["label"], s["seq"]) for s in steps] == [("window 0", 32), ("window 0", 48)]
+    expected = grads_of(plain)
+    assert all(torch.equal(g, expected[n]) for n, g in grads_of(model).items())
+
+
+def test_two_forwards_before_one_backward_are_planned_together_and_not_learned_per_block(caplog):
+    a, b = tiny_batch(tiny(), seq=32), tiny_batch(tiny(), seq=40)
+    plain = tiny()
+    torch.manual_seed(1)
+    (plain(**a).loss + plain(**b).loss).backward()
+    model = tiny()
+    dev = device()
+    dev.track(model)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"), dev:
+        with adaptmem.manage(model, budget="1GiB", device=dev) as mem:
+            with mem.step():  # a normal step first, so the second is planned from learned costs
+                model(**a).loss.backward()
+            model.zero_grad(set_to_none=True)
+            learned = mem.costs.steps_learned
+            torch.manual_seed(1)
+            with mem.step():  # a contrastive-style step
+                (model(**a).loss + model(**b).loss).backward()
+            record = mem.last_step
+            assert mem.costs.steps_learned == learned  # its per-block figures are mixed: not learned
+    assert record["prediction_error"] is None and record["observed_peak_bytes"] > 0
+    assert sum("second forward before its backward" in r.getMessage() for r in caplog.records) == 1
+    expected = grads_of(plain)
+    assert all(torch.equal(g, expected[n]) for n, g in grads_of(model).items())
+
+
+def test_a_validation_forward_inside_a_step_changes_nothing():
+    """An eval() forward and a no_grad forward inside a step: the same plans, block calls
+    and learned steps as without them, and the gradients of an unmanaged run doing the same."""
+
+    def step(model, seq, validate):
+        torch.manual_seed(2)
+        if validate:
+            model.eval()
+            with torch.no_grad():
+                model(**tiny_batch(model, seq=80))
+            model.train()
+            with torch.no_grad():
+                model(**tiny_batch(model, seq=80))  # dropout draws: the same in the unmanaged run
+        model(**tiny_batch(model, seq=seq)).loss.backward()
+
+    def run(validate, managed=True):
+        model = tiny()
+        records, calls, learned = [], None, None
+        if not managed:
+            for seq in (32, 64, 32):
+                step(model, seq, validate)
+            return None, None, None, grads_of(model)
+        with adaptmem.manage(model, budget="1GiB", device=device()) as mem:
+            for seq in (32, 64, 32):
+                with mem.step():
+                    step(model, seq, validate)
+                records.append(mem.last_step["plan_counts"])
+            calls = [h.calls for h in mem.handles]
+            learned = mem.costs.steps_learned
+        return records, calls, learned, grads_of(model)
+
+    with_val, without, plain = run(True), run(False), run(True, managed=False)
+    assert with_val[:3] == without[:3] and with_val[1] == [3] * 4 and with_val[2] == 3
+    assert all(torch.equal(g, plain[3][n]) for n, g in with_val[3].items())
+
+
+def test_the_models_own_checkpointing_switched_on_later_is_noticed(caplog):
+    batch = hf_batch(seq=48)
+    plain = llama(layers=3)
+    plain.gradient_checkpointing_enable()
+    torch.manual_seed(4)
+    plain(**batch).loss.backward()
+    model = llama(layers=3)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        with adaptmem.manage(model, budget="1GiB", device=device()) as mem:
+            with mem.step():
+                model(**batch).loss.backward()
+            model.zero_grad(set_to_none=True)
+            model.gradient_checkpointing_enable()
+            torch.manual_seed(4)
+            with mem.step():
+                model(**batch).loss.backward()
+            assert set(mem.plan.values()) == {Mode.NONE}
+            assert mem.events.of_type("own_checkpointing")[0]["blocks"] == [h.name for h in mem.handles]
+            got = grads_of(model)
+            model.gradient_checkpointing_disable()
+            with mem.step():
+                model(**batch).loss.backward()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("now checkpoint themselves" in m and "gradient_checkpointing_disable" in m for m in messages) == 1
+    assert any("is off again" in m for m in messages)
+    expected = grads_of(plain)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
