@@ -209,3 +209,30 @@ def assert_same_state(got: dict, expected: dict) -> None:
         assert got[part].keys() == expected[part].keys(), part
         bad = [k for k in expected[part] if not torch.equal(got[part][k], expected[part][k])]
         assert not bad, f"{part} differ: {bad[:4]}"
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer plus a small trainable low-rank update."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(rank, base.in_features) * 0.02)
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, rank) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a.t()) @ self.b.t()
+
+
+def tiny_lora(**overrides) -> torch.nn.Module:
+    """The tiny transformer with every weight frozen (embeddings too) and LoRA adapters
+    on the attention and MLP projections of each block: only the adapters train."""
+    model = tiny(**overrides)
+    model.requires_grad_(False)
+    torch.manual_seed(1)
+    for block in model.blocks:
+        block.attn.qkv = LoRALinear(block.attn.qkv)
+        block.attn.proj = LoRALinear(block.attn.proj)
+        block.mlp[0] = LoRALinear(block.mlp[0])
+        block.mlp[2] = LoRALinear(block.mlp[2])
+    return model

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from adaptmem.devices.probe import MemoryProbe
 from adaptmem.modes import Mode
 from adaptmem.strategies import BlockCall
+from adaptmem.strategies.call import main_input
 from adaptmem.wrapping import BlockHandle
 
 
@@ -83,6 +84,7 @@ class StepSample:
     completed_once: bool = False  # the first block's input gradient arrived (the blocks' backward ended)
     double_backward: bool = False  # some block's backward ran twice in this step
     overlapped: bool = False  # a second forward began before the first one's backward
+    tail_hooked: bool = False  # the first block's input needs a gradient, which marks the blocks' backward end
     seconds: float = 0.0
 
     @property
@@ -111,13 +113,13 @@ def shape_of(args: tuple, kwargs: dict) -> InputShape:
     activations (B, S, H) are keyed on every dimension, so larger images or longer
     sequences are a new, larger shape. A 2-D input (S, H) or (B, F) is one sample.
     """
-    for t in tensors_in((args, kwargs)):
-        if t.is_floating_point() and t.dim() >= 2:
-            if t.dim() == 2:
-                return InputShape(1, max(1, t.numel()), int(t.shape[0]))
-            batch = max(1, int(t.shape[0]))
-            return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]))
-    return InputShape(1, 1, 1)
+    t = main_input(args, kwargs)
+    if t is None:
+        return InputShape(1, 1, 1)
+    if t.dim() == 2:
+        return InputShape(1, max(1, t.numel()), int(t.shape[0]))
+    batch = max(1, int(t.shape[0]))
+    return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]))
 
 
 class StepRecorder:
@@ -178,8 +180,15 @@ class StepRecorder:
 
     @property
     def backward_done(self) -> bool:
-        """This step's backward has gone through every block."""
-        return self.sample is not None and self.sample.completed_once
+        """This step's backward has gone through every block. Without a gradient for the
+        first block's input (frozen embeddings) there is no mark after its backward: a
+        forward that begins once every block's backward has begun comes after it."""
+        sample = self.sample
+        if sample is None:
+            return False
+        if sample.tail_hooked:
+            return sample.completed_once
+        return bool(sample.blocks) and all(b.bwd_start is not None for b in sample.blocks)
 
     def overlap(self) -> None:
         """A second forward began before the first one's backward: from here on the step is
@@ -201,8 +210,12 @@ class StepRecorder:
                 sample.batch, sample.extent, sample.seq = shape_of(args, kwargs)
                 if grad_inputs:  # its gradient marks the end of the last block backward
                     grad_inputs[0].register_hook(self._make_bwd_hook(None))
+                    sample.tail_hooked = True
             elif sample.blocks[-1].held is None:
                 sample.blocks[-1].held = now - sample.blocks[-1].start
+            if not grad_inputs:  # the first block after frozen embeddings: its activations need no grad
+                main = main_input(args, kwargs)
+                grad_inputs = [main] if main is not None else []
             inputs = sum(t.numel() * t.element_size() for t in grad_inputs)
             elem = grad_inputs[0].element_size() if grad_inputs else 0
             block = BlockSample(index=handle.index, mode=handle.mode, input_bytes=inputs, start=now, elem_size=elem)

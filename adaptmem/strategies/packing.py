@@ -25,8 +25,11 @@ class Packer:
         compress: codec options, or None for no compression.
         offload: offload options, or None to keep payloads on the device.
         runtime: where offloaded bytes go (host tier or CUDA pinned pool).
-        grad_only: pack only tensors that require grad (used for checkpoint
-            inputs: masks and rotary tables are shared by every block and stay put).
+        grad_only: pack only tensors that require grad, and those sharing storage
+            with `main` (used for checkpoint inputs: the block's activations go,
+            masks and rotary tables, shared by every block, stay put).
+        main: the block's main input, packed under `grad_only` even when it needs
+            no gradient (the first block after frozen embeddings).
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class Packer:
         offload: OffloadOptions | None = None,
         runtime: OffloadRuntime | None = None,
         grad_only: bool = False,
+        main: torch.Tensor | None = None,
         stats: dict | None = None,
     ) -> None:
         self._module = module
@@ -46,12 +50,13 @@ class Packer:
         self._runtime = runtime
         self._group = runtime.new_group(offload) if offload is not None and runtime else None
         self._grad_only = grad_only
+        self._main = _storage(main) if main is not None else None
         self._stats = stats if stats is not None else {}
         for key in ("packed", "kept", "host"):
             self._stats.setdefault(key, 0)
 
     def __call__(self, t: torch.Tensor) -> Any:
-        if self._is_state(t) or (self._grad_only and not t.requires_grad):
+        if self._is_state(t) or (self._grad_only and not t.requires_grad and _storage(t) != self._main):
             return t.detach()
         size = nbytes_of(t)
         self._stats["packed"] += size
@@ -81,6 +86,13 @@ class Packer:
         if self._buffers is None:
             self._buffers = {b.untyped_storage().data_ptr() for b in self._module.buffers()}
         return bool(self._buffers) and t.untyped_storage().data_ptr() in self._buffers
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
+        return None
 
 
 def _is_cast_of_leaf(t: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from adaptmem.strategies.call import BlockCall
+from adaptmem.strategies.call import BlockCall, main_input
 from adaptmem.strategies.packing import Packer
 from adaptmem.strategies.payloads import restore
 
@@ -137,7 +137,7 @@ def _refuse_second_backward(output: Any) -> None:
 def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
     """DeepSpeed's cpu_checkpointing: checkpoint, and keep the block input on the host."""
     packer = Packer(call.module, offload=call.offload, runtime=call.offload_runtime,
-                    grad_only=True, stats=call.stats)
+                    grad_only=True, main=main_input(call.args, call.kwargs), stats=call.stats)
     with torch.autograd.graph.saved_tensors_hooks(packer, restore):
         return _checkpointed(call, None)
 
