@@ -15,7 +15,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from adaptmem.modes import Mode, allowed_labels
 
@@ -49,82 +59,82 @@ class Policy(BaseModel):
     static_plan: Literal["none", "every-k", "sqrt-n"] = "none"
     "A fixed plan instead of planning: checkpoint every k-th block, or every round(sqrt(L))-th. OOMs still escalate."
 
-    every_k: int = Field(2, ge=1)
+    every_k: StrictInt = Field(2, ge=1)
     "k for static_plan='every-k' (blocks)."
 
-    budget_fraction: float = Field(0.9, gt=0, le=1)
+    budget_fraction: StrictFloat = Field(0.9, gt=0, le=1)
     "With budget=None: the budget as this fraction of the device memory not used by others at start."
 
-    headroom: float = Field(0.92, gt=0, le=1)
+    headroom: StrictFloat = Field(0.92, gt=0, le=1)
     "Plan for predicted peak <= headroom x budget at first; the margin absorbs prediction error."
 
-    min_headroom: float = Field(0.5, gt=0, le=1)
+    min_headroom: StrictFloat = Field(0.5, gt=0, le=1)
     "Escalation never plans for less than this fraction of the budget."
 
-    max_headroom: float = Field(0.97, gt=0, le=1)
+    max_headroom: StrictFloat = Field(0.97, gt=0, le=1)
     "Relaxation never plans for more than this fraction of the budget."
 
-    high_watermark: float = Field(0.98, gt=0, le=1)
+    high_watermark: StrictFloat = Field(0.98, gt=0, le=1)
     "An observed peak above this fraction of the budget escalates at once."
 
-    low_watermark: float = Field(0.8, gt=0, lt=1)
+    low_watermark: StrictFloat = Field(0.8, gt=0, lt=1)
     "Observed peaks under this fraction of the budget for calm_steps steps relax the plan."
 
-    calm_steps: int = Field(10, ge=1)
+    calm_steps: StrictInt = Field(10, ge=1)
     "Steps under the low watermark before relaxing (doubles each time a relaxation had to be undone)."
 
-    escalate_factor: float = Field(0.9, gt=0, lt=1)
+    escalate_factor: StrictFloat = Field(0.9, gt=0, lt=1)
     "Headroom is multiplied by at most this on escalation."
 
-    relax_factor: float = Field(1.03, gt=1, le=2)
+    relax_factor: StrictFloat = Field(1.03, gt=1, le=2)
     "Headroom is multiplied by this on relaxation."
 
-    oom_backoff: float = Field(0.8, gt=0, lt=1)
+    oom_backoff: StrictFloat = Field(0.8, gt=0, lt=1)
     "Headroom is multiplied by this after an out-of-memory error."
 
-    max_retries: int = Field(3, ge=0, le=10)
+    max_retries: StrictInt = Field(3, ge=0, le=10)
     "Times run_step retries a step after an out-of-memory error before giving up."
 
-    prior_margin: float = Field(1.25, ge=1, le=3)
+    prior_margin: StrictFloat = Field(1.25, ge=1, le=3)
     "Predicted bytes of a mode never yet seen on a block are inflated by this factor."
 
-    quadratic_prior: float = Field(0.25, ge=0, le=1)
+    quadratic_prior: StrictFloat = Field(0.25, ge=0, le=1)
     "Share of activation bytes assumed to grow with the input size squared (attention over a sequence) when extrapolating to a larger input than any seen."
 
-    bucket_ratio: float = Field(1.25, gt=1, le=4)
+    bucket_ratio: StrictFloat = Field(1.25, gt=1, le=4)
     "Input-size buckets (elements per sample; one cached plan each) grow geometrically by this ratio."
 
-    sample_interval_s: float = Field(0.05, gt=0, le=10)
+    sample_interval_s: StrictFloat = Field(0.05, gt=0, le=10)
     "How often the background thread reads the device (seconds)."
 
-    emergency_margin: float = Field(0.02, ge=0, lt=0.5)
+    emergency_margin: StrictFloat = Field(0.02, ge=0, lt=0.5)
     "Fraction of device capacity kept free when other processes take memory: the budget shrinks at once to keep it."
 
-    host_fraction: float = Field(0.5, gt=0, le=1)
+    host_fraction: StrictFloat = Field(0.5, gt=0, le=1)
     "Offloaded bytes may use at most this fraction of the host RAM available when planning."
 
     compress_codec: Literal["int8", "fp8", "bf16"] = "int8"
     "Codec for COMPRESS modes."
 
-    compress_group_size: int = Field(64, ge=8)
+    compress_group_size: StrictInt = Field(64, ge=8)
     "Values sharing one scale in int8/fp8 compression (count)."
 
-    compress_penalty: float = Field(0.5, ge=0)
+    compress_penalty: StrictFloat = Field(0.5, ge=0)
     "Planner cost of a lossy mode on a block, as a fraction of that block's forward time, on top of its time."
 
     accumulation_snapshot: Literal["device", "host", "off"] = "device"
     "Before an existing .grad is accumulated into, copy it (on the device or host) so an OOM retry restores it exactly; 'off' makes such an OOM an error."
 
-    buffer_snapshot_limit: int = Field(256 * 2**20, ge=0)
+    buffer_snapshot_limit: StrictInt = Field(256 * 2**20, ge=0)
     "Before each run_step the model's buffers are copied to the host, up to this many bytes in all, so a retry puts back what a failed attempt changed (bytes)."
 
-    empty_cache_on_oom: bool = True
+    empty_cache_on_oom: StrictBool = True
     "After an out-of-memory error, release PyTorch's cached CUDA blocks before retrying."
 
-    replan_tolerance: float = Field(0.05, gt=0, le=1)
+    replan_tolerance: StrictFloat = Field(0.05, gt=0, le=1)
     "A cached plan is made again when its predicted peak missed the observed one by more than this fraction of the budget."
 
-    planner_bins: int = Field(1024, ge=64, le=16384)
+    planner_bins: StrictInt = Field(1024, ge=64, le=16384)
     "Resolution of the planner's byte axis (bins over the budget); every byte count is rounded up to a bin."
 
     @field_validator("modes")
@@ -156,6 +166,11 @@ class Policy(BaseModel):
 
 def load_policy(policy: str | os.PathLike | Policy | None = "balanced") -> Policy:
     """A `Policy` from a preset name, a TOML path, or a Policy; ADAPTMEM_POLICY wins over the argument."""
+    if policy is not None and not isinstance(policy, (str, os.PathLike, Policy)):
+        raise TypeError(
+            f"policy must be a preset name ({', '.join(PRESETS)}), a path to a TOML file, or an "
+            f"adaptmem.Policy; got {type(policy).__name__} {policy!r}"
+        )
     env = os.environ.get(ENV_POLICY)
     if env:
         given = policy.name if isinstance(policy, Policy) else policy
@@ -205,6 +220,8 @@ def _describe(error: dict) -> str:
         return f"unknown field `{field}`; allowed fields are {', '.join(Policy.model_fields)}"
     if kind in {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}:
         return f"field `{field}` must be in {_range_text(field)}, got {got!r}"
+    if kind in _TYPE_WORDS:
+        return f"field `{field}` must be {_TYPE_WORDS[kind]}, got {got!r}"
     if kind == "literal_error":
         allowed = error.get("ctx", {}).get("expected", "")
         return f"field `{field}` must be one of {allowed}, got {got!r}"
@@ -212,6 +229,15 @@ def _describe(error: dict) -> str:
     if field == "(policy)":
         return message
     return f"field `{field}`: {message} (got {got!r})"
+
+
+_TYPE_WORDS = {
+    "int_type": "a whole number",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "tuple_type": "a list of mode names",
+}
 
 
 def _range_text(name: str) -> str:

@@ -27,8 +27,14 @@ def make_probe(device: Any = None) -> MemoryProbe:
         log.warning("adaptmem: no CUDA device found; managing host memory through psutil "
                     "(peak sampled at block boundaries, coarse)")
         return HostProbe()
-    if isinstance(device, (str, torch.device, int)):
-        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if isinstance(device, (str, torch.device, int)) and not isinstance(device, bool):
+        try:
+            dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        except RuntimeError:
+            raise ValueError(
+                f"device={device!r} is not a device adaptmem can manage: pass None (the current CUDA "
+                "device, or the host), 'cuda', 'cuda:N', 'cpu', or a SimulatedDevice"
+            ) from None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device={device!r} but no CUDA device is available; "

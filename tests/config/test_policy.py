@@ -83,3 +83,22 @@ def test_environment_overrides_the_argument(tmp_path, monkeypatch):
     monkeypatch.setenv("ADAPTMEM_POLICY", "nope")
     with pytest.raises(PolicyError, match=r"from ADAPTMEM_POLICY='nope'"):
         load_policy()
+
+
+@pytest.mark.parametrize("text,message", [
+    ("max_retries = true", "field `max_retries` must be a whole number, got True"),
+    ("calm_steps = 2.5", "field `calm_steps` must be a whole number, got 2.5"),
+    ("empty_cache_on_oom = 1", "field `empty_cache_on_oom` must be true or false, got 1"),
+    ("headroom = true", "field `headroom` must be a number, got True"),
+])
+def test_wrong_types_in_a_file_are_named(tmp_path, text, message):
+    path = tmp_path / "mine.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(PolicyError, match=f"policy '{path}': {message}".replace("(", r"\(").replace(")", r"\)")):
+        load_policy(str(path))
+
+
+def test_a_policy_of_the_wrong_kind_is_named():
+    with pytest.raises(TypeError, match=r"policy must be a preset name \(balanced, .*\), a path to a TOML file, "
+                                        r"or an adaptmem.Policy; got int 3"):
+        load_policy(3)

@@ -78,17 +78,21 @@ def test_begin_and_end_step_carry_a_label_and_step_is_built_on_them():
         assert mem.summary()["steps"] == 2 and mem.summary()["ooms"] == 1
 
 
-@pytest.mark.parametrize("case", ["policy", "budget", "blocks", "log", "device", "thread"])
+@pytest.mark.parametrize("case", ["policy", "policy-type", "budget", "blocks", "log", "device", "device-name", "thread"])
 def test_a_failed_construction_leaves_the_model_as_it_was(tmp_path, monkeypatch, case):
     model = tiny()
     keys = list(model.state_dict())
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     kwargs = {"budget": "1GiB", "device": device()}
-    expected = {"policy": PolicyError, "budget": ValueError, "blocks": ValueError, "log": OSError,
-                "device": ValueError, "thread": RuntimeError}[case]
+    expected = {"policy": PolicyError, "policy-type": TypeError, "budget": ValueError, "blocks": ValueError,
+                "log": OSError, "device": ValueError, "device-name": ValueError, "thread": RuntimeError}[case]
     if case == "policy":
         kwargs["policy"] = "no-such-preset"
+    elif case == "policy-type":
+        kwargs["policy"] = 3
+    elif case == "device-name":
+        kwargs["device"] = "tpu"
     elif case == "budget":
         kwargs["budget"] = "4GiB"
     elif case == "blocks":

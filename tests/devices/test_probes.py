@@ -72,3 +72,9 @@ def test_nvml_handle_when_present(monkeypatch):
                                  nvmlDeviceGetHandleByIndex=lambda i: f"handle-{i}")
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert _nvml_handle(3) == "handle-3"
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", True])
+def test_a_device_adaptmem_cannot_manage_is_named(device):
+    with pytest.raises(ValueError, match=f"device={device!r} is not a device adaptmem can manage|device must be None"):
+        make_probe(device)
