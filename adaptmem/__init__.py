@@ -9,7 +9,7 @@ from adaptmem.control.manager import MemoryManager, manage
 from adaptmem.control.retry import InexactRetryError, StepOutOfMemoryError
 from adaptmem.modes import ALLOWED_MODES, LOSSLESS_MODES, Mode
 from adaptmem.strategies import CompressOptions, OffloadOptions, SelectiveBackwardError
-from adaptmem.wrapping import BlockHandle, get_handles, instrument, restore
+from adaptmem.wrapping import BlockHandle, compile_blocks, get_handles, instrument, restore
 
 __version__ = "0.1.0"
 
@@ -26,6 +26,7 @@ __all__ = [
     "PolicyError",
     "SelectiveBackwardError",
     "StepOutOfMemoryError",
+    "compile_blocks",
     "get_handles",
     "instrument",
     "load_policy",

@@ -5,7 +5,7 @@ CODE = """
 import sys
 import torch
 import adaptmem, adaptmem.testing, adaptmem.demo.tiny, adaptmem.demo.__main__
-heavy = [m for m in ("lightning", "pytorch_lightning", "transformers", "accelerate") if m in sys.modules]
+heavy = [m for m in ("lightning", "pytorch_lightning", "transformers", "accelerate", "torch._dynamo") if m in sys.modules]
 assert not heavy, heavy
 assert not torch.cuda.is_initialized()
 print("lean")

@@ -30,6 +30,7 @@ from torch import nn
 from adaptmem.config.budget import Budget, resolve_budget
 from adaptmem.config.policy import Policy, load_policy
 from adaptmem.control.budgeting import BudgetKeeper
+from adaptmem.control.compiling import CompileCounter
 from adaptmem.control.costs import CostModel
 from adaptmem.control.decisions import Decider
 from adaptmem.control.events import SCHEMA_VERSION, EventLog
@@ -42,7 +43,15 @@ from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.select import make_probe
 from adaptmem.modes import Mode
 from adaptmem.strategies import CompressOptions
-from adaptmem.wrapping import BlockHandle, BlockSelection, find_blocks, get_instrumentation, instrument, restore
+from adaptmem.wrapping import (
+    BlockHandle,
+    BlockSelection,
+    find_blocks,
+    get_instrumentation,
+    instrument,
+    restore,
+    tell_observer,
+)
 
 log = logging.getLogger("adaptmem")
 
@@ -110,6 +119,9 @@ class MemoryManager(Reactions):
         self._sampler = Sampler(self._tick, self.events.flush, p.sample_interval_s)
         self._sampler.start()
         self._runtime.observer = self  # held weakly: dropping the manager does not keep it alive
+        # torch.compile never traces the controller: it runs eagerly between compiled pieces
+        self._runtime.tell = torch.compiler.disable(tell_observer, recursive=True)
+        self._compiles = CompileCounter()
         made_here = self.probe is not self._device  # a probe the user passed in stays open for them
         self._finalizer = weakref.finalize(self, _shut_down, self._sampler, self.events,
                                            self.probe if made_here else None)
@@ -255,6 +267,7 @@ class MemoryManager(Reactions):
             "policy": self.policy.name,
             "device": self.probe.name,
             "run": self.events.run_id,
+            "compiles": self._compiles.count,
         }
 
     def close(self) -> None:
@@ -269,6 +282,7 @@ class MemoryManager(Reactions):
             self._in_step = False
         self._runtime.observer = None
         self.events.emit("end", step=self.steps, summary=self.summary())
+        self._compiles.close()
         self._finalizer()  # closes the log and the probe
         self._give_back()
 

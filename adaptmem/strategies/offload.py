@@ -182,7 +182,7 @@ class OffloadRuntime:
         self._last_group: PackGroup | None = None
 
     def new_group(self, options: OffloadOptions) -> PackGroup | None:
-        if not options.prefetch:
+        if not options.prefetch or torch.compiler.is_compiling():  # no state for torch.compile to guard on
             return None
         last = self._last_group
         group = PackGroup(prev=last if last is not None and not last.began else None)

@@ -9,8 +9,8 @@ The wrapper hands each training call to the strategy of the block's mode
 started and ended; the observer (the manager) lives in the layer above.
 """
 
-from adaptmem.wrapping.attach import get_handles, get_instrumentation, instrument, restore
-from adaptmem.wrapping.handles import BlockHandle, BlockObserver, BlockRuntime, Instrumentation
+from adaptmem.wrapping.attach import compile_blocks, get_handles, get_instrumentation, instrument, restore
+from adaptmem.wrapping.handles import BlockHandle, BlockObserver, BlockRuntime, Instrumentation, tell_observer
 from adaptmem.wrapping.selection import BlockSelection, describe_model, find_blocks
 
 __all__ = [
@@ -19,10 +19,12 @@ __all__ = [
     "BlockRuntime",
     "BlockSelection",
     "Instrumentation",
+    "compile_blocks",
     "describe_model",
     "find_blocks",
     "get_handles",
     "get_instrumentation",
     "instrument",
     "restore",
+    "tell_observer",
 ]

@@ -10,7 +10,7 @@ back an instance-level forward that was there first).
 from __future__ import annotations
 
 import copy
-import types
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -32,11 +32,18 @@ class _BlockForward:
         self._module = weakref.ref(module)
         self._handle = weakref.ref(handle)
         self.previous = previous  # an instance-level forward that was there before us
+        self.compiled: Callable[..., Any] | None = None  # the block's own forward, compiled (compile_blocks)
 
     def original(self, module: nn.Module) -> Callable[..., Any]:
+        if self.compiled is not None:
+            return self.compiled
+        return self.uncompiled(module)
+
+    def uncompiled(self, module: nn.Module) -> Callable[..., Any]:
         if self.previous is not None:
             return self.previous
-        return types.MethodType(type(module).forward, module)
+        # a partial, not types.MethodType: torch.compile traces through it without a graph break
+        return functools.partial(type(module).forward, module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
@@ -44,14 +51,15 @@ class _BlockForward:
         handle = self._handle()
         if handle is None or not (module.training and torch.is_grad_enabled()) or _in_backward():
             return forward(*args, **kwargs)
-        observer = handle.runtime.observer
+        runtime = handle.runtime
+        observer = runtime.observer
         if observer is not None:
-            observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
+            runtime.tell(observer, "block_start", handle, args, kwargs)  # may set handle.mode (planning)
         call = handle.make_call(forward, args, kwargs)
         output = STRATEGIES[call.mode](call)
         handle.finished(call)
         if observer is not None:
-            observer.block_end(handle, call, output)
+            runtime.tell(observer, "block_end", handle, call, output)
         return output
 
     def belongs_to(self, handle: BlockHandle) -> bool:
@@ -66,6 +74,7 @@ class _BlockForward:
         new._module = weakref.ref(new_module)
         new._handle = weakref.ref(new_handle) if new_handle is not None else _dead
         new.previous = copy.deepcopy(self.previous, memo)
+        new.compiled = None  # compiled code is not copied: compile the copy again
         return new
 
     def __reduce__(self) -> tuple:
@@ -88,6 +97,7 @@ def _rebuild_forward(module: nn.Module, handle: BlockHandle | None, previous: Ca
     fwd._module = weakref.ref(module)
     fwd._handle = weakref.ref(handle) if handle is not None else _dead
     fwd.previous = previous
+    fwd.compiled = None
     return fwd
 
 
@@ -164,6 +174,28 @@ def restore(model: nn.Module) -> None:
     inst.runtime.observer = None
     inst.runtime.offload.pool.clear()
     del model.__dict__[_ATTR]
+
+
+def compile_blocks(model: nn.Module, **compile_options: Any) -> list[BlockHandle]:
+    """Compile each block's own forward with `torch.compile(**compile_options)`, the way
+    torchtitan compiles per block, and keep adaptmem's wrapper outside the compiled code.
+
+    The wrapper runs eagerly around each compiled block: the manager is never traced,
+    and a mode change never recompiles (the compiled forward does not depend on the
+    mode), so `fullgraph=True` works in every mode. Call it after `instrument` or
+    `manage`; `restore` (or closing the manager that instrumented the model) drops the
+    compiled code. Returns the handles.
+    """
+    inst: Instrumentation | None = model.__dict__.get(_ATTR)
+    if inst is None:
+        raise ValueError(
+            f"{type(model).__name__} is not instrumented: call adaptmem.instrument(model) or "
+            "adaptmem.manage(model) first, then adaptmem.compile_blocks(model)"
+        )
+    for handle in inst.handles:
+        wrapper = handle.module.__dict__["forward"]
+        wrapper.compiled = torch.compile(wrapper.uncompiled(handle.module), **compile_options)
+    return list(inst.handles)
 
 
 def get_handles(model: nn.Module) -> list[BlockHandle]:

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from adaptmem.modes import Mode
@@ -32,12 +33,20 @@ class BlockObserver(Protocol):
     def recompute(self, handle: "BlockHandle", begin: bool) -> None: ...
 
 
+def tell_observer(observer: BlockObserver, event: str, *args: Any) -> None:
+    """Call the observer's `event` method. A manager replaces it, on its model's runtime, by a
+    version torch.compile never traces (`torch.compiler.disable`): the controller, the planner
+    and the recorder run eagerly, between the compiled pieces of a block."""
+    getattr(observer, event)(*args)
+
+
 class BlockRuntime:
     """What the blocks of one instrumented model share: offload tiers, the observer, warnings said."""
 
     def __init__(self) -> None:
         self.offload = OffloadRuntime()
         self._observer: Callable[[], BlockObserver | None] = _nobody
+        self.tell: Callable[..., None] = tell_observer
         self._warned: set[str] = set()
 
     @property
@@ -47,6 +56,8 @@ class BlockRuntime:
     @observer.setter
     def observer(self, value: BlockObserver | None) -> None:
         self._observer = _nobody if value is None else weakref.ref(value)
+        if value is None:
+            self.tell = tell_observer
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -77,7 +88,7 @@ class BlockHandle:
     Counters, for the curious and for tests that a mode really ran: `calls`
     (forwards on the managed path), `recomputes` (recomputes finished in
     backward), `packed_bytes` (bytes handed to a pack hook), `host_bytes` (of
-    those, sent to the host).
+    those, sent to the host). Calls traced by torch.compile are not counted.
     """
 
     def __init__(self, name: str, module: nn.Module, index: int, runtime: BlockRuntime,
@@ -104,13 +115,16 @@ class BlockHandle:
 
     def make_call(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> BlockCall:
         """The strategy's view of one forward call of this block, in its current mode."""
-        self.calls += 1
+        if not torch.compiler.is_compiling():  # a counter torch.compile would guard on, recompiling each step
+            self.calls += 1
         return BlockCall(
             self.module, forward, args, kwargs, self._mode, self.compress_options, self.offload_options,
             self.runtime.offload, on_recompute=_RecomputeListener(self), warn_once=self.runtime.warn_once,
         )
 
     def finished(self, call: BlockCall) -> None:
+        if torch.compiler.is_compiling():
+            return
         self.packed_bytes += call.stats.get("packed", 0)
         self.host_bytes += call.stats.get("host", 0)
 
@@ -132,7 +146,7 @@ class _RecomputeListener:
             handle.recomputes += 1
         observer = handle.runtime.observer
         if observer is not None:
-            observer.recompute(handle, begin)
+            handle.runtime.tell(observer, "recompute", handle, begin)
 
 
 class Instrumentation:

@@ -1,0 +1,128 @@
+"""torch.compile: whole-model and per-block (compile_blocks), every lossless mode, the
+calibration step included, bit-identical to eager under the aot_eager backend; the
+controller is never traced; plan changes cost no recompile per block once seen.
+
+SimulatedDevice intercepts every op through a dispatch mode, which torch.compile does not
+trace through, so these tests read the stand-in without entering it."""
+
+import pytest
+import torch
+
+import adaptmem
+from adaptmem import LOSSLESS_MODES, Mode
+from adaptmem.control.compiling import CompileCounter
+from adaptmem.testing import SimulatedDevice
+
+from helpers import cnn, image_batch, tiny, tiny_batch
+
+MODELS = {"transformer": (tiny, tiny_batch), "cnn": (cnn, lambda m: image_batch())}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def grads_after(model, batch, fn=None, seed=1):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    (fn if fn is not None else model)(**batch).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("how", ["whole", "blocks"])
+@pytest.mark.parametrize("mode", LOSSLESS_MODES, ids=lambda m: m.label)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_mode_compiles_bit_identical_to_eager(name, mode, how):
+    make, make_batch = MODELS[name]
+    model = make()
+    batch = make_batch(model)
+    expected = grads_after(model, batch)
+    adaptmem.instrument(model, mode=mode)
+    if how == "whole":
+        got = grads_after(model, batch, torch.compile(model, backend="aot_eager"))
+    else:
+        adaptmem.compile_blocks(model, backend="aot_eager", fullgraph=True)  # no graph break inside a block
+        got = grads_after(model, batch)
+    assert same(got, expected)
+
+
+@pytest.mark.parametrize("how", ["whole", "blocks"])
+def test_a_managed_model_compiles_from_the_calibration_step_and_the_controller_is_never_traced(how):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    batches = [tiny_batch(tiny(), seq=s) for s in (32, 48, 32)]
+    plain = tiny()
+    expected = [grads_after(plain, b, seed=i) for i, b in enumerate(batches)]
+    model = tiny()
+    with adaptmem.manage(model, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31)) as mem:
+        fn = model
+        if how == "whole":
+            fn = torch.compile(model, backend="aot_eager")
+        else:
+            adaptmem.compile_blocks(model, backend="aot_eager", fullgraph=True)
+        got = []
+        for i, b in enumerate(batches):
+            with mem.step():
+                got.append(grads_after(model, b, fn, seed=i))
+        plans = [r["plan_counts"] for r in mem.events.of_type("step")]
+        compiles = mem.summary()["compiles"]
+    assert plans[0] == {"CHECKPOINT": 4}  # the calibration step ran compiled too
+    assert all(same(g, e) for g, e in zip(got, expected))
+    assert compiles > 0
+    breaks = list(counters["graph_break"])
+    assert all("disable" in reason for reason in breaks), breaks  # only at adaptmem's eager boundary
+    if how == "blocks":
+        assert breaks == []  # the wrapper runs outside the compiled blocks
+
+
+def test_mode_changes_do_not_recompile_compiled_blocks():
+    model = tiny()
+    batch = tiny_batch(model)
+    handles = adaptmem.instrument(model)
+    adaptmem.compile_blocks(model, backend="aot_eager", fullgraph=True)
+    counter = CompileCounter()
+    grads_after(model, batch)
+    first = counter.count
+    for mode in list(LOSSLESS_MODES) * 2:
+        for h in handles:
+            h.mode = mode
+        grads_after(model, batch)
+    counter.close()
+    assert first > 0 and counter.count == first
+
+
+def test_whole_model_compile_stops_recompiling_once_the_plans_were_seen():
+    """Whole-model compile guards each block's code on its mode: the plans of a run compile
+    their blocks' code, and going back and forth between plans seen before compiles nothing."""
+    model = tiny(n_layers=2)
+    batch = tiny_batch(model)
+    handles = adaptmem.instrument(model)
+    fn = torch.compile(model, backend="aot_eager")
+    plans = [(Mode.NONE, Mode.CHECKPOINT), (Mode.OFFLOAD, Mode.NONE)]
+    counter = CompileCounter()
+    counts = []
+    for plan in plans * 4:
+        for h, mode in zip(handles, plan):
+            h.mode = mode
+        grads_after(model, batch, fn)
+        counts.append(counter.count)
+    counter.close()
+    assert counts[4:] == [counts[3]] * 4, counts  # back and forth between plans seen before: nothing
+
+
+def test_compile_blocks_needs_an_instrumented_model_and_restore_drops_it():
+    model = tiny()
+    with pytest.raises(ValueError, match="call adaptmem.instrument"):
+        adaptmem.compile_blocks(model)
+    adaptmem.instrument(model)
+    adaptmem.compile_blocks(model, backend="aot_eager")
+    adaptmem.restore(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
