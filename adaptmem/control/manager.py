@@ -154,6 +154,15 @@ class MemoryManager(Reactions):
         return self.budgets.capacity
 
     @property
+    def in_step(self) -> bool:
+        """A step is open (between `begin_step` and `end_step`)."""
+        return self._in_step
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def sampler(self) -> Sampler:
         """The background thread (`sampler.wait_ticks(n)` waits for its reaction)."""
         return self._sampler

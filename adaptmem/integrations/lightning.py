@@ -1,0 +1,144 @@
+"""`AdaptMemCallback`: adaptmem inside a Lightning `Trainer` (`lightning` or `pytorch_lightning`).
+
+A thin adapter over `MemoryManager`; every decision is the manager's.
+
+  setup            the manager is built on the LightningModule (so a resumed fit can
+                   load its state: Lightning calls `load_state_dict` after `setup`)
+  each micro-batch the optimizer closure (training_step, zero_grad, backward) runs as one
+                   managed step through `run_step`: an out-of-memory error in it is
+                   retried under a tighter plan, with the gradients left exact also
+                   inside an accumulation window. With manual optimization there is no
+                   closure: the step is bracketed from `on_train_batch_start` to
+                   `on_after_backward`, and an OOM is recorded, not retried.
+  batch end        peak, budget, plan changes and recovered OOMs go to the loggers
+  checkpoints      the manager's state (costs, decisions, counters, run id) is saved with
+                   the callback and loaded on resume, which continues the same log
+  fit end / error  the manager is closed and the model given back
+
+The closure is reached through Lightning's automatic-optimization loop
+(`fit_loop.epoch_loop.automatic_optimization._make_closure`), the one place a
+callback can get at a step's forward and backward together; Lightning has no
+public hook to retry a batch (its request to survive OOM batches was closed
+as won't-fix).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - the older package name
+    import pytorch_lightning as pl
+
+from adaptmem.control.manager import MemoryManager
+
+__all__ = ["AdaptMemCallback"]
+
+
+class AdaptMemCallback(pl.Callback):
+    """Adaptive activation memory for a Lightning fit.
+
+    Args: as for `adaptmem.manage` (`policy`, `budget`, `device`, `blocks`, `log`);
+    `log_every_n_steps`: how often figures go to the Trainer's loggers (optimizer steps).
+    """
+
+    def __init__(self, *, policy: Any = None, budget: Any = None, device: Any = None, blocks: Any = "auto",
+                 log: str | None = None, log_every_n_steps: int = 1) -> None:
+        super().__init__()
+        self.options = {"policy": policy, "budget": budget, "device": device, "blocks": blocks, "log": log}
+        self.log_every_n_steps = log_every_n_steps
+        self.manager: MemoryManager | None = None
+        self._pending_state: dict | None = None
+        self._bracketed = False
+        self._loop: Any = None
+
+    # ------------------------------------------------------------ lifecycle
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.manager is not None:
+            return
+        self.manager = MemoryManager(pl_module, **self.options)
+        if self._pending_state is not None:
+            self.manager.load_state_dict(self._pending_state)
+            self._pending_state = None
+        if pl_module.automatic_optimization:
+            self._wrap_closures(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.manager is not None and self.manager.in_step:
+            self.manager.end_step(error=exception)
+        self._close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    def _close(self) -> None:
+        self._unwrap_closures()
+        if self.manager is not None:
+            self.manager.close()
+
+    # ------------------------------------------------------------ steps
+    def _wrap_closures(self, trainer: pl.Trainer) -> None:
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        make = loop._make_closure
+        manager = self.manager
+
+        def make_retrying_closure(kwargs: Any, optimizer: Any, batch_idx: int) -> Any:
+            closure = make(kwargs, optimizer, batch_idx)
+            run = closure.closure
+            label = {"global_step": trainer.global_step, "batch_idx": batch_idx}
+            closure.closure = lambda *a, **k: manager.run_step(run, *a, label=label, **k)
+            return closure
+
+        loop._make_closure = make_retrying_closure
+        self._loop = loop
+
+    def _unwrap_closures(self) -> None:
+        if self._loop is not None:
+            self._loop.__dict__.pop("_make_closure", None)
+            self._loop = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.manager is not None and not pl_module.automatic_optimization:
+            self.manager.begin_step(label={"global_step": trainer.global_step, "batch_idx": batch_idx})
+            self._bracketed = True
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._bracketed and self.manager is not None:
+            self._bracketed = False
+            self.manager.end_step()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._bracketed and self.manager is not None:  # manual optimization without a backward
+            self._bracketed = False
+            self.manager.end_step()
+        if self.manager is None or trainer.global_step % max(1, self.log_every_n_steps):
+            return
+        summary = self.manager.summary()
+        pl_module.log_dict({
+            "adaptmem/peak_bytes": float(summary["peak_bytes"]),
+            "adaptmem/budget_bytes": float(summary["budget_bytes"]),
+            "adaptmem/plan_changes": float(summary["plan_changes"]),
+            "adaptmem/ooms_recovered": float(summary["ooms_recovered"]),
+        }, on_step=True, on_epoch=False, logger=True, prog_bar=False)
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        if self.manager is not None and not self.manager.closed:
+            return {"manager": self.manager.state_dict()}
+        return {"manager": self._pending_state} if self._pending_state is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("manager")
+        if state is None:
+            return
+        if self.manager is not None and not self.manager.closed:
+            self.manager.load_state_dict(state)
+        else:
+            self._pending_state = state

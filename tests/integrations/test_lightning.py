@@ -1,0 +1,147 @@
+"""AdaptMemCallback with a real lightning.Trainer on the CPU, under SimulatedDevice:
+accumulation 2, validation during fit, OOMs injected in forward and in backward and
+retried exactly, figures in the loggers, save and resume."""
+
+import pytest
+import torch
+
+lightning = pytest.importorskip("lightning")
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+import adaptmem  # noqa: E402
+from adaptmem import read_log  # noqa: E402
+from adaptmem.integrations.lightning import AdaptMemCallback  # noqa: E402
+from adaptmem.testing import SimulatedDevice  # noqa: E402
+
+from helpers import tiny, tiny_batch  # noqa: E402
+
+
+class Batches(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int = 32) -> None:
+        model = tiny()
+        self.items = [tiny_batch(model, batch=2, seq=seq) for _ in range(n)]
+        for i, item in enumerate(self.items):
+            item["input_ids"] = item["input_ids"].roll(i, dims=1)
+            item["labels"] = item["input_ids"].clone()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def loader(n: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(Batches(n), batch_size=None)
+
+
+class LitTiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny()
+        self.fail_at: tuple[str, int] | None = None  # (where, batch_idx): one injected OOM
+        self.failed = 0
+        self.model.blocks[1].register_forward_hook(self._arm_backward)
+        self.model.blocks[1].attn.register_forward_pre_hook(self._maybe_fail_forward)
+
+    def _due(self, where: str) -> bool:
+        return (self.fail_at is not None and self.fail_at[0] == where and self.training
+                and self.fail_at[1] == self._batch_idx and not self.failed)
+
+    def _maybe_fail_forward(self, module, args):
+        if self._due("forward") and torch._C._current_graph_task_id() == -1:
+            self.failed += 1
+            raise torch.OutOfMemoryError("injected out of memory in forward")
+
+    def _arm_backward(self, module, args, output):
+        if self._due("backward") and output.requires_grad:
+            def fail(grad):
+                if not self.failed:
+                    self.failed += 1
+                    raise torch.OutOfMemoryError("injected out of memory in backward")
+            output.register_hook(fail)
+
+    def training_step(self, batch, batch_idx):
+        self._batch_idx = batch_idx
+        return self.model(**batch).loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def fit(tmp_path, *, callback=None, fail_at=None, steps=4, ckpt=None, module=None, checkpoint_every=None):
+    pl.seed_everything(0, verbose=False)
+    module = module or LitTiny()
+    module.fail_at = fail_at
+    callbacks = [callback] if callback is not None else []
+    if checkpoint_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=checkpoint_every,
+                                                      save_top_k=-1))
+    trainer = pl.Trainer(
+        max_steps=steps, accumulate_grad_batches=2, val_check_interval=2, limit_val_batches=2,
+        check_val_every_n_epoch=None, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="logs"),
+        enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, loader(2 * steps), loader(2), ckpt_path=ckpt)
+    return trainer, module
+
+
+def params(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("where", [None, "forward", "backward"])
+def test_a_fit_with_accumulation_validation_and_an_oom_is_exact(tmp_path, where):
+    _, plain = fit(tmp_path / "plain")
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    callback = AdaptMemCallback(budget="1GiB", device=dev, log=str(tmp_path / "run.jsonl"))
+    with dev:
+        trainer, managed = fit(tmp_path / "managed", callback=callback, fail_at=(where, 3) if where else None)
+    mem = callback.manager
+    summary = mem.summary()
+    assert mem.closed and adaptmem.get_handles(managed) == []  # closed on fit end, model given back
+    assert summary["steps"] == 8  # one managed step per micro-batch
+    assert summary["ooms_recovered"] == (1 if where else 0) and managed.failed == (1 if where else 0)
+    expected = params(plain)
+    assert all(torch.equal(p, expected[n]) for n, p in params(managed).items())  # validation changed nothing
+    steps = [r for r in read_log(tmp_path / "run.jsonl") if r["type"] == "step"]
+    assert [r["label"]["batch_idx"] for r in steps] == list(range(8))
+    assert {"adaptmem/peak_bytes", "adaptmem/budget_bytes", "adaptmem/plan_changes",
+            "adaptmem/ooms_recovered"} <= set(trainer.logged_metrics)
+
+
+def test_a_resumed_fit_continues_counters_costs_and_the_log(tmp_path):
+    log = tmp_path / "run.jsonl"
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    first = AdaptMemCallback(budget="1GiB", device=dev, log=str(log))
+    with dev:
+        fit(tmp_path / "a", callback=first, steps=2, checkpoint_every=2)
+    run = first.manager.summary()["run"]
+    ckpt = next((tmp_path / "a" / "ckpt").glob("*.ckpt"))
+    state = torch.load(ckpt, weights_only=False)["callbacks"]["AdaptMemCallback"]["manager"]
+    assert state["counters"]["steps"] == 4 and state["costs"]["steps_learned"] == 4
+    second = AdaptMemCallback(budget="1GiB", device=dev, log=str(log))
+    with dev:
+        fit(tmp_path / "b", callback=second, steps=4, ckpt=str(ckpt))
+    assert second.manager.summary()["steps"] == 8 and second.manager.summary()["run"] == run
+    records = read_log(log, run=run)
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(1, 9))
+    assert any(r["type"] == "resume" for r in records)
+
+
+def test_the_manager_closes_on_an_exception(tmp_path):
+    class Boom(LitTiny):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise KeyError("boom")
+            return super().training_step(batch, batch_idx)
+
+    callback = AdaptMemCallback(budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31))
+    with pytest.raises(KeyError):
+        fit(tmp_path, callback=callback, module=Boom())
+    assert callback.manager.closed and not callback.manager.sampler.is_alive()
