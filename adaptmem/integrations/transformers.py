@@ -1,0 +1,155 @@
+"""adaptmem inside a Hugging Face `transformers.Trainer`.
+
+`AdaptMemTrainerCallback` is the thin adapter: the manager is built on the model at
+`on_train_begin` and closed at `on_train_end`. The Trainer has no per-micro-batch
+begin event, so each micro-batch is bracketed from `on_step_begin` (or the
+previous `on_substep_end`) to the next `on_substep_end` / `on_pre_optimizer_step`:
+two micro-batches are never learned as one.
+
+The Trainer has no exception event either: to have a micro-batch that runs out
+of memory retried under a tighter plan, mix `AdaptMemTrainerMixin` into the
+Trainer class; its `training_step` runs through `run_step` (then the callback's
+brackets stand aside).
+
+The manager's state rides in the Trainer's checkpoint (`trainer_state.json`, the
+callback being an `ExportableState`) and is restored on resume with no extra
+flag: the resumed Trainer loads it into `state.stateful_callbacks`, where the
+callback finds it. With `restore_callback_states_from_checkpoint=True` the
+Trainer also rebuilds callbacks from their saved arguments; arguments that are
+not JSON (a `SimulatedDevice`, a `Policy` object) are then taken from the
+callback the user passed, when it is still alive in this process.
+
+The model's own gradient checkpointing (`TrainingArguments(gradient_checkpointing=True)`,
+which the Trainer switches on before `on_train_begin`) is switched off with one log
+line saying adaptmem now decides, unless `keep_model_checkpointing=True`: then
+adaptmem plans around the blocks that checkpoint themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import weakref
+from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from adaptmem.control.manager import MemoryManager
+
+__all__ = ["AdaptMemTrainerCallback", "AdaptMemTrainerMixin"]
+
+log = logging.getLogger("adaptmem")
+
+_JSON = (str, int, float, bool, type(None))
+_LIVE: weakref.WeakValueDictionary[str, AdaptMemTrainerCallback] = weakref.WeakValueDictionary()
+
+
+class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
+    """Adaptive activation memory for a Hugging Face Trainer.
+
+    Args: as for `adaptmem.manage` (`policy`, `budget`, `device`, `blocks`, `log`);
+    `keep_model_checkpointing`: leave the model's own gradient checkpointing on.
+    """
+
+    def __init__(self, *, policy: Any = None, budget: Any = None, device: Any = None, blocks: Any = "auto",
+                 log: str | None = None, keep_model_checkpointing: bool = False, _origin: str | None = None) -> None:
+        origin = _LIVE.get(_origin) if _origin is not None else None
+        if origin is not None:  # rebuilt by the Trainer on resume: keep what JSON could not carry
+            policy, device, blocks = origin.options["policy"], origin.options["device"], origin.options["blocks"]
+        self.options = {"policy": policy, "budget": budget, "device": device, "blocks": blocks, "log": log}
+        self.keep_model_checkpointing = keep_model_checkpointing
+        self.manager: MemoryManager | None = None
+        self.pending_state: dict | None = None
+        self.retrying = False  # AdaptMemTrainerMixin runs each micro-batch through run_step
+        self.micro = 0  # the micro-batch within the current optimizer step
+        self._token = uuid.uuid4().hex
+        _LIVE[self._token] = self
+
+    # ------------------------------------------------------------ lifecycle
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.manager is not None and not self.manager.closed:
+            return
+        self._own_checkpointing_off(model)
+        self.manager = MemoryManager(model, **self.options)
+        saved = self.pending_state or _saved_state(state, type(self).__name__)
+        if saved is not None:
+            self.manager.load_state_dict(saved)
+            self.pending_state = None
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.manager is not None:
+            if self.manager.in_step:
+                self.manager.end_step()
+            self.manager.close()
+
+    def _own_checkpointing_off(self, model: Any) -> None:
+        if self.keep_model_checkpointing or not getattr(model, "is_gradient_checkpointing", False):
+            return
+        model.gradient_checkpointing_disable()
+        log.warning("adaptmem: switched off the model's own gradient checkpointing (gradient_checkpointing=True); "
+                    "adaptmem now decides which blocks to recompute. Pass keep_model_checkpointing=True to keep it.")
+
+    # ------------------------------------------------------------ brackets
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.micro = 0
+        self._begin(state)
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end()
+        self.micro += 1
+        self._begin(state)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end()
+
+    def label(self, state: Any) -> dict:
+        return {"global_step": state.global_step, "micro_batch": self.micro}
+
+    def _begin(self, state: Any) -> None:
+        if self.manager is not None and not self.retrying and not self.manager.in_step:
+            self.manager.begin_step(label=self.label(state))
+
+    def _end(self) -> None:
+        if self.manager is not None and not self.retrying and self.manager.in_step:
+            self.manager.end_step()
+
+    # ------------------------------------------------------------ checkpoints
+    def state(self) -> dict:
+        manager_state = self.manager.state_dict() if self.manager is not None and not self.manager.closed else None
+        args = {k: v for k, v in self.options.items() if isinstance(v, _JSON)}
+        args["keep_model_checkpointing"] = self.keep_model_checkpointing
+        args["_origin"] = self._token
+        return {"args": args, "attributes": {"pending_state": manager_state or self.pending_state}}
+
+
+class AdaptMemTrainerMixin:
+    """Mix into a `Trainer` subclass to have micro-batches that run out of memory retried::
+
+        class MyTrainer(AdaptMemTrainerMixin, Trainer): ...
+        trainer = MyTrainer(model, args, ..., callbacks=[AdaptMemTrainerCallback(budget="80%")])
+    """
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        callback = next((c for c in self.callback_handler.callbacks if isinstance(c, AdaptMemTrainerCallback)), None)
+        if callback is None or callback.manager is None or callback.manager.closed:
+            return super().training_step(model, inputs, num_items_in_batch)
+        callback.retrying = True
+        if callback.manager.in_step:  # the callback's bracket, opened before the mixin took over
+            callback.manager.end_step(error=RuntimeError("handed to run_step"))
+        return callback.manager.run_step(super().training_step, model, inputs, num_items_in_batch,
+                                         label=callback.label(self.state))
+
+
+def _saved_state(state: Any, name: str) -> dict | None:
+    """The manager state saved with the checkpoint a resumed Trainer loaded: the Trainer
+    restores callbacks only with `restore_callback_states_from_checkpoint=True`, but it
+    always loads the saved states into `state.stateful_callbacks`."""
+    if not getattr(state, "global_step", 0):
+        return None
+    saved = (getattr(state, "stateful_callbacks", None) or {}).get(name)
+    if isinstance(saved, list):
+        saved = saved[0] if saved else None
+    if not isinstance(saved, dict):
+        return None
+    return (saved.get("attributes") or {}).get("pending_state")

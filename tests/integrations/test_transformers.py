@@ -1,0 +1,126 @@
+"""AdaptMemTrainerCallback (and the retrying mixin) with a real transformers.Trainer on a
+Llama built from a config, generated data, accumulation 2, an injected OOM, and a resume."""
+
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+from adaptmem import read_log  # noqa: E402
+from adaptmem.integrations.transformers import AdaptMemTrainerCallback, AdaptMemTrainerMixin  # noqa: E402
+from adaptmem.testing import SimulatedDevice  # noqa: E402
+
+from helpers import llama  # noqa: E402
+
+
+class Samples(torch.utils.data.Dataset):
+    def __init__(self, n: int = 16, seq: int = 32) -> None:
+        gen = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, 512, (n, seq), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+class RetryingTrainer(AdaptMemTrainerMixin, Trainer):
+    pass
+
+
+def arguments(tmp_path, **overrides):
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                   max_steps=3, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, report_to=[],
+                   use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, save_strategy="no",
+                   disable_tqdm=True)
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def inject_backward_oom(model, at_call: int):
+    """One out-of-memory error in the backward of the `at_call`-th training forward of block 1."""
+    calls = {"n": 0, "fired": 0}
+
+    def arm(module, args, output):
+        if not module.training or not torch.is_grad_enabled():
+            return
+        calls["n"] += 1
+        out = output[0] if isinstance(output, tuple) else output
+        if calls["n"] == at_call and out.requires_grad:
+            def fail(grad):
+                if not calls["fired"]:
+                    calls["fired"] += 1
+                    raise torch.OutOfMemoryError("injected out of memory in backward")
+            out.register_hook(fail)
+
+    model.model.layers[1].register_forward_hook(arm)
+    return calls
+
+
+def train(tmp_path, trainer_cls=Trainer, callback=None, oom_at=None, resume=None, **overrides):
+    model = llama(layers=3, hidden=64)
+    injected = inject_backward_oom(model, oom_at) if oom_at else None
+    trainer = trainer_cls(model=model, args=arguments(tmp_path, **overrides), train_dataset=Samples(),
+                          callbacks=[callback] if callback else None)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, model, injected
+
+
+def test_micro_batches_are_steps_and_an_oom_is_retried_exactly(tmp_path):
+    _, plain, _ = train(tmp_path / "plain")
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    callback = AdaptMemTrainerCallback(budget="1GiB", device=dev, log=str(tmp_path / "run.jsonl"))
+    with dev:
+        trainer, model, injected = train(tmp_path / "managed", RetryingTrainer, callback, oom_at=4)
+    summary = callback.manager.summary()
+    assert injected["fired"] == 1 and summary["ooms_recovered"] == 1
+    assert summary["steps"] == 6 and callback.manager.closed  # 3 optimizer steps x 2 micro-batches
+    steps = [r for r in read_log(tmp_path / "run.jsonl") if r["type"] == "step"]
+    assert [(r["label"]["global_step"], r["label"]["micro_batch"]) for r in steps] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    expected = dict(plain.named_parameters())
+    assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+
+
+def test_without_the_mixin_each_micro_batch_is_bracketed_by_the_callback(tmp_path):
+    callback = AdaptMemTrainerCallback(budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31))
+    train(tmp_path, Trainer, callback)
+    labels = [r["label"] for r in callback.manager.events.of_type("step")]
+    assert [(x["global_step"], x["micro_batch"]) for x in labels] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_state_is_saved_with_the_checkpoint_and_restored_on_resume(tmp_path):
+    log = tmp_path / "run.jsonl"
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    first = AdaptMemTrainerCallback(budget="1GiB", device=dev, log=str(log))
+    train(tmp_path / "out", RetryingTrainer, first, max_steps=2, save_strategy="steps", save_steps=2)
+    run = first.manager.summary()["run"]
+    second = AdaptMemTrainerCallback(budget="1GiB", device=dev, log=str(log))
+    trainer, _, _ = train(tmp_path / "out", RetryingTrainer, second, max_steps=3,
+                          resume=str(tmp_path / "out" / "checkpoint-2"))
+    assert second.manager.summary()["steps"] == 6 and second.manager.summary()["run"] == run
+    assert [r["step"] for r in read_log(log, run=run) if r["type"] == "step"] == list(range(1, 7))
+    # with restore_callback_states_from_checkpoint the Trainer rebuilds the callback from its saved arguments
+    third = AdaptMemTrainerCallback(budget="1GiB", device=dev)
+    trainer, _, _ = train(tmp_path / "out", RetryingTrainer, third, max_steps=3, restore_callback_states_from_checkpoint=True,
+                          resume=str(tmp_path / "out" / "checkpoint-2"))
+    rebuilt = next(c for c in trainer.callback_handler.callbacks if isinstance(c, AdaptMemTrainerCallback))
+    assert rebuilt is not third and rebuilt.options["device"] is dev  # the device JSON could not carry
+    assert rebuilt.manager.summary()["steps"] == 6
+
+
+def test_the_models_own_checkpointing_is_switched_off_with_one_line(tmp_path, caplog):
+    callback = AdaptMemTrainerCallback(budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31))
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        _, model, _ = train(tmp_path, Trainer, callback, gradient_checkpointing=True, max_steps=1)
+    assert not model.is_gradient_checkpointing
+    assert sum("switched off the model's own gradient checkpointing" in r.getMessage() for r in caplog.records) == 1
+    kept = AdaptMemTrainerCallback(budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31),
+                                   keep_model_checkpointing=True)
+    _, model, _ = train(tmp_path / "kept", Trainer, kept, gradient_checkpointing=True, max_steps=1)
+    assert model.is_gradient_checkpointing
+    assert kept.manager.events.of_type("own_checkpointing")  # planned around
