@@ -106,6 +106,8 @@ class MemoryManager(Reactions):
         self._step_key: tuple[int, int] | None = None
         self._step_pred: float | None = None
         self._unmarked_warned = False
+        self._rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
+            torch.distributed.is_initialized() else 0
         self._overlapping = False  # the current step ran a second forward before its backward
         self._overlap_warned = False
         self._own_checkpointing: frozenset[int] = frozenset()  # blocks whose model checkpoints them itself

@@ -184,10 +184,13 @@ class Reactions:
             self.plans.cache.clear()
             self.events.emit("relief", step=self.steps, budget_bytes_before=relief[0], budget_bytes=relief[1])
         return self.events.emit(
-            "step", step=self.steps, label=self._label, attempt=self.plans.attempt, batch=sample.batch,
-            seq=sample.seq, tokens=sample.tokens, sample_elements=sample.extent, predicted_peak_bytes=pred, observed_peak_bytes=observed,
-            budget_bytes=self.budget, prediction_error=error, decision=decision,
+            "step", step=self.steps, label=self._label, rank=self._rank, attempt=self.plans.attempt,
+            batch=sample.batch, seq=sample.seq, tokens=sample.tokens, sample_elements=sample.extent,
+            predicted_peak_bytes=pred, observed_peak_bytes=observed, budget_bytes=self.budget,
+            capacity_bytes=self.budgets.capacity, external_bytes=self.probe.external(),
+            host_bytes=sum(b.host for b in sample.blocks), prediction_error=error, decision=decision,
             headroom=round(self.decider.headroom, 4), alloc_retries=retries,
+            plan=[sample.plan.get(i, h.mode).label for i, h in enumerate(self.handles)],
             plan_counts=dict(Counter(m.label for m in sample.plan.values())), seconds=round(sample.seconds, 6),
         )
 
@@ -220,6 +223,8 @@ class Reactions:
                 return
             self.plans.cache.clear()
             replanned = self._replan_running_forward()
+            others = getattr(self.probe, "processes", None)  # who took the memory (NVML, on CUDA)
             self.events.emit("pressure", step=self.steps + 1, external_bytes=self.probe.external(),
-                             budget_bytes_before=squeezed[0], budget_bytes=squeezed[1], replanned_blocks=replanned)
+                             budget_bytes_before=squeezed[0], budget_bytes=squeezed[1], replanned_blocks=replanned,
+                             processes=others() if others is not None else None)
             self.pressure_events += 1  # last: whoever waits on it sees the whole reaction

@@ -58,6 +58,22 @@ class CudaProbe:
         me = os.getpid()
         return sum((p.usedGpuMemory or 0) for p in procs if p.pid != me)
 
+    def processes(self) -> list[dict] | None:
+        """The other processes holding memory on this device, largest first, as
+        ``{"pid", "name", "bytes"}`` (NVML's per-process usage); None without NVML."""
+        if self._nvml is None:
+            return None
+        import pynvml
+
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)
+        except pynvml.NVMLError:
+            return None
+        me = os.getpid()
+        found = [{"pid": int(p.pid), "name": _process_name(p.pid), "bytes": int(p.usedGpuMemory or 0)}
+                 for p in procs if p.pid != me]
+        return sorted(found, key=lambda r: -r["bytes"])
+
     def host_available(self) -> int:
         return psutil.virtual_memory().available
 
@@ -90,6 +106,13 @@ class CudaProbe:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except (psutil.Error, OSError):  # gone, or another user's (inside a container, say)
+        return "?"
 
 
 def _nvml_handle(index: int) -> Any:

@@ -1,0 +1,101 @@
+"""`adaptmem report`: the table's figures agree with the log, and the picture is written."""
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import adaptmem
+from adaptmem import read_log
+from adaptmem.report import figures, main, rows
+from adaptmem.testing import SimulatedDevice
+
+from helpers import tiny, tiny_batch
+
+pytest.importorskip("rich")
+pytest.importorskip("matplotlib")
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def log(tmp_path_factory):
+    """A run with an out-of-memory error recovered and a pressure event."""
+    path = tmp_path_factory.mktemp("report") / "run.jsonl"
+    model = tiny()
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    fired = []
+
+    def squeeze_once(module, args):
+        if not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("injected")
+
+    with dev, adaptmem.manage(model, budget="1GiB", device=dev, log=str(path)) as mem:
+        for i in range(6):
+            hook = model.blocks[1].register_forward_pre_hook(squeeze_once) if i == 3 else None
+            mem.run_step(lambda: model(**tiny_batch(model)).loss.backward(), label={"i": i})
+            if hook is not None:
+                hook.remove()
+            if i == 4:
+                dev.occupy(int(2**31 * 0.7))
+                mem.sampler.wait_ticks(1)
+    return path
+
+
+def test_the_table_agrees_with_the_log(log):
+    records = read_log(log)
+    (run,) = figures(records)
+    steps = [r for r in records if r["type"] == "step"]
+    got = rows(run)
+    assert got["steps"] == str(len(steps)) == "6"
+    assert got["OOMs recovered"] == "1" and got["OOMs"] == "1"
+    assert got["pressure events"] == str(sum(r["type"] == "pressure" for r in records)) == "1"
+    assert got["plan changes"] == str(sum(r["type"] == "plan" for r in records))
+    worst = max(s["observed_peak_bytes"] / s["budget_bytes"] for s in steps)
+    assert got["worst peak / budget"] == f"{worst:.1%}"
+    assert all(len(s["plan"]) == 4 and s["rank"] == 0 and s["capacity_bytes"] == 2**31 for s in steps)
+
+
+def test_the_command_prints_the_table_and_writes_the_picture(log, tmp_path, capsys):
+    out = tmp_path / "run.png"
+    assert main([str(log), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "OOMs recovered" in text and "pressure events" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_python_dash_m_adaptmem_report(log, tmp_path):
+    out = tmp_path / "cli.png"
+    done = subprocess.run([sys.executable, "-m", "adaptmem", "report", str(log), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.exists() and "steps" in done.stdout
+
+
+def test_a_missing_log_is_explained(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nope.jsonl")])
+    assert "pass the path given as log=" in capsys.readouterr().err
+
+
+def test_a_pressure_record_names_the_other_processes_from_nvml(monkeypatch):
+    """NVML cannot run here: a stand-in pynvml answers as the real one does."""
+    from adaptmem.devices.cuda import CudaProbe
+
+    proc = lambda pid, used: types.SimpleNamespace(pid=pid, usedGpuMemory=used)  # noqa: E731
+    fake = types.SimpleNamespace(
+        NVMLError=RuntimeError,
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: [proc(1, 2 * MiB), proc(2, 9 * MiB),
+                                                             proc(__import__("os").getpid(), 5 * MiB)],
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    probe = CudaProbe.__new__(CudaProbe)
+    probe._nvml = "handle"
+    found = probe.processes()
+    assert [(p["pid"], p["bytes"]) for p in found] == [(2, 9 * MiB), (1, 2 * MiB)]  # not us, largest first
+    assert all(isinstance(p["name"], str) for p in found)
+    probe._nvml = None
+    assert probe.processes() is None
