@@ -1,15 +1,20 @@
+import pytest
+
 from adaptmem import ALLOWED_MODES
 from adaptmem.demo.__main__ import main
 from adaptmem import read_log
 
 
-def test_demo_fine_tunes_under_pressure(tmp_path, capsys):
+def test_the_quick_demo_fine_tunes_under_pressure(tmp_path, capsys):
     log = tmp_path / "demo.jsonl"
-    assert main(["--steps", "14", "--layers", "4", "--dim", "64", "--max-seq", "384", "--log", str(log)]) == 0
+    assert main(["--quick", "--log", str(log), "--cpu"]) == 0
     out = capsys.readouterr().out
     assert "unmanaged:  out of memory" in out
     assert "another process takes" in out and "gives it back" in out
-    assert "14 steps in" in out and "pressure event(s)" in out
+    assert "14 in" in out and "pressure events" in out and "OOMs recovered" in out
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+    lines = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert len(lines) == 14 and all(len(line.split()[6:]) == 4 for line in lines)  # a letter per block
     records = read_log(log)
     steps = [r for r in records if r["type"] == "step"]
     assert len(steps) == 14
@@ -28,3 +33,14 @@ def test_modes_table_prints_every_mode_with_exactness(capsys):
         verdict = "bit-identical" if mode.lossless else "lossy, min cosine"
         assert verdict in rows[mode.label], rows[mode.label]
     assert "100.0%" in rows["NONE"]
+
+
+@pytest.mark.slow
+def test_the_main_job_is_a_long_sequence_llama_fine_tune(tmp_path, capsys):
+    log = tmp_path / "demo.jsonl"
+    assert main(["--steps", "8", "--log", str(log), "--cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "fine-tuning a Llama" in out and "unmanaged:  out of memory" in out
+    steps = [r for r in read_log(log) if r["type"] == "step"]
+    assert max(s["seq"] for s in steps) == 4096 and min(s["seq"] for s in steps) >= 128
+    assert all(r["observed_peak_bytes"] <= r["budget_bytes"] for r in steps[1:])
