@@ -51,6 +51,7 @@ from adaptmem.wrapping import (
     instrument,
     restore,
     tell_observer,
+    unwrap,
 )
 
 log = logging.getLogger("adaptmem")
@@ -66,6 +67,7 @@ class MemoryManager(Reactions):
 
     def __init__(self, model: nn.Module, *, policy: str | Policy | None = None, budget: Budget = None,
                  device: Any = None, blocks: BlockSelection = "auto", log: str | None = None) -> None:
+        model = unwrap(model)  # blocks are named inside DDP / torch.compile wrappers
         self.policy = p = load_policy(policy)
         self.probe = make_probe(device)
         self._device = device

@@ -9,7 +9,7 @@ The wrapper hands each training call to the strategy of the block's mode
 started and ended; the observer (the manager) lives in the layer above.
 """
 
-from adaptmem.wrapping.attach import compile_blocks, get_handles, get_instrumentation, instrument, restore
+from adaptmem.wrapping.attach import compile_blocks, get_handles, get_instrumentation, instrument, restore, unwrap
 from adaptmem.wrapping.handles import BlockHandle, BlockObserver, BlockRuntime, Instrumentation, tell_observer
 from adaptmem.wrapping.selection import BlockSelection, describe_model, find_blocks
 
@@ -27,4 +27,5 @@ __all__ = [
     "instrument",
     "restore",
     "tell_observer",
+    "unwrap",
 ]

@@ -25,6 +25,19 @@ from adaptmem.wrapping.selection import BlockSelection, find_blocks
 
 _ATTR = "_adaptmem_instrumentation"
 
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside `DistributedDataParallel`, `DataParallel` or `torch.compile`'s wrapper:
+    blocks are named relative to it, so `manage(ddp)` and `manage(ddp.module)` agree and
+    their state loads into the other."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
 class _BlockForward:
     """The instance-level `forward` adaptmem installs on a block."""
 
@@ -122,6 +135,7 @@ def instrument(
     selection returns the same handles; a different selection is an error
     (restore first).
     """
+    model = unwrap(model)
     chosen = find_blocks(model, blocks)
     existing: Instrumentation | None = model.__dict__.get(_ATTR)
     if existing is not None:
@@ -154,6 +168,7 @@ def instrument(
 
 def restore(model: nn.Module) -> None:
     """Undo `instrument`: the model looks and behaves exactly as before. A no-op on a plain model."""
+    model = unwrap(model)
     inst: Instrumentation | None = model.__dict__.get(_ATTR)
     if inst is None:
         return
@@ -186,7 +201,7 @@ def compile_blocks(model: nn.Module, **compile_options: Any) -> list[BlockHandle
     `manage`; `restore` (or closing the manager that instrumented the model) drops the
     compiled code. Returns the handles.
     """
-    inst: Instrumentation | None = model.__dict__.get(_ATTR)
+    inst: Instrumentation | None = unwrap(model).__dict__.get(_ATTR)
     if inst is None:
         raise ValueError(
             f"{type(model).__name__} is not instrumented: call adaptmem.instrument(model) or "
@@ -200,12 +215,12 @@ def compile_blocks(model: nn.Module, **compile_options: Any) -> list[BlockHandle
 
 def get_handles(model: nn.Module) -> list[BlockHandle]:
     """The handles of an instrumented model ([] for a plain one)."""
-    inst: Instrumentation | None = model.__dict__.get(_ATTR)
+    inst: Instrumentation | None = unwrap(model).__dict__.get(_ATTR)
     return list(inst.handles) if inst is not None else []
 
 
 def get_instrumentation(model: nn.Module) -> Instrumentation | None:
-    return model.__dict__.get(_ATTR)
+    return unwrap(model).__dict__.get(_ATTR)
 
 
 def _warn_if_hf_checkpointing(handle: BlockHandle, runtime: BlockRuntime) -> None:
