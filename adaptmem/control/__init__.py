@@ -14,4 +14,5 @@
   sampler.py     the background thread
   events.py      the JSONL decision log
   measure.py     measure_peak: the peak of a training step with every block in one mode
+  compiling.py   CompileCounter: torch.compile's compilations while a manager is open
 """
