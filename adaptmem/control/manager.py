@@ -29,6 +29,7 @@ from torch import nn
 
 from adaptmem.config.budget import Budget, resolve_budget
 from adaptmem.config.policy import Policy, load_policy
+from adaptmem.control.agreement import RankAgreement, distributed
 from adaptmem.control.budgeting import BudgetKeeper
 from adaptmem.control.compiling import CompileCounter
 from adaptmem.control.costs import CostModel
@@ -67,6 +68,7 @@ class MemoryManager(Reactions):
 
     def __init__(self, model: nn.Module, *, policy: str | Policy | None = None, budget: Budget = None,
                  device: Any = None, blocks: BlockSelection = "auto", log: str | None = None) -> None:
+        self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
         model = unwrap(model)  # blocks are named inside DDP / torch.compile wrappers
         self.policy = p = load_policy(policy)
         self.probe = make_probe(device)
@@ -108,8 +110,9 @@ class MemoryManager(Reactions):
         self._step_key: tuple[int, int] | None = None
         self._step_pred: float | None = None
         self._unmarked_warned = False
-        self._rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
-            torch.distributed.is_initialized() else 0
+        self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
+        self._rank = self._agree.rank if self._agree is not None else 0
+        self._plan_point_passed = False
         self._overlapping = False  # the current step ran a second forward before its backward
         self._overlap_warned = False
         self._own_checkpointing: frozenset[int] = frozenset()  # blocks whose model checkpoints them itself
@@ -199,6 +202,7 @@ class MemoryManager(Reactions):
         with self._lock:
             self._in_step = True
             self._overlapping = False
+            self._plan_point_passed = False
             self._label = label
             self._step_key = None
             self._step_pred = None
@@ -211,6 +215,7 @@ class MemoryManager(Reactions):
         if not self._in_step:
             raise RuntimeError("end_step() without an open step: call begin_step() first")
         sample = self.recorder.end()
+        error = self._agree_on_failure(error)
         with self._lock:
             self._in_step = False
             if sample is not None and sample.double_backward:
@@ -234,7 +239,9 @@ class MemoryManager(Reactions):
             self.end_step(error=err)
             raise
         else:
-            self.end_step()
+            record = self.end_step()
+            if record is not None and record["type"] == "oom":  # another rank ran out of memory
+                raise torch.OutOfMemoryError(record["message"])
 
     def run_step(self, fn: Callable[..., Any], *args: Any, label: Any = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a forward and backward, no optimizer step) as one
@@ -245,12 +252,13 @@ class MemoryManager(Reactions):
             for attempt in range(self.policy.max_retries + 1):
                 self.plans.attempt = attempt
                 try:
-                    with self.step(label):
+                    with self.step(label), self._no_sync():
                         result = fn(*args, **kwargs)
                 except torch.OutOfMemoryError:
                     attempts.append(dict(self._last_failure))
                 else:
                     self.ooms_recovered += len(attempts)
+                    self._average_gradients()
                     return result
                 guard.restore()
                 self._free_after_oom()

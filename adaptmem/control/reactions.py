@@ -8,9 +8,11 @@ the split keeps each half readable.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -89,12 +91,48 @@ class Reactions:
     # ----------------------------------------------------------- planning
     def _plan_forward(self, shape: InputShape) -> None:
         with self._lock:
-            start = self.probe.allocated()
-            record = self.plans.choose(shape.batch, shape.extent, start, self.budget)
+            batch, extent, start, budget = shape.batch, shape.extent, self.probe.allocated(), self.budget
+            agree = self._agree is not None and self._in_step
+            if agree:  # every rank plans for the largest shape and allocation, the smallest budget
+                batch, extent, start, budget = self._agree.figures(batch, extent, start, budget)
+                self._plan_point_passed = True
+            record = self.plans.choose(batch, extent, start, budget)
+            if agree:  # and runs rank 0's plan
+                record = replace(record, modes=self._agree.plan(record.modes))
             self._apply(record)
             if self._in_step:
                 self._step_key = record.key
-                self._step_pred = self.plans.predict(record.modes, shape.batch, shape.extent, start)
+                self._step_pred = self.plans.predict(record.modes, batch, extent, start)
+
+    def _agree_on_failure(self, error: BaseException | None) -> BaseException | None:
+        """Across ranks: when any rank ran out of memory in this step, every rank records it."""
+        if self._agree is None:
+            return error
+        oom = isinstance(error, torch.OutOfMemoryError)
+        if oom and not self._plan_point_passed:
+            self._join_plan_point()
+        if self._agree.any(oom) and not oom and error is None:
+            return torch.OutOfMemoryError("another rank ran out of memory in this step")
+        return error
+
+    def _no_sync(self) -> Any:
+        """Under DDP with other ranks: no gradient reduction inside the step (a rank that fails
+        in backward would leave DDP's reducer waiting); `_average_gradients` does it after."""
+        if self._agree is not None and self._ddp is not None and self._ddp.require_backward_grad_sync:
+            self._syncing = True
+            return self._ddp.no_sync()
+        self._syncing = False
+        return contextlib.nullcontext()
+
+    def _average_gradients(self) -> None:
+        if self._agree is not None and getattr(self, "_syncing", False):
+            self._agree.average_gradients(p for p in self.model.parameters() if p.requires_grad)
+
+    def _join_plan_point(self) -> None:
+        """A rank that failed before its first block still takes part in the plan collectives."""
+        self._agree.figures(0, 0, 0, 2**62)
+        self._agree.plan(tuple(h.mode for h in self.handles))
+        self._plan_point_passed = True
 
     def _plan_second_forward(self, shape: InputShape) -> None:
         """Plan a forward for what the step's first forward leaves free (not cached: a lone
@@ -142,9 +180,10 @@ class Reactions:
             )
 
     def _replan_running_forward(self) -> int:
-        """Blocks not yet run in the current forward get a plan for the new budget."""
+        """Blocks not yet run in the current forward get a plan for the new budget (with other
+        ranks, the next plan point takes it: one rank alone must not change its plan)."""
         state = self.recorder.forward_state()
-        if state is None or not self.costs.known or self.policy.static_plan != "none":
+        if state is None or not self.costs.known or self.policy.static_plan != "none" or self._agree is not None:
             return 0
         batch, extent, start, done = state
         if len(done) >= len(self.handles):
@@ -166,8 +205,11 @@ class Reactions:
         if self.policy.static_plan != "none":
             decision = HOLD
         else:
-            decision = self.decider.update(observed, self.budget)
-            if retried and decision != ESCALATE:
+            ratio = observed / self.budget if self.budget else 0.0
+            if self._agree is not None:  # every decider moves alike: on the worst rank's ratio
+                ratio = self._agree.worst(max(ratio, 2.0 if retried else 0.0))
+            decision = self.decider.update(ratio * self.budget, self.budget)
+            if retried and decision != ESCALATE and self._agree is None:
                 decision = self.decider.escalate()  # the allocator had to free and retry: close to an OOM
         self.decisions[decision] += 1
         pred, error = (None, None) if sample.overlapped else (self._step_pred, None)

@@ -1,0 +1,79 @@
+"""One rank of the DDP tests: `python ddp_worker.py RANK WORLD PORT OUT MODE`.
+
+MODE "plain": DDP without adaptmem. MODE "managed": DDP under adaptmem.manage, the
+ranks given different device capacities, pressure injected on rank 1 only, and an
+out-of-memory error injected in backward on rank 0 at step 3. Writes the final
+parameters and the step records to OUT.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
+
+from helpers import tiny, tiny_batch  # noqa: E402
+
+
+def main() -> None:
+    rank, world, port, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = tiny(dim=64, n_layers=4)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    batches = [tiny_batch(model, batch=2, seq=32 + 16 * ((i + rank) % 3)) for i in range(6)]
+
+    def train(batch):
+        ddp(**batch).loss.backward()
+
+    records = []
+    if mode == "plain":
+        torch.manual_seed(7 + rank)
+        for batch in batches:
+            train(batch)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        import adaptmem
+        from adaptmem.config.policy import load_policy
+        from adaptmem.testing import SimulatedDevice
+
+        capacity = (9 if rank == 0 else 7) * 2**20
+        dev = SimulatedDevice(capacity_bytes=capacity, name=f"rank{rank}")
+        dev.track(model)
+        fired = []
+
+        def fail_in_backward(module, args, output):
+            if rank == 0 and len(records) == 2 and not fired:
+                def fail(grad):
+                    if not fired:
+                        fired.append(1)
+                        raise torch.OutOfMemoryError("injected out of memory in backward on rank 0")
+                output.register_hook(fail)
+
+        model.blocks[2].register_forward_hook(fail_in_backward)
+        policy = load_policy().model_copy(update={"sample_interval_s": 0.01})
+        torch.manual_seed(7 + rank)
+        with dev, adaptmem.manage(ddp, budget="90%", device=dev, policy=policy) as mem:
+            for i, batch in enumerate(batches):
+                if rank == 1 and i == 4:
+                    dev.occupy(2 * 2**20)  # another process takes memory on this rank only
+                    mem.sampler.wait_ticks(1)
+                mem.run_step(train, batch, label={"i": i})
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                records.append(mem.last_step)
+            summary = mem.summary()
+        records = [{k: r[k] for k in ("plan", "observed_peak_bytes", "budget_bytes", "attempt", "step")} for r in records]
+        records.append({"summary": {k: summary[k] for k in ("steps", "ooms", "ooms_recovered", "pressure_events")}})
+    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "records": records}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
