@@ -9,7 +9,8 @@ two micro-batches are never learned as one.
 The Trainer has no exception event either: to have a micro-batch that runs out
 of memory retried under a tighter plan, mix `AdaptMemTrainerMixin` into the
 Trainer class; its `training_step` runs through `run_step` (then the callback's
-brackets stand aside).
+brackets stand aside), and it puts the callback first, so the reporters see
+the figures it adds to each log.
 
 The manager's state rides in the Trainer's checkpoint (`trainer_state.json`, the
 callback being an `ExportableState`) and is restored on resume with no extra
@@ -114,6 +115,20 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
         if self.manager is not None and not self.retrying and self.manager.in_step:
             self.manager.end_step()
 
+    # ------------------------------------------------------------ loggers
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        """Peak, budget, plan changes and recovered OOMs join each log: the record kept in
+        `state.log_history`, and the dict the reporters after this callback receive."""
+        if self.manager is None or logs is None:
+            return
+        summary = self.manager.summary()
+        figures = {"adaptmem/peak_bytes": summary["peak_bytes"], "adaptmem/budget_bytes": summary["budget_bytes"],
+                   "adaptmem/plan_changes": summary["plan_changes"],
+                   "adaptmem/ooms_recovered": summary["ooms_recovered"]}
+        logs.update(figures)
+        if state.log_history:
+            state.log_history[-1].update(figures)
+
     # ------------------------------------------------------------ checkpoints
     def state(self) -> dict:
         manager_state = self.manager.state_dict() if self.manager is not None and not self.manager.closed else None
@@ -129,6 +144,11 @@ class AdaptMemTrainerMixin:
         class MyTrainer(AdaptMemTrainerMixin, Trainer): ...
         trainer = MyTrainer(model, args, ..., callbacks=[AdaptMemTrainerCallback(budget="80%")])
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        callbacks = self.callback_handler.callbacks  # adaptmem's first: reporters then see its figures
+        callbacks.sort(key=lambda c: not isinstance(c, AdaptMemTrainerCallback))
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         callback = next((c for c in self.callback_handler.callbacks if isinstance(c, AdaptMemTrainerCallback)), None)

@@ -84,6 +84,8 @@ def test_micro_batches_are_steps_and_an_oom_is_retried_exactly(tmp_path):
         (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     expected = dict(plain.named_parameters())
     assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+    logged = [entry for entry in trainer.state.log_history if "adaptmem/peak_bytes" in entry]
+    assert logged and logged[-1]["adaptmem/ooms_recovered"] == 1 and logged[-1]["adaptmem/budget_bytes"] == 2**30
 
 
 def test_without_the_mixin_each_micro_batch_is_bracketed_by_the_callback(tmp_path):
