@@ -47,16 +47,8 @@ class CudaProbe:
 
     def other_processes(self) -> int | None:
         """Bytes NVML reports for other processes on this device (None without NVML)."""
-        if self._nvml is None:
-            return None
-        import pynvml
-
-        try:
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)
-        except pynvml.NVMLError:
-            return None
-        me = os.getpid()
-        return sum((p.usedGpuMemory or 0) for p in procs if p.pid != me)
+        found = self.processes()
+        return None if found is None else sum(p["bytes"] for p in found)
 
     def processes(self) -> list[dict] | None:
         """The other processes holding memory on this device, largest first, as
