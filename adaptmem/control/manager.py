@@ -113,6 +113,7 @@ class MemoryManager(Reactions):
         self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
         self._rank = self._agree.rank if self._agree is not None else 0
         self._plan_point_passed = False
+        self._syncing = False  # this step runs in DDP's no_sync(): gradients are averaged after it
         self._overlapping = False  # the current step ran a second forward before its backward
         self._overlap_warned = False
         self._own_checkpointing: frozenset[int] = frozenset()  # blocks whose model checkpoints them itself

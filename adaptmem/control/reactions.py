@@ -125,7 +125,7 @@ class Reactions:
         return contextlib.nullcontext()
 
     def _average_gradients(self) -> None:
-        if self._agree is not None and getattr(self, "_syncing", False):
+        if self._agree is not None and self._syncing:
             self._agree.average_gradients(p for p in self.model.parameters() if p.requires_grad)
 
     def _join_plan_point(self) -> None:
