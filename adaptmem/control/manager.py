@@ -41,6 +41,7 @@ from adaptmem.control.recorder import StepRecorder
 from adaptmem.control.retry import StepGuard, StepOutOfMemoryError, oom_report
 from adaptmem.control.sampler import Sampler
 from adaptmem.devices.cuda import CudaProbe
+from adaptmem.devices.host import HostProbe
 from adaptmem.devices.select import make_probe
 from adaptmem.modes import Mode
 from adaptmem.strategies import CompressOptions
@@ -103,6 +104,9 @@ class MemoryManager(Reactions):
         self.decider = Decider(p)
         self._lock = threading.RLock()
         self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe, start_plan=self._user_modes)
+        if isinstance(self.probe, HostProbe):  # device and host are one memory: moving bytes saves nothing
+            for mode in [m for m in self.plans.allowed if Mode.OFFLOAD in m]:
+                self.plans.forbid(mode)
         self._current: tuple[Mode, ...] = tuple(h.mode for h in self.handles)
         self._in_step = False
         self._closed = False
@@ -136,7 +140,8 @@ class MemoryManager(Reactions):
         self.events.emit("start", step=0, schema=SCHEMA_VERSION, policy=p.name, device=self.probe.name,
                          budget_bytes=self.budget, capacity_bytes=self.budgets.capacity,
                          blocks=[h.name for h in self.handles],
-                         start_plan="user" if self._user_modes is not None else "calibrate")
+                         start_plan="user" if self._user_modes is not None else "calibrate",
+                         modes=[m.label for m in self.plans.allowed])
 
     # ------------------------------------------------------------ public
     @property
