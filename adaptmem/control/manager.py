@@ -36,6 +36,7 @@ from adaptmem.control.costs import CostModel
 from adaptmem.control.decisions import Decider
 from adaptmem.control.events import SCHEMA_VERSION, EventLog
 from adaptmem.control.plans import PlanBook
+from adaptmem.control.priors import priors_for
 from adaptmem.control.reactions import Reactions
 from adaptmem.control.recorder import StepRecorder
 from adaptmem.control.retry import StepGuard, StepOutOfMemoryError, oom_report
@@ -99,14 +100,13 @@ class MemoryManager(Reactions):
     def _setup(self, model: nn.Module) -> None:
         p = self.policy
         self.recorder = StepRecorder(self.probe)
-        self.costs = CostModel([type(h.module).__name__ for h in self.handles], p,
-                               cuda=isinstance(self.probe, CudaProbe))
+        cuda = isinstance(self.probe, CudaProbe)
+        self.costs = CostModel([type(h.module).__name__ for h in self.handles], p, cuda=cuda,
+                               priors=priors_for(self.probe, cuda))
         self.decider = Decider(p)
         self._lock = threading.RLock()
-        self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe, start_plan=self._user_modes)
-        if isinstance(self.probe, HostProbe):  # device and host are one memory: moving bytes saves nothing
-            for mode in [m for m in self.plans.allowed if Mode.OFFLOAD in m]:
-                self.plans.forbid(mode)
+        self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe, start_plan=self._user_modes,
+                              one_memory=isinstance(self.probe, HostProbe))
         self._current: tuple[Mode, ...] = tuple(h.mode for h in self.handles)
         self._in_step = False
         self._closed = False

@@ -50,18 +50,22 @@ class PlanBook:
     """Plans per shape bucket, for one model's blocks.
 
     `start_plan`: the modes to run before anything is learned (default: every
-    block CHECKPOINT, the calibration plan).
+    block CHECKPOINT, the calibration plan). `one_memory`: device and host are the
+    same memory (managing the host itself), so OFFLOAD and its combinations,
+    which would move bytes to where they already are, are never planned.
     """
 
     def __init__(self, n_blocks: int, policy: Policy, costs: CostModel, decider: Decider, probe: Any,
-                 start_plan: tuple[Mode, ...] | None = None) -> None:
+                 start_plan: tuple[Mode, ...] | None = None, one_memory: bool = False) -> None:
         self.n = n_blocks
         self.policy = policy
         self.costs = costs
         self.decider = decider
         self.probe = probe
         self.start_plan = start_plan
-        self.allowed: tuple[Mode, ...] = policy.allowed  # the policy's modes, less any found unusable in this run
+        # the policy's modes, less any found unusable in this run
+        self.allowed: tuple[Mode, ...] = tuple(m for m in policy.allowed if not (one_memory and Mode.OFFLOAD in m)) \
+            or policy.allowed
         self.pinned: dict[int, Mode] = {}  # blocks whose mode is not the planner's to choose
         self.cache: OrderedDict[Key, PlanRecord] = OrderedDict()
         self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory

@@ -16,7 +16,7 @@ policy's full `prior_margin`, the `guess` margin.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from adaptmem.modes import Mode
 
@@ -57,6 +57,16 @@ CUDA_PRIORS = Priors(link_bytes_per_s=12e9, hidden_share=0.7, codec_bytes_per_s=
 #: The host (and the CPU stand-in): an offload is a synchronous memcpy in RAM, nothing
 #: overlaps, and quantizing runs on the CPU.
 HOST_PRIORS = Priors(link_bytes_per_s=4e9, hidden_share=0.0, codec_bytes_per_s=1.5e9, prefetches=False)
+
+
+def priors_for(probe: object, cuda: bool) -> Priors:
+    """The priors for a probe: CUDA's, or the host's with the speed of a stand-in's link
+    (`SimulatedDevice(link_bytes_per_s=...)`), whose copies travel while compute goes on."""
+    if cuda:
+        return CUDA_PRIORS
+    link = getattr(probe, "link_bytes_per_s", None)
+    # the stand-in allocates a copy back only when backward needs it: no prefetched block resident
+    return replace(HOST_PRIORS, link_bytes_per_s=link) if link else HOST_PRIORS
 
 
 @dataclass(frozen=True)

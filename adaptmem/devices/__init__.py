@@ -5,5 +5,6 @@ caching allocator, cudaMemGetInfo and NVML (`cuda.py`), the host through psutil
 (`host.py`), or the `SimulatedDevice` stand-in with its own probe
 (`simulated.py`); `ScriptedProbe` (`scripted.py`) follows a script so decisions
 can be tested exactly. `make_probe` (`select.py`) picks one for what the user
-passed as `device`. `tiers.py` marks host-tier allocations for the stand-in.
+passed as `device`. `tiers.py` marks host-tier allocations for the stand-in,
+and `link.py` gives it a host link of finite speed.
 """

@@ -20,6 +20,7 @@ with one timed without it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Iterable
@@ -32,7 +33,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from adaptmem.config.units import format_bytes
 from adaptmem.devices.probe import HostClock
-from adaptmem.devices.tiers import allocating_on_host
+from adaptmem.devices.link import SimulatedLink
+from adaptmem.devices.tiers import allocating_on_host, using_link
 
 __all__ = ["PeakWindow", "SimulatedDevice", "SimulatedProbe"]
 
@@ -100,10 +102,16 @@ class SimulatedDevice:
         host_capacity_bytes: host RAM the probes report for offloading (bytes);
             ``None`` reports the real machine's available RAM. Host copies past
             it are not refused: a probe reads it to keep offload under a ceiling.
+        link_bytes_per_s: speed of the host link offloaded copies travel over
+            (bytes/s, each way). ``None``: copies are instant. With a link a copy
+            takes time as on PCIe: its device bytes stay counted until it has
+            arrived, and backward waits for the copy back (see `devices.link`).
+        link_latency_s: time added to every copy on the link (seconds).
     """
 
     def __init__(self, capacity_bytes: int | None = None, *, name: str = "sim",
-                 host_capacity_bytes: int | None = None) -> None:
+                 host_capacity_bytes: int | None = None, link_bytes_per_s: float | None = None,
+                 link_latency_s: float = 0.0) -> None:
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
                 raise TypeError(
@@ -112,6 +120,7 @@ class SimulatedDevice:
             if capacity_bytes <= 0:
                 raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._capacity = capacity_bytes
+        self.link = SimulatedLink(link_bytes_per_s, link_latency_s) if link_bytes_per_s is not None else None
         self.name = name
         self.host_capacity_bytes = host_capacity_bytes
         # Re-entrant: a storage freed by a garbage collection that runs while the
@@ -122,7 +131,7 @@ class SimulatedDevice:
         self._windows: tuple[PeakWindow, ...] = ()  # a tuple: cheap to walk at every allocation
         self._user = self.open_window()  # what peak_bytes / reset_peak() read
         self._external = 0
-        self._modes: list[_CountingMode] = []
+        self._modes: list[tuple[_CountingMode, Any]] = []  # (counting mode, link context) per entry
         self.num_ooms = 0
 
     # ------------------------------------------------------------ figures
@@ -207,11 +216,14 @@ class SimulatedDevice:
     def __enter__(self) -> "SimulatedDevice":
         mode = _CountingMode(self)
         mode.__enter__()
-        self._modes.append(mode)
+        link = using_link(self.link) if self.link is not None else contextlib.nullcontext()
+        link.__enter__()
+        self._modes.append((mode, link))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        mode = self._modes.pop()
+        mode, link = self._modes.pop()
+        link.__exit__(*exc)
         mode.__exit__(*exc)
 
     @property
@@ -228,6 +240,8 @@ class SimulatedDevice:
 
     # ------------------------------------------------------------ internals
     def _account(self, out: Any) -> None:
+        if self.link is not None:
+            self.link.poll()  # copies that have reached the host free their device bytes
         leaves, _ = tree_flatten(out)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if tensors:
@@ -319,6 +333,7 @@ class SimulatedProbe(HostClock):
     def __init__(self, device: SimulatedDevice) -> None:
         self.device = device
         self.name = f"simulated:{device.name}"
+        self.link_bytes_per_s = device.link.bytes_per_s if device.link is not None else None
         self._window = device.open_window()
         self._closer = weakref.finalize(self, device.close_window, self._window)
 

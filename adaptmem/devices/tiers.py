@@ -1,4 +1,4 @@
-"""Which memory tier an allocation belongs to, when the process cannot tell.
+"""Which memory tier an allocation belongs to, and the link between them, when the process cannot tell.
 
 On CUDA the tier is the tensor's device. On the CPU stand-in
 (`adaptmem.devices.simulated.SimulatedDevice`) every tensor lives in host RAM, so the
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 _state = threading.local()
 
@@ -29,3 +30,19 @@ def host_allocations() -> Iterator[None]:
 def allocating_on_host() -> bool:
     """True inside `host_allocations()` in the current thread."""
     return getattr(_state, "host_depth", 0) > 0
+
+
+@contextlib.contextmanager
+def using_link(link: Any) -> Iterator[None]:
+    """Offloaded copies made in this thread inside the block travel over `link` (a stand-in's)."""
+    previous = getattr(_state, "link", None)
+    _state.link = link
+    try:
+        yield
+    finally:
+        _state.link = previous
+
+
+def current_link() -> Any:
+    """The link offloaded copies travel over in this thread, or None for instant copies."""
+    return getattr(_state, "link", None)

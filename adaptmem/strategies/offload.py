@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from adaptmem.devices.tiers import host_allocations
+from adaptmem.devices.tiers import current_link, host_allocations
 from adaptmem.strategies.payloads import Payload, nbytes_of
 from adaptmem.strategies.pinned import PinnedBlock, PinnedPool, host_view
 
@@ -72,17 +72,31 @@ class HostCopy(Payload):
 
 
 class HostTier:
-    """CPU fallback: a synchronous copy marked as host memory."""
+    """CPU fallback: a copy marked as host memory. Over a stand-in's link (`SimulatedDevice`
+    with `link_bytes_per_s`) the copy takes time each way: the device tensor stays allocated
+    until it has arrived, and backward waits for the copy back, which a prefetch starts early."""
 
     def pack(self, t: torch.Tensor, group: "PackGroup | None") -> HostCopy:
         with torch.no_grad(), host_allocations():
             host = t.detach().clone()
-        return HostCopy(host, self)
+        link = current_link()
+        copy = HostCopy(host, self, group=group, ready=link.send(t.detach()) if link is not None else None)
+        if group is not None and link is not None:
+            group.add(copy)
+        return copy
 
     def prefetch(self, copy: HostCopy) -> None:
-        """Nothing to overlap on the CPU."""
+        link = current_link()
+        if link is not None and copy.fetched is None:  # starts once the copy has reached the host
+            copy.fetched = (None, link.fetch(nbytes_of(copy.host), after=copy.ready))
 
     def restore(self, copy: HostCopy) -> torch.Tensor:
+        link = current_link()
+        if link is not None:
+            fetched, copy.fetched = copy.fetched, None
+            if fetched is None:
+                fetched = (None, link.fetch(nbytes_of(copy.host), after=copy.ready))
+            link.wait(fetched[1])
         with torch.no_grad():
             return copy.host.clone()
 

@@ -1,0 +1,75 @@
+"""A host link of finite speed for the stand-in: offloaded copies take time, as on PCIe.
+
+Copies queue in order, one queue each way (the link is full duplex), each taking
+`latency_s + nbytes / bytes_per_s`. A copy to the host keeps its device tensor
+alive (so the stand-in still counts its bytes) until the copy has arrived;
+compute goes on meanwhile. A copy back is scheduled when backward asks for it,
+or earlier by a prefetch, and backward waits for its arrival. Time is the real
+clock by default; tests pass a scripted `clock` and `sleep`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+
+class SimulatedLink:
+    def __init__(self, bytes_per_s: float, latency_s: float = 0.0, *,
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError(f"link_bytes_per_s must be positive, got {bytes_per_s!r}")
+        if latency_s < 0:
+            raise ValueError(f"link_latency_s must not be negative, got {latency_s!r}")
+        self.bytes_per_s = float(bytes_per_s)
+        self.latency_s = float(latency_s)
+        self.clock = clock
+        self.sleep = sleep
+        self._free_at = {"to_host": 0.0, "to_device": 0.0}
+        self._in_flight: collections.deque[tuple[float, torch.Tensor]] = collections.deque()
+        self._lock = threading.RLock()
+        self.waited_s = 0.0  # time compute spent waiting for copies to arrive
+
+    def _schedule(self, direction: str, nbytes: int, after: float = 0.0) -> float:
+        start = max(self.clock(), self._free_at[direction], after)
+        self._free_at[direction] = start + self.latency_s + nbytes / self.bytes_per_s
+        return self._free_at[direction]
+
+    def send(self, t: torch.Tensor) -> float:
+        """Start copying `t` to the host; it stays allocated until the copy arrives. Returns the arrival."""
+        with self._lock:
+            arrival = self._schedule("to_host", t.untyped_storage().nbytes())
+            self._in_flight.append((arrival, t))
+            return arrival
+
+    def fetch(self, nbytes: int, after: float = 0.0) -> float:
+        """Copy `nbytes` back to the device, once they are on the host (`after`, the arrival
+        of the copy there): compute does not wait for it here. Returns the arrival."""
+        with self._lock:
+            return self._schedule("to_device", nbytes, after)
+
+    def wait(self, arrival: float) -> None:
+        """Block until a copy that arrives at `arrival` is there."""
+        delay = arrival - self.clock()
+        if delay > 0:
+            self.waited_s += delay
+            self.sleep(delay)
+        self.poll()
+
+    def poll(self) -> None:
+        """Let go of the device tensors whose copies have arrived."""
+        if not self._in_flight:
+            return
+        now = self.clock()
+        with self._lock:
+            while self._in_flight and self._in_flight[0][0] <= now:
+                self._in_flight.popleft()
+
+    @property
+    def in_flight_bytes(self) -> int:
+        with self._lock:
+            return sum(t.untyped_storage().nbytes() for _, t in self._in_flight)

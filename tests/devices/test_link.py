@@ -1,0 +1,93 @@
+"""The stand-in's host link: offloaded copies take time as on PCIe, their device bytes stay
+counted while in flight, and the planner weighs the link's speed."""
+
+import pytest
+import torch
+
+import adaptmem
+from adaptmem import Mode
+from adaptmem.config.policy import load_policy
+from adaptmem.devices.link import SimulatedLink
+from adaptmem.testing import SimulatedDevice, measure_peak
+
+from helpers import assert_same, step, tiny, tiny_batch
+
+MiB = 2**20
+
+
+class Clock:
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(round(seconds, 9))
+        self.now += seconds
+
+
+def test_copies_queue_in_order_and_hold_their_device_bytes_until_they_arrive():
+    clock = Clock()
+    link = SimulatedLink(1 * MiB, latency_s=0.5, clock=clock, sleep=clock.sleep)  # 1 MiB/s
+    a, b = torch.empty(MiB, dtype=torch.uint8), torch.empty(2 * MiB, dtype=torch.uint8)
+    assert link.send(a) == pytest.approx(1.5) and link.send(b) == pytest.approx(4.0)  # queued behind a
+    assert link.in_flight_bytes == 3 * MiB
+    clock.now = 2.0
+    link.poll()
+    assert link.in_flight_bytes == 2 * MiB  # a arrived, b still travelling
+    back = link.fetch(MiB, after=4.0)  # starts once b's copy is on the host... the other way
+    assert back == pytest.approx(5.5)
+    link.wait(back)
+    assert clock.slept == [3.5] and link.in_flight_bytes == 0 and link.waited_s == pytest.approx(3.5)
+    with pytest.raises(ValueError, match="link_bytes_per_s must be positive"):
+        SimulatedLink(0)
+
+
+def test_offload_over_a_link_is_exact_and_counts_copies_in_flight():
+    model = tiny(dim=128)
+    batch = tiny_batch(model, batch=4, seq=128)
+    expected = step(model, batch)
+    adaptmem.instrument(model, mode=Mode.OFFLOAD)
+    peaks = {}
+    for name, speed in (("instant", None), ("slow", 200 * MiB)):
+        dev = SimulatedDevice(link_bytes_per_s=speed)
+        dev.track(model)
+        with dev:
+            assert_same(step(model, batch), expected)
+        peaks[name] = dev.peak_bytes
+        if dev.link is not None:
+            assert dev.link.waited_s > 0  # backward waited for copies to come back
+    assert peaks["slow"] > peaks["instant"]  # copies in flight kept their device bytes
+
+
+def test_a_slow_link_makes_the_planner_offload_less_and_the_budget_holds():
+    policy = load_policy().model_copy(update={"modes": ("NONE", "CHECKPOINT", "OFFLOAD")})
+    make = lambda: tiny(dim=128, n_layers=4)  # noqa: E731
+    batch = tiny_batch(make(), batch=4, seq=128)
+    low = measure_peak(make(), lambda: batch, mode=Mode.CHECKPOINT)
+    high = measure_peak(make(), lambda: batch)
+    budget = int(low + 0.4 * (high - low))
+
+    def offloaded_blocks(speed):
+        model = make()
+        dev = SimulatedDevice(capacity_bytes=2 * high, link_bytes_per_s=speed)
+        truth = SimulatedDevice()
+        dev.track(model)
+        truth.track(model)
+        peaks, counts = [], []
+        with truth, dev, adaptmem.manage(model, policy=policy, budget=budget, device=dev) as mem:
+            for _ in range(5):
+                truth.reset_peak()
+                mem.run_step(lambda: model(**batch).loss.backward())
+                model.zero_grad(set_to_none=True)
+                dev.link.wait(0.0)  # let copies still in flight land (none are needed any more)
+                peaks.append(truth.peak_bytes)
+                counts.append(sum(Mode.OFFLOAD.label in m for m in mem.last_step["plan"]))
+        return counts[-1], peaks
+
+    fast, fast_peaks = offloaded_blocks(64 * 2**30)
+    slow, slow_peaks = offloaded_blocks(16 * MiB)
+    assert fast > slow, (fast, slow)
+    for peaks in (fast_peaks, slow_peaks):
+        assert max(peaks[1:]) <= budget, [round(p / budget, 3) for p in peaks]
