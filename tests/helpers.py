@@ -57,11 +57,12 @@ def hf_batch(batch: int = 2, seq: int = 32, vocab: int = 512) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def step(model: torch.nn.Module, batch: dict, seed: int = 2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One forward + backward with a fixed RNG seed; returns (loss, {name: grad})."""
+def step(model: torch.nn.Module, batch: dict, seed: int = 2, fn=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward + backward with a fixed RNG seed, through `fn` (a compiled model, say) when
+    given; returns (loss, {name: grad})."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    loss = model(**batch).loss
+    loss = (fn if fn is not None else model)(**batch).loss
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 

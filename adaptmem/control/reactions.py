@@ -23,7 +23,7 @@ from adaptmem.control.recorder import InputShape, StepSample, shape_of
 from adaptmem.control.retry import failure_record
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.modes import Mode
-from adaptmem.wrapping import BlockHandle
+from adaptmem.wrapping import BlockHandle, checkpoints_itself
 
 log = logging.getLogger("adaptmem")
 
@@ -145,7 +145,7 @@ class Reactions:
     def _check_own_checkpointing(self) -> None:
         """The model's own gradient checkpointing (Hugging Face's `gradient_checkpointing`),
         switched on or off since the last step: it decides for its blocks, which run in NONE."""
-        own = frozenset(h.index for h in self.handles if getattr(h.module, "gradient_checkpointing", False) is True)
+        own = frozenset(h.index for h in self.handles if checkpoints_itself(h.module))
         if own == self._own_checkpointing:
             return
         with self._lock:

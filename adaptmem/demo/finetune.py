@@ -17,6 +17,7 @@ block. At the end: a summary table, the decision log and its picture.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -172,7 +173,7 @@ def train_managed(job: Job, opts: argparse.Namespace) -> int:
     print(f"            plan letters, one per block: {LEGEND}")
     print(f"{'step':>4} {'tokens':>6} {'loss':>6} {'peak':>10} {'/ budget':>8}  plan")
     start, losses = time.perf_counter(), []
-    with (dev if dev is not None else _nothing()), \
+    with (dev if dev is not None else contextlib.nullcontext()), \
             adaptmem.manage(model, policy=opts.policy, budget="90%", device=dev, log=opts.log) as mem:
         for i, batch in enumerate(job.batches):
             if dev is not None and i == pressure_at:
@@ -238,10 +239,3 @@ def _train(model: torch.nn.Module, batch: dict) -> float:
     out.loss.backward()
     return out.loss.item()
 
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

@@ -45,11 +45,6 @@ class CudaProbe:
         free, total = torch.cuda.mem_get_info(self.device)
         return max(0, total - free - torch.cuda.memory_reserved(self.device))
 
-    def other_processes(self) -> int | None:
-        """Bytes NVML reports for other processes on this device (None without NVML)."""
-        found = self.processes()
-        return None if found is None else sum(p["bytes"] for p in found)
-
     def processes(self) -> list[dict] | None:
         """The other processes holding memory on this device, largest first, as
         ``{"pid", "name", "bytes"}`` (NVML's per-process usage); None without NVML."""

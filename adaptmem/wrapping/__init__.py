@@ -10,7 +10,14 @@ started and ended; the observer (the manager) lives in the layer above.
 """
 
 from adaptmem.wrapping.attach import compile_blocks, get_handles, get_instrumentation, instrument, restore, unwrap
-from adaptmem.wrapping.handles import BlockHandle, BlockObserver, BlockRuntime, Instrumentation, tell_observer
+from adaptmem.wrapping.handles import (
+    BlockHandle,
+    BlockObserver,
+    BlockRuntime,
+    Instrumentation,
+    checkpoints_itself,
+    tell_observer,
+)
 from adaptmem.wrapping.selection import BlockSelection, describe_model, find_blocks
 
 __all__ = [
@@ -19,6 +26,7 @@ __all__ = [
     "BlockRuntime",
     "BlockSelection",
     "Instrumentation",
+    "checkpoints_itself",
     "compile_blocks",
     "describe_model",
     "find_blocks",

@@ -20,7 +20,7 @@ from torch import nn
 
 from adaptmem.modes import Mode
 from adaptmem.strategies import STRATEGIES, CompressOptions, OffloadOptions
-from adaptmem.wrapping.handles import BlockHandle, BlockRuntime, Instrumentation
+from adaptmem.wrapping.handles import BlockHandle, BlockRuntime, Instrumentation, checkpoints_itself
 from adaptmem.wrapping.selection import BlockSelection, find_blocks
 
 _ATTR = "_adaptmem_instrumentation"
@@ -224,7 +224,7 @@ def get_instrumentation(model: nn.Module) -> Instrumentation | None:
 
 
 def _warn_if_hf_checkpointing(handle: BlockHandle, runtime: BlockRuntime) -> None:
-    if getattr(handle.module, "gradient_checkpointing", False) is True:
+    if checkpoints_itself(handle.module):
         runtime.warn_once(
             "hf-gc",
             f"adaptmem: {handle.name} has Hugging Face gradient checkpointing enabled, so it is "

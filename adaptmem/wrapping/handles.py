@@ -132,6 +132,11 @@ class BlockHandle:
         return f"BlockHandle(name={self.name!r}, mode={self._mode.label}, module={type(self.module).__name__})"
 
 
+def checkpoints_itself(module: nn.Module) -> bool:
+    """The model's own gradient checkpointing (Hugging Face's `gradient_checkpointing`) is on for it."""
+    return getattr(module, "gradient_checkpointing", False) is True
+
+
 class _RecomputeListener:
     """Counts a block's recomputes and tells the observer (if any) when one begins and ends."""
 

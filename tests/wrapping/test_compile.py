@@ -13,7 +13,7 @@ from adaptmem import LOSSLESS_MODES, Mode
 from adaptmem.control.compiling import CompileCounter
 from adaptmem.testing import SimulatedDevice
 
-from helpers import cnn, image_batch, tiny, tiny_batch
+from helpers import cnn, image_batch, step, tiny, tiny_batch
 
 MODELS = {"transformer": (tiny, tiny_batch), "cnn": (cnn, lambda m: image_batch())}
 
@@ -26,10 +26,7 @@ def fresh_dynamo():
 
 
 def grads_after(model, batch, fn=None, seed=1):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    (fn if fn is not None else model)(**batch).loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return step(model, batch, seed, fn)[1]
 
 
 def same(a, b):
