@@ -3,7 +3,8 @@
 Copies queue in order, one queue each way (the link is full duplex), each taking
 `latency_s + nbytes / bytes_per_s`. A copy to the host keeps its device tensor
 alive (so the stand-in still counts its bytes) until the copy has arrived;
-compute goes on meanwhile. A copy back is scheduled when backward asks for it,
+compute goes on meanwhile, up to a window of bytes in flight (`send(limit=...)`), past
+which the next copy waits for the oldest to arrive. A copy back is scheduled when backward asks for it,
 or earlier by a prefetch, and backward waits for its arrival. Time is the real
 clock by default; tests pass a scripted `clock` and `sleep`.
 """
@@ -30,7 +31,10 @@ class SimulatedLink:
         self.clock = clock
         self.sleep = sleep
         self._free_at = {"to_host": 0.0, "to_device": 0.0}
-        self._in_flight: collections.deque[tuple[float, torch.Tensor]] = collections.deque()
+        self._in_flight: collections.deque[tuple[float, torch.Tensor, int]] = collections.deque()
+        self._bytes = 0  # in flight now
+        self.peak_in_flight_bytes = 0
+        self.window_waits = 0  # packs that waited for the oldest copy: the window was full
         self._lock = threading.RLock()
         self.waited_s = 0.0  # time compute spent waiting for copies to arrive
 
@@ -39,11 +43,20 @@ class SimulatedLink:
         self._free_at[direction] = start + self.latency_s + nbytes / self.bytes_per_s
         return self._free_at[direction]
 
-    def send(self, t: torch.Tensor) -> float:
-        """Start copying `t` to the host; it stays allocated until the copy arrives. Returns the arrival."""
+    def send(self, t: torch.Tensor, limit: int | None = None) -> float:
+        """Start copying `t` to the host; it stays allocated until the copy arrives. With
+        `limit` (bytes), first wait for the oldest copies until `t` fits in the window of
+        copies in flight. Returns the arrival."""
+        nbytes = t.untyped_storage().nbytes()
+        self.poll()
+        while limit is not None and self._in_flight and self._bytes + nbytes > limit:
+            self.window_waits += 1
+            self.wait(self._in_flight[0][0])
         with self._lock:
-            arrival = self._schedule("to_host", t.untyped_storage().nbytes())
-            self._in_flight.append((arrival, t))
+            arrival = self._schedule("to_host", nbytes)
+            self._in_flight.append((arrival, t, nbytes))
+            self._bytes += nbytes
+            self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, self._bytes)
             return arrival
 
     def fetch(self, nbytes: int, after: float = 0.0) -> float:
@@ -67,9 +80,9 @@ class SimulatedLink:
         now = self.clock()
         with self._lock:
             while self._in_flight and self._in_flight[0][0] <= now:
-                self._in_flight.popleft()
+                self._bytes -= self._in_flight.popleft()[2]
 
     @property
     def in_flight_bytes(self) -> int:
-        with self._lock:
-            return sum(t.untyped_storage().nbytes() for _, t in self._in_flight)
+        """Device bytes whose copies to the host have not arrived yet."""
+        return self._bytes

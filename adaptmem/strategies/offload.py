@@ -1,26 +1,26 @@
 """OFFLOAD: saved tensors wait out the forward in host memory.
 
-On CUDA a tensor is copied device-to-host on a side stream into a pinned buffer
-taken from a reusable pool; the compute stream goes on at once. During backward,
-the first restore of a block's tensors starts the host-to-device copies of the
-block that backward reaches next (the one before it in forward order), so those
-copies overlap with this block's gradient kernels.
+A saved tensor is copied to the host while compute goes on; its device copy is
+let go of once the copy has arrived, and at most `OffloadOptions.max_in_flight_bytes`
+of such copies are in flight at once (past it, the next pack waits for the
+oldest), so the memory they hold is bounded and counted as allocated. During
+backward, the tensor needed now is fetched first; then the block backward
+reaches next (the one before it in forward order) is prefetched, so its copies
+overlap with this block's gradient kernels.
 
-Lifetimes across streams, the part that is easy to get wrong:
-  - the device tensor read by the D2H copy is `record_stream`-ed on the side
-    stream, so the caching allocator does not hand its memory out before the
-    copy has read it;
-  - the device tensor written by the H2D copy is allocated on the H2D stream and
-    `record_stream`-ed on the compute stream that uses it;
-  - a pinned buffer returns to the pool only when its payload is gone, and is
-    reused only after the last copy touching it has completed (its event).
+On CUDA the copies run on side streams into pinned buffers
+(`adaptmem.strategies.cuda_offload`). On the CPU the host tier is a plain copy
+made inside `adaptmem.devices.tiers.host_allocations()`; under a stand-in with a
+link (`SimulatedDevice(link_bytes_per_s=...)`) the copies take time each way,
+as on PCIe (`adaptmem.devices.link`).
 
-On the CPU (and under `adaptmem.testing.SimulatedDevice`) the host tier is a
-plain copy made inside `adaptmem.devices.tiers.host_allocations()`.
+Fetch state (`PackGroup.began`, `HostCopy.fetched`) is read and set under one
+lock: autograd runs a backward thread per device.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +29,9 @@ import torch
 
 from adaptmem.devices.tiers import current_link, host_allocations
 from adaptmem.strategies.payloads import Payload, nbytes_of
-from adaptmem.strategies.pinned import PinnedBlock, PinnedPool, host_view
+from adaptmem.strategies.pinned import PinnedBlock, PinnedPool
+
+_FETCH = threading.RLock()  # guards PackGroup.began / HostCopy.fetched across backward threads
 
 
 @dataclass(frozen=True)
@@ -39,22 +41,33 @@ class OffloadOptions:
     min_bytes: saved tensors smaller than this stay on the device (bytes);
         moving many tiny tensors costs more in launches than it saves.
     prefetch: in backward, start bringing back the next block's tensors while
-        this block's gradients are computed (CUDA only). Costs one block's saved
-        bytes of device memory ahead of time.
+        this block's gradients are computed. Costs one block's saved bytes of
+        device memory ahead of time.
+    max_in_flight_bytes: device bytes whose copies to the host may be in flight
+        at once (the window of copies not yet arrived, across blocks); past it the
+        next pack waits for the oldest copy. Larger hides more of a slow link
+        behind compute, at that many device bytes.
     """
 
     min_bytes: int = 16 * 1024
     prefetch: bool = True
+    max_in_flight_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
-        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
-            raise ValueError(f"OffloadOptions.min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        for name in ("min_bytes", "max_in_flight_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"OffloadOptions.{name} must be a non-negative int of bytes, got {value!r}")
 
 
 class HostCopy(Payload):
-    """A saved tensor's bytes on the host, and the tier that brings them back."""
+    """A saved tensor's bytes on the host, and the tier that brings them back.
 
-    __slots__ = ("host", "tier", "group", "block", "ready", "fetched", "__weakref__")
+    ready: when the copy to the host is complete (a CUDA event, or an arrival time
+    on a stand-in's link). fetched: the copy back, once started.
+    """
+
+    __slots__ = ("host", "tier", "group", "block", "ready", "fetched", "used", "__weakref__")
 
     def __init__(self, host: torch.Tensor, tier: Any, group: "PackGroup | None" = None,
                  block: "PinnedBlock | None" = None, ready: Any = None) -> None:
@@ -63,94 +76,59 @@ class HostCopy(Payload):
         self.group = group
         self.block = block
         self.ready = ready
-        self.fetched: tuple[torch.Tensor, Any] | None = None
+        self.fetched: Any = None
+        self.used = False  # restored once: a late prefetch would fetch it for nobody
 
     def restore(self) -> torch.Tensor:
+        with _FETCH:  # the copy needed now goes first, then the next block's prefetch
+            fetched, self.fetched, self.used = self.fetched, None, True
+            if fetched is None:
+                fetched = self.tier.fetch(self)
         if self.group is not None:
             self.group.begin_restore()
-        return self.tier.restore(self)
+        return self.tier.finish(self, fetched)
+
+    def prefetch(self) -> None:
+        with _FETCH:
+            if self.fetched is None and not self.used:
+                self.fetched = self.tier.fetch(self)
+
+    def __del__(self) -> None:
+        fetched = self.fetched
+        if fetched is not None:  # prefetched, never used (a step cut short)
+            self.tier.abandon(fetched)
 
 
 class HostTier:
     """CPU fallback: a copy marked as host memory. Over a stand-in's link (`SimulatedDevice`
     with `link_bytes_per_s`) the copy takes time each way: the device tensor stays allocated
-    until it has arrived, and backward waits for the copy back, which a prefetch starts early."""
+    until it has arrived (at most `max_in_flight_bytes` in flight), and backward waits for
+    the copy back, which a prefetch starts early."""
 
-    def pack(self, t: torch.Tensor, group: "PackGroup | None") -> HostCopy:
+    def pack(self, t: torch.Tensor, group: "PackGroup | None", options: OffloadOptions) -> HostCopy:
         with torch.no_grad(), host_allocations():
             host = t.detach().clone()
         link = current_link()
-        copy = HostCopy(host, self, group=group, ready=link.send(t.detach()) if link is not None else None)
+        ready = link.send(t.detach(), limit=options.max_in_flight_bytes) if link is not None else None
+        copy = HostCopy(host, self, group=group, ready=ready)
         if group is not None and link is not None:
             group.add(copy)
         return copy
 
-    def prefetch(self, copy: HostCopy) -> None:
+    def fetch(self, copy: HostCopy) -> Any:
         link = current_link()
-        if link is not None and copy.fetched is None:  # starts once the copy has reached the host
-            copy.fetched = (None, link.fetch(nbytes_of(copy.host), after=copy.ready))
+        # the copy back starts once the copy out has reached the host
+        return link.fetch(nbytes_of(copy.host), after=copy.ready) if link is not None else 0.0
 
-    def restore(self, copy: HostCopy) -> torch.Tensor:
+    def finish(self, copy: HostCopy, fetched: Any) -> torch.Tensor:
         link = current_link()
         if link is not None:
-            fetched, copy.fetched = copy.fetched, None
-            if fetched is None:
-                fetched = (None, link.fetch(nbytes_of(copy.host), after=copy.ready))
-            link.wait(fetched[1])
+            link.wait(fetched)
         with torch.no_grad():
             return copy.host.clone()
 
-
-class CudaTier:
-    """Pinned pool + one D2H and one H2D side stream for one CUDA device."""
-
-    def __init__(self, device: torch.device, pool: PinnedPool) -> None:
-        self.device = device
-        self.pool = pool
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
-
-    def pack(self, t: torch.Tensor, group: "PackGroup | None") -> HostCopy:
-        t = t.detach()
-        block = self.pool.acquire(nbytes_of(t))  # idle: no copy still touches it
-        host = host_view(block, t)
-        main = torch.cuda.current_stream(self.device)
-        self.d2h.wait_stream(main)  # t is fully written before we read it
-        with torch.cuda.stream(self.d2h):
-            host.copy_(t, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.d2h)
-        t.record_stream(self.d2h)
-        block.busy_until = ready
-        copy = HostCopy(host, self, group=group, block=block, ready=ready)
-        weakref.finalize(copy, self.pool.release, block)
-        if group is not None:
-            group.add(copy)
-        return copy
-
-    def prefetch(self, copy: HostCopy) -> None:
-        if copy.fetched is None:
-            copy.fetched = self._start_h2d(copy)
-
-    def restore(self, copy: HostCopy) -> torch.Tensor:
-        fetched, copy.fetched = copy.fetched, None
-        dev, done = fetched if fetched is not None else self._start_h2d(copy)
-        main = torch.cuda.current_stream(self.device)
-        main.wait_event(done)
-        dev.record_stream(main)
-        return dev
-
-    def _start_h2d(self, copy: HostCopy) -> tuple[torch.Tensor, Any]:
-        host = copy.host
-        self.h2d.wait_event(copy.ready)
-        with torch.cuda.stream(self.h2d):
-            dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
-            dev.copy_(host, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.h2d)
-        if copy.block is not None:
-            copy.block.busy_until = done
-        return dev, done
+    def abandon(self, fetched: Any) -> None:
+        pass
 
 
 class PackGroup:
@@ -172,10 +150,11 @@ class PackGroup:
         self._copies.append(weakref.ref(copy))
 
     def begin_restore(self) -> None:
-        if self.began:
-            return
-        self.began = True
-        prev, self.prev = self.prev, None
+        with _FETCH:
+            if self.began:
+                return
+            self.began = True
+            prev, self.prev = self.prev, None
         if prev is not None:
             prev.prefetch()
 
@@ -183,7 +162,7 @@ class PackGroup:
         for ref in self._copies:
             copy = ref()
             if copy is not None:
-                copy.tier.prefetch(copy)
+                copy.prefetch()
 
 
 class OffloadRuntime:
@@ -192,7 +171,7 @@ class OffloadRuntime:
     def __init__(self, pool: PinnedPool | None = None) -> None:
         self.pool = pool if pool is not None else PinnedPool()
         self._host = HostTier()
-        self._cuda: dict[int, CudaTier] = {}
+        self._cuda: dict[int, Any] = {}
         self._last_group: PackGroup | None = None
 
     def new_group(self, options: OffloadOptions) -> PackGroup | None:
@@ -203,23 +182,31 @@ class OffloadRuntime:
         self._last_group = group
         return group
 
-    def offload(self, t: torch.Tensor, group: PackGroup | None) -> HostCopy:
+    def offload(self, t: torch.Tensor, group: PackGroup | None, options: OffloadOptions) -> HostCopy:
         if t.device.type == "cuda":
-            return self._tier_for(t.device).pack(t, group)
-        return self._host.pack(t, group)
+            return self.tier_for(t.device).pack(t, group, options)
+        return self._host.pack(t, group, options)
 
-    def _tier_for(self, device: torch.device) -> CudaTier:
+    def tier_for(self, device: torch.device) -> Any:
+        """The CUDA tier (side streams, copy window) of `device`."""
+        from adaptmem.strategies.cuda_offload import CudaTier  # CUDA-only code, loaded when used
+
         index = device.index if device.index is not None else torch.cuda.current_device()
         tier = self._cuda.get(index)
         if tier is None:
             tier = self._cuda[index] = CudaTier(torch.device("cuda", index), self.pool)
         return tier
 
+    def in_flight_bytes(self) -> int:
+        """Device bytes whose copies to the host have not arrived yet (CUDA tiers, or the stand-in's link)."""
+        link = current_link()
+        return sum(t.window.bytes for t in self._cuda.values()) + (link.in_flight_bytes if link is not None else 0)
+
     def __deepcopy__(self, memo: dict) -> "OffloadRuntime":
-        return OffloadRuntime(PinnedPool(self.pool.max_cached_bytes))
+        return OffloadRuntime(self.pool.empty_like())
 
     def __getstate__(self) -> dict:
-        return {"max_cached_bytes": self.pool.max_cached_bytes}
+        return {"pool": self.pool.settings()}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(PinnedPool(state["max_cached_bytes"]))
+        self.__init__(PinnedPool(**state["pool"]))

@@ -76,7 +76,7 @@ class Packer:
         return self._send(t)
 
     def _send(self, t: torch.Tensor) -> Any:
-        return self._runtime.offload(t, self._group)
+        return self._runtime.offload(t, self._group, self._offload)
 
     def _is_state(self, t: torch.Tensor) -> bool:
         """Parameters (or views of them, like ``weight.t()``) and the block's buffers."""

@@ -91,3 +91,32 @@ def test_a_slow_link_makes_the_planner_offload_less_and_the_budget_holds():
     assert fast > slow, (fast, slow)
     for peaks in (fast_peaks, slow_peaks):
         assert max(peaks[1:]) <= budget, [round(p / budget, 3) for p in peaks]
+
+
+def test_a_full_window_makes_the_next_copy_wait_for_the_oldest():
+    clock = Clock()
+    link = SimulatedLink(1 * MiB, clock=clock, sleep=clock.sleep)
+    tensors = [torch.empty(MiB, dtype=torch.uint8) for _ in range(4)]
+    for t in tensors[:2]:
+        link.send(t, limit=2 * MiB)
+    assert link.in_flight_bytes == 2 * MiB and clock.slept == []
+    link.send(tensors[2], limit=2 * MiB)  # full: waits until the first copy has arrived (t = 1 s)
+    assert clock.slept == [1.0] and link.in_flight_bytes == 2 * MiB and link.window_waits == 1
+    assert link.peak_in_flight_bytes == 2 * MiB
+
+
+def test_the_window_bounds_the_device_bytes_offload_holds_in_flight():
+    model = tiny(dim=128, n_layers=4)
+    batch = tiny_batch(model, batch=4, seq=128)
+    expected = step(model, batch)
+    results = {}
+    for name, limit in (("unbounded", 2**40), ("bounded", 2 * MiB)):
+        adaptmem.restore(model)
+        adaptmem.instrument(model, mode=Mode.OFFLOAD, offload=adaptmem.OffloadOptions(max_in_flight_bytes=limit))
+        dev = SimulatedDevice(link_bytes_per_s=100 * MiB)
+        dev.track(model)
+        with dev:
+            assert_same(step(model, batch), expected)
+        results[name] = (dev.peak_bytes, dev.link.peak_in_flight_bytes, dev.link.window_waits)
+    assert results["bounded"][1] <= 2 * MiB < results["unbounded"][1]
+    assert results["bounded"][2] > 0 and results["bounded"][0] < results["unbounded"][0]
