@@ -1,3 +1,7 @@
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for bitwise CUDA tests
+
 import pytest
 import torch
 

@@ -46,16 +46,8 @@ from adaptmem.devices.host import HostProbe
 from adaptmem.devices.select import make_probe
 from adaptmem.modes import Mode
 from adaptmem.strategies import CompressOptions
-from adaptmem.wrapping import (
-    BlockHandle,
-    BlockSelection,
-    find_blocks,
-    get_instrumentation,
-    instrument,
-    restore,
-    tell_observer,
-    unwrap,
-)
+from adaptmem.wrapping import (BlockHandle, BlockSelection, find_blocks, get_instrumentation, instrument, restore,
+                               tell_observer, unwrap)
 
 log = logging.getLogger("adaptmem")
 
@@ -73,7 +65,7 @@ class MemoryManager(Reactions):
         self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
         model = unwrap(model)  # blocks are named inside DDP / torch.compile wrappers
         self.policy = p = load_policy(policy)
-        self.probe = make_probe(device)
+        self.probe = make_probe(device, model)
         self._device = device
         existing = get_instrumentation(model)
         if existing is not None and existing.runtime.observer is not None:
@@ -101,8 +93,9 @@ class MemoryManager(Reactions):
         p = self.policy
         self.recorder = StepRecorder(self.probe)
         cuda = isinstance(self.probe, CudaProbe)
+        in_flight = max((h.offload_options.max_in_flight_bytes for h in self.handles), default=0)
         self.costs = CostModel([type(h.module).__name__ for h in self.handles], p, cuda=cuda,
-                               priors=priors_for(self.probe, cuda))
+                               priors=priors_for(self.probe, cuda, in_flight))
         self.decider = Decider(p)
         self._lock = threading.RLock()
         self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe, start_plan=self._user_modes,

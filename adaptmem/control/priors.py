@@ -49,6 +49,9 @@ class Priors:
     measured_margin_share: float = 0.2
     "Share of the policy's prior_margin applied to figures that follow from measurements."
 
+    in_flight_cap: float = 0.0
+    "Device bytes of offloaded copies that may be in flight (`OffloadOptions.max_in_flight_bytes`); 0: instant."
+
 
 #: CUDA: pinned copies over PCIe 4.0 x16 reach ~12 GB/s one way, and copies on a side
 #: stream hide behind about 70% of a block's kernels; quantize kernels are memory-bound.
@@ -59,14 +62,15 @@ CUDA_PRIORS = Priors(link_bytes_per_s=12e9, hidden_share=0.7, codec_bytes_per_s=
 HOST_PRIORS = Priors(link_bytes_per_s=4e9, hidden_share=0.0, codec_bytes_per_s=1.5e9, prefetches=False)
 
 
-def priors_for(probe: object, cuda: bool) -> Priors:
+def priors_for(probe: object, cuda: bool, in_flight_cap: float = 0.0) -> Priors:
     """The priors for a probe: CUDA's, or the host's with the speed of a stand-in's link
-    (`SimulatedDevice(link_bytes_per_s=...)`), whose copies travel while compute goes on."""
+    (`SimulatedDevice(link_bytes_per_s=...)`), whose copies travel while compute goes on.
+    Where copies take time, up to `in_flight_cap` bytes of them may be in flight."""
     if cuda:
-        return CUDA_PRIORS
+        return replace(CUDA_PRIORS, in_flight_cap=in_flight_cap)
     link = getattr(probe, "link_bytes_per_s", None)
     # the stand-in allocates a copy back only when backward needs it: no prefetched block resident
-    return replace(HOST_PRIORS, link_bytes_per_s=link) if link else HOST_PRIORS
+    return replace(HOST_PRIORS, link_bytes_per_s=link, in_flight_cap=in_flight_cap) if link else HOST_PRIORS
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,12 @@ class Assumptions:
     def prefetched(self, nbytes: float) -> float:
         return nbytes if self.priors.prefetches else 0.0
 
+    def in_flight(self, nbytes: float, forward_s: float) -> float:
+        """Of `nbytes` sent during a forward of `forward_s` seconds, what has not arrived when it
+        ends: the backlog the link could not clear, within the window of copies in flight."""
+        backlog = nbytes - self.priors.link_bytes_per_s * forward_s
+        return min(self.priors.in_flight_cap, max(0.0, backlog))
+
 
 def _kept(lat: Latents) -> float:
     """What a block keeps that no mode removes: its input and its output's growth."""
@@ -158,7 +168,7 @@ def checkpoint(lat: Latents, a: Assumptions) -> Figures:
 def offload(lat: Latents, a: Assumptions) -> Figures:
     """Sends input and activations to the host; they come back (prefetched on CUDA) in backward."""
     move = _moved(lat)
-    held = _kept(lat) + a.priors.offload_residue_share * lat.activations
+    held = _kept(lat) + a.priors.offload_residue_share * lat.activations + a.in_flight(move, lat.forward_s)
     return Figures(a.guess * held, a.guess * _transient(lat),
                    a.guess * (move + lat.backward_temp + a.prefetched(move)), a.transfer_s(move), move)
 
@@ -166,7 +176,7 @@ def offload(lat: Latents, a: Assumptions) -> Figures:
 def checkpoint_offload(lat: Latents, a: Assumptions) -> Figures:
     """CHECKPOINT with its input on the host."""
     x = lat.input_bytes
-    return Figures(a.measured * _kept(lat), a.measured * _transient(lat),
+    return Figures(a.measured * (_kept(lat) + a.in_flight(x, lat.forward_s)), a.measured * _transient(lat),
                    a.measured * (_moved(lat) + lat.backward_temp),
                    (lat.recompute_s or lat.forward_s) + a.transfer_s(x), x)
 
@@ -181,7 +191,8 @@ def compress(lat: Latents, a: Assumptions) -> Figures:
 def compress_offload(lat: Latents, a: Assumptions) -> Figures:
     """COMPRESS, with the smaller payload on the host."""
     move, k = _moved(lat), a.kappa
-    return Figures(a.guess * _kept(lat), a.guess * (_transient(lat) + k * move),
+    held = _kept(lat) + a.in_flight(k * move, lat.forward_s)
+    return Figures(a.guess * held, a.guess * (_transient(lat) + k * move),
                    a.guess * ((1 + k) * move + lat.backward_temp + k * a.prefetched(move)),
                    a.codec_s(move) + a.transfer_s(k * move), k * move)
 

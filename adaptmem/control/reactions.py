@@ -259,6 +259,8 @@ class Reactions:
     def _tick(self) -> None:
         """Background thread: shrink the budget at once when others take memory."""
         available = self.budgets.available()
+        if available is not None and available < self.budgets.current:  # confirmed by a second reading
+            available = max(available, self.budgets.available())
         with self._lock:
             squeezed = self.budgets.squeeze(available)
             if squeezed is None:

@@ -25,7 +25,7 @@ class CudaProbe:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.name = f"cuda:{self.device.index}"
         self._total = torch.cuda.get_device_properties(self.device).total_memory
-        self._nvml = _nvml_handle(self.device.index)
+        self._nvml = _nvml_handle(nvml_index(self.device.index))
         self._hinted = False
 
     def capacity(self) -> int:
@@ -41,9 +41,18 @@ class CudaProbe:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def external(self) -> int:
-        """Device bytes not held by PyTorch's allocator: other processes, the context, libraries."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        return max(0, total - free - torch.cuda.memory_reserved(self.device))
+        """Device bytes not held by PyTorch's allocator: other processes, the context, libraries.
+
+        cudaMemGetInfo and the allocator's reserved bytes are two reads; a segment freed
+        (or reserved) between them would read as others' memory. So the reserved bytes
+        are read on both sides of it, and the pair is taken only when they agree."""
+        for _ in range(4):
+            before = torch.cuda.memory_reserved(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            if reserved == before:
+                break
+        return max(0, total - free - max(before, reserved))
 
     def processes(self) -> list[dict] | None:
         """The other processes holding memory on this device, largest first, as
@@ -100,6 +109,19 @@ def _process_name(pid: int) -> str:
         return psutil.Process(pid).name()
     except (psutil.Error, OSError):  # gone, or another user's (inside a container, say)
         return "?"
+
+
+def nvml_index(cuda_index: int) -> int:
+    """NVML's index of CUDA device `cuda_index`: NVML ignores CUDA_VISIBLE_DEVICES, so
+    with CUDA_VISIBLE_DEVICES=2,3 the process's cuda:0 is NVML's device 2."""
+    try:
+        return torch.cuda._get_nvml_device_index(cuda_index)
+    except Exception:  # a private helper: missing, or the UUIDs unreadable
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        ordinals = [v.strip() for v in visible.split(",") if v.strip()]
+        if ordinals and all(v.isdigit() for v in ordinals) and cuda_index < len(ordinals):
+            return int(ordinals[cuda_index])
+        return cuda_index
 
 
 def _nvml_handle(index: int) -> Any:

@@ -7,7 +7,9 @@ A strategy runs one block call in training, ``STRATEGIES[mode](call) -> output``
   payloads.py   Payload: a saved tensor in another form that restores itself
   packing.py    Packer: the one pack hook of OFFLOAD / COMPRESS (and combinations)
   recompute.py  CHECKPOINT, SELECTIVE, CHECKPOINT|OFFLOAD
-  offload.py    host tier; CUDA tier (side streams, events, prefetch)
+  offload.py    OffloadOptions, HostCopy, the host tier, prefetch order (PackGroup)
+  cuda_offload.py  the CUDA tier: side streams, events, the window of copies in flight
+  offload_runtime.py  OffloadRuntime: the host tier or a CUDA tier per device
   pinned.py     the reusable pinned-buffer pool of the CUDA tier
   compress.py   int8 / fp8 / bf16 codecs, boolean bit-packing
 """
@@ -22,7 +24,8 @@ import torch
 from adaptmem.modes import Mode
 from adaptmem.strategies.call import BlockCall
 from adaptmem.strategies.compress import CompressOptions
-from adaptmem.strategies.offload import OffloadOptions, OffloadRuntime
+from adaptmem.strategies.offload import OffloadOptions
+from adaptmem.strategies.offload_runtime import OffloadRuntime
 from adaptmem.strategies.packing import Packer
 from adaptmem.strategies.payloads import restore
 from adaptmem.strategies.recompute import (

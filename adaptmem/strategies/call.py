@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_flatten
 
 from adaptmem.modes import Mode
 from adaptmem.strategies.compress import CompressOptions
-from adaptmem.strategies.offload import OffloadOptions, OffloadRuntime
+from adaptmem.strategies.offload import OffloadOptions
+from adaptmem.strategies.offload_runtime import OffloadRuntime
 
 
 def main_input(args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from adaptmem.strategies.compress import CompressOptions, encode
-from adaptmem.strategies.offload import OffloadOptions, OffloadRuntime
+from adaptmem.strategies.offload import OffloadOptions
+from adaptmem.strategies.offload_runtime import OffloadRuntime
 from adaptmem.strategies.payloads import nbytes_of
 
 

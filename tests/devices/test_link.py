@@ -120,3 +120,12 @@ def test_the_window_bounds_the_device_bytes_offload_holds_in_flight():
         results[name] = (dev.peak_bytes, dev.link.peak_in_flight_bytes, dev.link.window_waits)
     assert results["bounded"][1] <= 2 * MiB < results["unbounded"][1]
     assert results["bounded"][2] > 0 and results["bounded"][0] < results["unbounded"][0]
+
+
+def test_the_planner_is_told_the_window_where_copies_take_time():
+    for speed, expected in ((None, 0.0), (100 * MiB, 4 * MiB)):
+        model = tiny()
+        adaptmem.instrument(model, offload=adaptmem.OffloadOptions(max_in_flight_bytes=4 * MiB))
+        dev = SimulatedDevice(capacity_bytes=2**30, link_bytes_per_s=speed)
+        with adaptmem.manage(model, budget=2**29, device=dev) as mem:
+            assert mem.costs.priors.in_flight_cap == expected

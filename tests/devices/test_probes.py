@@ -78,3 +78,69 @@ def test_nvml_handle_when_present(monkeypatch):
 def test_a_device_adaptmem_cannot_manage_is_named(device):
     with pytest.raises(ValueError, match=f"device={device!r} is not a device adaptmem can manage|device must be None"):
         make_probe(device)
+
+
+def fake_cuda(monkeypatch, reserved, infos, total=80 << 30):
+    """torch.cuda's readings, scripted: each call takes the next value."""
+    from adaptmem.devices.cuda import CudaProbe
+
+    reserved, infos = iter(reserved), iter(infos)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: next(reserved))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (next(infos), total))
+    probe = CudaProbe.__new__(CudaProbe)
+    probe.device = torch.device("cuda", 0)
+    return probe
+
+
+def test_outside_memory_is_read_from_one_consistent_snapshot(monkeypatch):
+    GiB = 1 << 30
+    # Others hold 2 GiB. 10 GiB reserved when free memory is read (68 GiB free), a 4 GiB segment
+    # released right after: paired with the reserved bytes read then (6), the 68 would show
+    # 80 - 68 - 6 = 6 GiB held by others. The reads around it disagree, so the pair is read again.
+    probe = fake_cuda(monkeypatch, reserved=[10 * GiB, 6 * GiB, 6 * GiB, 6 * GiB],
+                      infos=[68 * GiB, 72 * GiB])
+    assert probe.external() == 2 * GiB  # the second pair agrees on both sides
+
+
+def test_a_spike_in_one_reading_does_not_cut_the_budget():
+    import adaptmem
+
+    from helpers import tiny, tiny_batch
+
+    class Spiky(ScriptedProbe):
+        """One reading of outside memory shows a spike that the next does not confirm."""
+
+        def __init__(self):
+            super().__init__(1 << 30, [0])
+            self.readings = []
+
+        def external(self):
+            value = 900 << 20 if len(self.readings) == 0 else 0
+            self.readings.append(value)
+            return value
+
+    model = tiny()
+    probe = Spiky()
+    with adaptmem.manage(model, budget=512 << 20, device=probe) as mem:
+        mem.sampler.wait_ticks(2)
+        model(**tiny_batch(model)).loss.backward()
+        assert mem.budget == 512 << 20 and mem.pressure_events == 0
+    assert probe.readings[:2] == [900 << 20, 0]
+
+
+def test_nvml_is_opened_with_the_index_cuda_visible_devices_maps_to(monkeypatch):
+    from adaptmem.devices.cuda import nvml_index
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert [nvml_index(0), nvml_index(1)] == [3, 1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert nvml_index(2) == 2
+
+
+def test_a_model_on_several_cuda_devices_is_refused_with_what_to_do():
+    from adaptmem.devices.select import one_device
+
+    assert one_device(set()) is None
+    assert one_device({torch.device("cuda", 1)}) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"spread over cuda:0, cuda:1; .*adaptmem.manage\(stage, device='cuda:N'\)"):
+        one_device({torch.device("cuda", 0), torch.device("cuda", 1)})

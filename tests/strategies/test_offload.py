@@ -7,7 +7,8 @@ import torch
 
 import adaptmem
 from adaptmem import Mode, OffloadOptions
-from adaptmem.strategies.offload import HostCopy, OffloadRuntime, PackGroup
+from adaptmem.strategies.offload import HostCopy, PackGroup
+from adaptmem.strategies.offload_runtime import OffloadRuntime
 from adaptmem.strategies.pinned import size_class
 from adaptmem.testing import SimulatedDevice
 

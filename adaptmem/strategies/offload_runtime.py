@@ -1,0 +1,55 @@
+"""Where one instrumented model's offloaded bytes go: the host tier, or a CUDA tier per device."""
+
+from __future__ import annotations
+
+import torch
+
+from adaptmem.devices.tiers import current_link
+from adaptmem.strategies.cuda_offload import CudaTier
+from adaptmem.strategies.offload import HostCopy, HostTier, OffloadOptions, PackGroup
+from adaptmem.strategies.pinned import PinnedPool
+
+
+class OffloadRuntime:
+    """Where one instrumented model's offloaded bytes go: a tier per device."""
+
+    def __init__(self, pool: PinnedPool | None = None) -> None:
+        self.pool = pool if pool is not None else PinnedPool()
+        self._host = HostTier()
+        self._cuda: dict[int, CudaTier] = {}
+        self._last_group: PackGroup | None = None
+
+    def new_group(self, options: OffloadOptions) -> PackGroup | None:
+        if not options.prefetch or torch.compiler.is_compiling():  # no state for torch.compile to guard on
+            return None
+        last = self._last_group
+        group = PackGroup(prev=last if last is not None and not last.began else None)
+        self._last_group = group
+        return group
+
+    def offload(self, t: torch.Tensor, group: PackGroup | None, options: OffloadOptions) -> HostCopy:
+        if t.device.type == "cuda":
+            return self.tier_for(t.device).pack(t, group, options)
+        return self._host.pack(t, group, options)
+
+    def tier_for(self, device: torch.device) -> CudaTier:
+        """The CUDA tier (side streams, copy window) of `device`."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tier = self._cuda.get(index)
+        if tier is None:
+            tier = self._cuda[index] = CudaTier(torch.device("cuda", index), self.pool)
+        return tier
+
+    def in_flight_bytes(self) -> int:
+        """Device bytes whose copies to the host have not arrived yet (CUDA tiers, or the stand-in's link)."""
+        link = current_link()
+        return sum(t.window.bytes for t in self._cuda.values()) + (link.in_flight_bytes if link is not None else 0)
+
+    def __deepcopy__(self, memo: dict) -> "OffloadRuntime":
+        return OffloadRuntime(self.pool.empty_like())
+
+    def __getstate__(self) -> dict:
+        return {"pool": self.pool.settings()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(PinnedPool(**state["pool"]))
