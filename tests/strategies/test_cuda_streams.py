@@ -88,9 +88,9 @@ def slow_side_streams(monkeypatch):
     junk.clear()
 
 
-def offloaded(window=64 * MiB, prefetch=True):
+def offloaded(window=64 * MiB, prefetch=True, seq=512):
     model = eager_llama()
-    batch = {k: v.cuda() for k, v in hf_batch(batch=2, seq=512).items()}
+    batch = {k: v.cuda() for k, v in hf_batch(batch=2, seq=seq).items()}
     with deterministic():
         reference = grads_of(model, batch)
     adaptmem.instrument(model, mode=Mode.OFFLOAD,
@@ -128,10 +128,10 @@ def test_without_the_h2d_wait_backward_reads_a_copy_not_yet_written(slow_side_st
 
 
 def test_copies_in_flight_are_allocated_and_bounded():
-    model, batch, _ = offloaded(window=8 * MiB)
+    model, batch, _ = offloaded(window=8 * MiB, seq=256)  # no saved tensor over 4 MiB (eager scores: 4 MiB)
     tier = get_instrumentation(model).runtime.offload.tier_for(torch.device("cuda", 0))
     grads_of(model, batch)
-    assert 0 < tier.window.peak_bytes <= 8 * MiB + 4 * MiB  # the window, plus at most one tensor past it
+    assert 0 < tier.window.peak_bytes <= 8 * MiB
     assert tier.window.bytes == 0  # backward drained it
 
 
@@ -171,18 +171,23 @@ def test_a_blocks_copy_back_overlaps_the_next_blocks_compute(tmp_path):
 
 
 def test_the_pinned_pool_is_bounded_and_its_counters_match_the_host_allocator():
+    import gc
+
     model, batch, _ = offloaded()
     pool = get_instrumentation(model).runtime.offload.pool
+    gc.collect()
+    torch.cuda.synchronize()
     before = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
-    counts = []
-    for _ in range(4):  # no synchronize between steps: buffers come back when their events complete
+    counts, pinned = [], []
+    for _ in range(5):  # no synchronize between steps: buffers come back when their events complete
         model.zero_grad(set_to_none=True)
         model(**batch).loss.backward()
         counts.append(pool.allocations)
+        pinned.append(pool.pinned_bytes)
     torch.cuda.synchronize()
-    assert counts[-1] == counts[1]  # reused from the second step on
-    stats = torch.cuda.host_memory_stats()
-    assert stats.get("active_bytes.current", 0) - before == pool.in_use_bytes
+    assert counts[-1] == counts[-2] and max(pinned) <= 2 * pinned[0]  # reused, not grown step after step
+    # the pool's buffers (in use or idle) are the host allocator's blocks checked out, rounding included
+    assert torch.cuda.host_memory_stats().get("active_bytes.current", 0) - before == pool.pinned_bytes
     assert pool.pinned_bytes <= pool.max_pinned_bytes
 
 
@@ -199,9 +204,11 @@ def test_a_failed_pinned_allocation_falls_back_to_pageable_copies(monkeypatch):
     assert pool.failures > 0 and pool.pageable == pool.failures and pool.in_use_bytes == 0
 
 
-def test_a_model_on_cuda_1_is_measured_there_while_cuda_0_is_current():
+def test_a_model_on_cuda_1_is_measured_and_offloaded_there_while_cuda_0_is_current():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
+    from adaptmem.devices.select import make_probe
+
     model = llama(layers=4, hidden=256, dropout=0.0).to("cuda:1")
     model.config._attn_implementation = "eager"
     batch = {k: v.to("cuda:1") for k, v in hf_batch(batch=2, seq=256).items()}
@@ -209,13 +216,17 @@ def test_a_model_on_cuda_1_is_measured_there_while_cuda_0_is_current():
     with deterministic():
         reference = grads_of(model, batch)
     on_zero = torch.cuda.memory_allocated(0)
-    with deterministic(), adaptmem.manage(model, policy="max-savings") as mem:
+    assert make_probe(None, model).name == "cuda:1"
+    adaptmem.instrument(model, mode=Mode.OFFLOAD)
+    with deterministic():
+        assert same(grads_of(model, batch), reference)
+    adaptmem.restore(model)
+    with deterministic(), adaptmem.manage(model, policy="every-2") as mem:  # lossless, and checkpoints
         assert mem.probe.name == "cuda:1"
         for _ in range(3):
             with mem.step():
                 got = grads_of(model, batch)
             assert same(got, reference)
-        assert any(m is not Mode.NONE for m in mem.plan.values())
     assert torch.cuda.memory_allocated(0) == on_zero  # nothing of it landed on the current device
 
 
