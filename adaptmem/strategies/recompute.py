@@ -29,11 +29,9 @@ from adaptmem.strategies.packing import Packer
 from adaptmem.strategies.payloads import restore
 
 _aten = torch.ops.aten
-_SAVE_NAMES = (
+_SAVE_NAMES = (  # weight matmuls, convolutions, fused attention: never activation x activation matmuls
     "mm.default",
     "addmm.default",
-    "bmm.default",
-    "baddbmm.default",
     "convolution.default",
     "_scaled_mm.default",
     "_scaled_dot_product_flash_attention.default",
@@ -55,12 +53,17 @@ def _resolve(names: tuple[str, ...]) -> frozenset:
     return frozenset(ops)
 
 
-#: Ops whose outputs SELECTIVE keeps: matmuls, convolutions and attention.
+#: Ops whose outputs SELECTIVE keeps, as Megatron's selective recomputation does: the linear
+#: layers' matmuls (`mm`/`addmm`: a linear layer flattens its input to 2-D), convolutions and
+#: fused attention kernels, whose outputs grow with the sequence. The attention core written
+#: out (`bmm` of queries by keys, softmax, dropout on the scores, `bmm` by values) is
+#: recomputed: its batch x heads x seq x seq tensors are what make long sequences expensive.
 SAVED_OPS = _resolve(_SAVE_NAMES)
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Keep the outputs of matmuls, convolutions and attention; recompute the rest.
+    """Keep the outputs of weight matmuls, convolutions and fused attention; recompute the rest
+    (norms, activations, and the attention core of eager attention with its seq x seq scores).
 
     An op that draws randomness (an attention with dropout) is recomputed like
     the rest. Recompute restores the RNG state of forward, so the random draws
