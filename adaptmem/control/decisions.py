@@ -9,6 +9,12 @@ observed peak is compared with the budget:
                              relax: headroom grows by `relax_factor`
   in between                 hold, and the calm count starts over
 
+Predictions carry margins, so a held plan's observed peak usually sits under its
+prediction: `bias` (observed over predicted, above the step's start, over recent
+held steps; never above 1) lets the planner aim the prediction that much higher,
+so the budget is used rather than left to the margins. Any escalation or
+out-of-memory error sets it back to 1.
+
 A relaxation that has to be undone (an escalation within the calm window that
 follows it) caps later relaxations below the headroom that went too far and
 doubles the calm steps needed, so the controller cannot flip-flop between two
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from adaptmem.config.policy import Policy
 
 HOLD, ESCALATE, RELAX = "hold", "escalate", "relax"
+BIAS_FLOOR = 0.8  # predictions are never taken to be more than 25% too high
 
 
 @dataclass
@@ -33,6 +40,7 @@ class Decider:
     ceiling: float = field(init=False)
     steps_since_relax: int | None = field(default=None, init=False)
     relaxed_from: float | None = field(default=None, init=False)
+    bias: float = field(default=1.0, init=False)
 
     def __post_init__(self) -> None:
         self.headroom = self.policy.headroom
@@ -52,6 +60,7 @@ class Decider:
                 self.ceiling = min(self.ceiling, self.relaxed_from or self.headroom)
                 self.calm_needed *= 2
             self.steps_since_relax = None
+            self.bias = 1.0  # the predictions were not too high after all
             shrink = min(p.escalate_factor, p.high_watermark / ratio)
             new = max(p.min_headroom, self.headroom * shrink)
             if new >= self.headroom:
@@ -72,8 +81,20 @@ class Decider:
         self.calm = 0
         return HOLD
 
+    def learn_bias(self, predicted: float, observed: float) -> bool:
+        """A held plan's peak above the step's start, predicted and observed (bytes). True when
+        the bias moved enough (1%) that plans made with the old one should be made again."""
+        if predicted <= 0 or observed <= 0:
+            return False
+        ratio = min(1.0, max(BIAS_FLOOR, observed / predicted))
+        new = 0.5 * (self.bias + ratio)
+        moved = abs(new - self.bias) > 0.01
+        self.bias = new
+        return moved
+
     def escalate(self) -> str:
         """Escalate for a reason other than the peak (the allocator retrying, say)."""
+        self.bias = 1.0
         self.calm = 0
         self.steps_since_relax = None
         new = max(self.policy.min_headroom, self.headroom * self.policy.escalate_factor)
@@ -84,6 +105,7 @@ class Decider:
 
     def after_oom(self) -> None:
         """An out-of-memory error: aim lower at once."""
+        self.bias = 1.0
         self.calm = 0
         self.steps_since_relax = None
         self.headroom = max(self.policy.min_headroom, self.headroom * self.policy.oom_backoff)
@@ -97,6 +119,7 @@ class Decider:
             "ceiling": self.ceiling,
             "steps_since_relax": self.steps_since_relax,
             "relaxed_from": self.relaxed_from,
+            "bias": self.bias,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -107,3 +130,4 @@ class Decider:
         since, relaxed = state.get("steps_since_relax"), state.get("relaxed_from")
         self.steps_since_relax = None if since is None else int(since)
         self.relaxed_from = None if relaxed is None else float(relaxed)
+        self.bias = float(state.get("bias", 1.0))

@@ -106,6 +106,7 @@ class MemoryManager(Reactions):
         self._label: Any = None
         self._step_key: tuple[int, int] | None = None
         self._step_pred: float | None = None
+        self._step_start = 0
         self._unmarked_warned = False
         self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
         self._rank = self._agree.rank if self._agree is not None else 0

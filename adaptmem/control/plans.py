@@ -151,7 +151,7 @@ class PlanBook:
         options = self.costs.options(batch, extent, self.allowed, fixed)
         host_limit = p.host_fraction * self.probe.host_available()
         for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
-            result = solve(options, target - start, head, p.planner_bins)
+            result = solve(options, (target - start) / self.decider.bias, head, p.planner_bins)
             chosen = [next(o for o in row if o.mode is m) for row, m in zip(options, result.modes)]
             if sum(o.host for o in chosen) <= host_limit:
                 break

@@ -103,6 +103,7 @@ class Reactions:
             if self._in_step:
                 self._step_key = record.key
                 self._step_pred = self.plans.predict(record.modes, batch, extent, start)
+                self._step_start = start
 
     def _agree_on_failure(self, error: BaseException | None) -> BaseException | None:
         """Across ranks: when any rank ran out of memory in this step, every rank records it."""
@@ -216,6 +217,9 @@ class Reactions:
         if pred is not None and observed > 0:
             error = (pred - observed) / observed
             self.errors.append(error)
+        if pred is not None and decision == HOLD and not calibrating and observed > self._step_start:
+            if self.decider.learn_bias(pred - self._step_start, observed - self._step_start):
+                self.plans.cache.clear()  # aim again with the predictions' bias taken out
         if decision != HOLD or calibrating:
             self.plans.cache.clear()
         elif pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget:

@@ -1,0 +1,234 @@
+"""adaptmem against its peers and an oracle, side by side in one run, at three link speeds.
+
+    python -m stress.bench                    # tiny + Llama, 2 lengths, 3 link speeds (~15 min on 2 cores)
+    python -m stress.bench --quick            # every method at one link speed, one length (< 5 min)
+    python -m stress.bench --json results.json
+
+Methods, each on its own copy of the model and its own stand-in device:
+  unmanaged       every block keeps its activations
+  checkpoint_all  the model's own gradient_checkpointing_enable() (Llama), else every block CHECKPOINT
+  offload_all     every block OFFLOAD over the same link (as torchtune's OffloadActivations would)
+  oracle          the fastest fixed per-block plan that fits the budget, found by running candidates
+  adaptmem        adaptmem.manage at budgets 30/50/70% of the way from checkpoint_all's peak to unmanaged's
+
+Link speeds are set from the model: `hidden` moves all of offload_all's bytes in 5% of an
+unmanaged step (the copies hide behind compute), `one-block` in 35% (about one block's
+forward and backward shows), `several` in 120% (several blocks' worth shows). Step time is
+CPU time of the training thread plus simulated link waits (`stress.benchkit.VirtualClock`), over rotated repetitions.
+A shared machine only ever adds time, so a method's time is its fastest repetition and a ratio
+is of fastest times; the spread shown is half the min-max range of the per-repetition ratios.
+Peaks come from steps of their own, read through a window no manager reads. One torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from adaptmem import Mode
+from adaptmem.config.units import format_bytes
+from stress.benchkit import ORACLE_MODES, ModeFigures, batch_for, build, find_oracle, make_runner, fastest_step
+
+LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / unmanaged step
+FRACTIONS = (0.3, 0.5, 0.7)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bench_config(name: str, seq: int, batch: int, links: list[str], reps: int, steps: int) -> list[dict]:
+    base = build(name)
+    data = batch_for(batch, seq)
+    blocks = 8
+    # calibration, without a link: unmanaged time and offload_all's bytes set the link speeds
+    probe = make_runner("offload_all", base, data, None)
+    probe.step()
+    probe.measure_peak()
+    moved = probe.dev.host_peak_bytes
+    plain = make_runner("unmanaged", base, data, None)
+    plain.step()
+    t_step = fastest_step(plain, steps)
+    rows = []
+    for link in links:
+        speed = moved / (LINKS[link] * t_step)
+        log(f"[{name} seq {seq} link {link}: {format_bytes(int(speed))}/s, offload_all moves {format_bytes(moved)}]")
+        rows += bench_link(name, base, data, seq, blocks, link, speed, reps, steps)
+    return rows
+
+
+def bench_link(name, base, data, seq, blocks, link, speed, reps, steps) -> list[dict]:
+    t0 = time.perf_counter()
+    fixed = {m: make_runner(m, base, data, speed) for m in ("unmanaged", "checkpoint_all", "offload_all")}
+    for r in fixed.values():
+        r.step()
+        r.measure_peak()
+    un, ck = fixed["unmanaged"].peaks[-1], fixed["checkpoint_all"].peaks[-1]
+    figures = {}
+    for mode in ORACLE_MODES:  # every block in one mode: the oracle's per-block figures
+        r = make_runner("plan", base, data, speed, plan=(mode,) * blocks)
+        r.step()
+        figures[mode] = ModeFigures(r.measure_peak(), fastest_step(r, steps))
+    runners = list(fixed.values())
+    for frac in FRACTIONS:
+        budget = int(ck + frac * (un - ck))
+        oracle, tried = find_oracle(figures, blocks, budget, lambda plan: make_runner(
+            "plan", base, data, speed, plan=plan, budget=(frac, budget)), steps)
+        log(f"  oracle at {frac:.0%}: tried " + ", ".join(f"{p} {q / budget:.2f}x budget {s * 1e3:.0f} ms"
+                                                         for p, q, s in tried))
+        managed = make_runner("adaptmem", base, data, speed, budget=(frac, budget), capacity=2 * un)
+        for _ in range(6):  # calibration and settling
+            managed.step()
+        managed.measure_peak(3)
+        runners += [oracle, managed]
+    for rep in range(reps):  # rotated: each method takes every position in turn
+        k = rep % len(runners)
+        for r in runners[k:] + runners[:k]:
+            r.times.append(r.step())
+    for r in runners:
+        if r.manager is not None:  # the peaks of the timed steps count too
+            r.measure_peak(2)
+        r.close()
+    log(f"  {len(runners)} methods x {reps} repetitions in {time.perf_counter() - t0:.0f} s")
+    base_times = fixed["unmanaged"].times
+    rows = []
+    for r in runners:
+        ratios = [t / b for t, b in zip(r.times, base_times)]
+        rows.append({"model": name, "seq": seq, "method": r.method, "budget_frac": r.budget_frac, "link": link,
+                     "link_bytes_per_s": int(speed), "peak_bytes": max(r.peaks), "budget_bytes": r.budget_bytes,
+                     "step_s": min(r.times), "ratio": min(r.times) / min(base_times),
+                     "spread": (max(ratios) - min(ratios)) / 2, "times": [round(t, 5) for t in r.times],
+                     "plan": "".join(m.label[0] if m is not (Mode.CHECKPOINT | Mode.OFFLOAD) else "K"
+                                     for m in (r.plan or ())) or None})
+    for row in rows:
+        if row["method"] == "adaptmem":
+            oracle = next(o for o in rows if o["method"] == "oracle" and o["budget_frac"] == row["budget_frac"])
+            mine = next(r for r in runners if r.method == "adaptmem" and r.budget_frac == row["budget_frac"])
+            theirs = next(r for r in runners if r.method == "oracle" and r.budget_frac == row["budget_frac"])
+            per = [a / b for a, b in zip(mine.times, theirs.times)]
+            row["vs_oracle"], row["vs_oracle_spread"] = min(mine.times) / min(theirs.times), (max(per) - min(per)) / 2
+            row["plan"] = "".join(p[0] if p != "CHECKPOINT+OFFLOAD" else "K" for p in mine.manager.last_step["plan"])
+            row["vs_oracle"] = round(row["vs_oracle"], 4)
+            del oracle
+    return rows
+
+
+def controller_fraction(steps: int) -> float:
+    """The manager's share of a steady-state step with the real host probe: a managed step against
+    the same plan run without a manager, both in CPU time, rotated."""
+    import adaptmem
+    from adaptmem.wrapping import get_instrumentation
+
+    model = build("llama")
+    data = batch_for(2, 512)
+
+    def work():
+        model(**data).loss.backward()
+
+    work()
+    model.zero_grad(set_to_none=True)
+    mem = adaptmem.manage(model, device="cpu", budget="95%")
+    for _ in range(4):
+        mem.run_step(work)
+        model.zero_grad(set_to_none=True)
+    runtime = get_instrumentation(model).runtime
+    managed, static = [], []
+    for rep in range(steps):
+        for which in ((0, 1) if rep % 2 == 0 else (1, 0)):
+            t = time.process_time()
+            if which == 0:
+                with mem.step():
+                    work()
+                managed.append(time.process_time() - t)
+            else:  # the same wrappers in the same modes, with no manager watching
+                observer, runtime.observer = runtime.observer, None
+                try:
+                    work()
+                finally:
+                    runtime.observer = observer
+                static.append(time.process_time() - t)
+            model.zero_grad(set_to_none=True)
+    mem.close()
+    return min(managed) / min(static) - 1
+
+
+def planner_ms() -> float:
+    """The planner on 100 transformer-like blocks x 6 modes with a binding budget (`stress.bench_planner`)."""
+    import random
+
+    from stress.bench_planner import instance, timed
+
+    options, capacity = instance(random.Random(0), 100, 6)
+    return timed(options, capacity, 11)[0] * 1e3
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model | seq | link | method | budget | peak | peak/budget | step vs unmanaged | vs oracle | plan |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        budget = f"{r['budget_frac']:.0%}" if r["budget_frac"] is not None else ""
+        within = f"{r['peak_bytes'] / r['budget_bytes']:.3f}" if r["budget_bytes"] else ""
+        vs = f"{r['vs_oracle']:.3f} ± {r['vs_oracle_spread']:.3f}" if "vs_oracle" in r else ""
+        out.append(f"| {r['model']} | {r['seq']} | {r['link']} | {r['method']} | {budget} | "
+                   f"{format_bytes(r['peak_bytes'])} | {within} | {r['ratio']:.3f} ± {r['spread']:.3f} | {vs} | "
+                   f"{r['plan'] or ''} |")
+    return "\n".join(out)
+
+
+def targets(rows: list[dict], fraction: float, planner: float) -> list[tuple[str, bool]]:
+    over = [r for r in rows if r["budget_bytes"] and r["method"] in ("adaptmem", "oracle")
+            and r["peak_bytes"] > r["budget_bytes"]]
+    mine = [r for r in rows if r["method"] == "adaptmem"]
+    checks = [("peak <= budget everywhere", not over),
+              ("adaptmem <= 1.05x the oracle everywhere", all(r["vs_oracle"] <= 1.05 for r in mine))]
+    for r in (r for r in mine if r["budget_frac"] == 0.7):
+        ck = next(c for c in rows if c["method"] == "checkpoint_all" and c["model"] == r["model"]
+                  and c["seq"] == r["seq"] and c["link"] == r["link"])
+        checks.append((f"{r['model']} {r['seq']} {r['link']} 70%: overhead <= half of checkpoint_all's",
+                       r["ratio"] - 1 <= (ck["ratio"] - 1) / 2))
+    checks += [("controller <= 1% of a step", fraction <= 0.01), ("planner <= 5 ms for 100 x 6", planner <= 5.0)]
+    return checks
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one length, one link speed: every method, < 5 min")
+    p.add_argument("--json", type=Path, default=None, help="write the rows and figures here")
+    p.add_argument("--reps", type=int, default=None, help="rotated repetitions per method (default 5; 3 quick)")
+    p.add_argument("--models", default="tiny,llama")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    reps = args.reps or (4 if args.quick else 5)
+    seqs = [256] if args.quick else [256, 512]
+    links = ["one-block"] if args.quick else list(LINKS)
+    started = time.perf_counter()
+    rows = []
+    for name in args.models.split(","):
+        for seq in seqs:
+            rows += bench_config(name, seq, 2, links, reps, steps=3)
+    fraction = controller_fraction(6 if args.quick else 10)
+    planner = planner_ms()
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}"
+    command = "python -m stress.bench" + (" --quick" if args.quick else "")
+    print(table(rows))
+    print(f"\ncontroller_fraction {fraction:+.2%} of a steady-state step (host probe); "
+          f"planner {planner:.2f} ms for 100 blocks x 6 modes")
+    checks = targets(rows, fraction, planner)
+    for what, ok in checks:
+        print(f"{'ok  ' if ok else 'MISS'} {what}")
+    print(f"\n{machine}; `{command}` in {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "controller_fraction": fraction, "planner_ms_100x6": planner,
+                                         "machine": machine, "command": command,
+                                         "targets": {w: ok for w, ok in checks}}, indent=1))
+    return 1 if not checks[0][1] else 0  # a budget exceeded is a failure; the other targets are reported
+
+
+if __name__ == "__main__":
+    sys.exit(main())

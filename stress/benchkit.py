@@ -1,0 +1,223 @@
+"""The pieces of `stress.bench`: models, a clock that counts link waits, the methods, the oracle.
+
+Every method runs on its own copy of the model, on its own `SimulatedDevice` whose
+host link has the speed under test. Step time is read from a `VirtualClock`: the
+training thread's CPU time plus the time compute waited for the link. CPU time is
+steadier than wall time on a shared machine, the link's waits are simulated time,
+and other threads (other managers' samplers) are not counted, so neither a loaded
+machine nor sleeping shows in the ratios.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import adaptmem
+from adaptmem import Mode
+from adaptmem.testing import SimulatedDevice
+
+ORACLE_MODES = (Mode.NONE, Mode.SELECTIVE, Mode.CHECKPOINT, Mode.OFFLOAD, Mode.CHECKPOINT | Mode.OFFLOAD)
+
+
+# ------------------------------------------------------------------ models
+def build(name: str) -> torch.nn.Module:
+    """`tiny`: the project's small transformer; `llama`: a Hugging Face Llama from a config."""
+    torch.manual_seed(0)
+    if name == "tiny":
+        from adaptmem.demo.tiny import TinyConfig, TinyTransformer
+
+        return TinyTransformer(TinyConfig(vocab_size=2048, dim=256, n_layers=8, n_heads=8, dropout=0.0))
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+                          attention_dropout=0.0, use_cache=False)
+        return LlamaForCausalLM(cfg)
+    raise ValueError(f"unknown model {name!r}: tiny or llama")
+
+
+def batch_for(batch: int, seq: int, vocab: int = 2048) -> dict:
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+# ------------------------------------------------------------------ time
+class VirtualClock:
+    """CPU seconds of the calling thread plus the seconds compute spent waiting on the link."""
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+
+    def __call__(self) -> float:
+        return time.thread_time() + self.waited
+
+    def sleep(self, seconds: float) -> None:
+        self.waited += seconds
+
+
+def device_with_link(speed: float | None, capacity: int | None = None) -> tuple[SimulatedDevice, VirtualClock]:
+    dev = SimulatedDevice(capacity_bytes=capacity, link_bytes_per_s=speed)
+    clock = VirtualClock()
+    if dev.link is not None:
+        dev.link.clock, dev.link.sleep = clock, clock.sleep
+    return dev, clock
+
+
+# ------------------------------------------------------------------ methods
+@dataclass
+class Runner:
+    """One method on its own model copy, device and clock."""
+
+    method: str
+    model: torch.nn.Module
+    dev: SimulatedDevice
+    clock: VirtualClock
+    batch: dict
+    budget_frac: float | None = None
+    budget_bytes: int | None = None
+    manager: object | None = None
+    plan: tuple[Mode, ...] | None = None
+    times: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+
+    def _work(self) -> None:
+        self.model(**self.batch).loss.backward()
+
+    def step(self) -> float:
+        """One training step (gradients cleared after); returns its virtual seconds. The garbage
+        collector runs before it, not during it: a collection of every method's objects would
+        land in whichever step it happened to interrupt."""
+        gc.collect()
+        gc.disable()
+        try:
+            start = self.clock()
+            with self.dev:
+                if self.manager is not None:
+                    self.manager.run_step(self._work)
+                else:
+                    self._work()
+                self.model.zero_grad(set_to_none=True)
+            return self.clock() - start
+        finally:
+            gc.enable()
+
+    def measure_peak(self, steps: int = 1) -> int:
+        """Peak device bytes over `steps` steps, read from the user's window (no manager reads it)."""
+        for _ in range(steps):
+            self.dev.reset_peak()
+            self.step()
+            self.peaks.append(self.dev.peak_bytes)
+        return max(self.peaks[-steps:])
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+
+
+def make_runner(method: str, base: torch.nn.Module, batch: dict, speed: float | None, *, plan=None,
+                budget: tuple[float, int] | None = None, capacity: int | None = None) -> Runner:
+    model = copy.deepcopy(base)
+    dev, clock = device_with_link(speed, capacity)
+    dev.track(model)
+    runner = Runner(method, model, dev, clock, batch)
+    if method == "checkpoint_all":
+        if hasattr(model, "gradient_checkpointing_enable"):  # the model's own: what users pick today
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            adaptmem.instrument(model, mode=Mode.CHECKPOINT)
+    elif method == "offload_all":
+        adaptmem.instrument(model, mode=Mode.OFFLOAD)
+    elif method in ("oracle", "plan"):
+        handles = adaptmem.instrument(model)
+        for h, mode in zip(handles, plan):
+            h.mode = mode
+        runner.plan = tuple(plan)
+    elif method == "adaptmem":
+        runner.manager = adaptmem.manage(model, budget=budget[1], device=dev)
+    if budget is not None:
+        runner.budget_frac, runner.budget_bytes = budget
+    return runner
+
+
+# ------------------------------------------------------------------ oracle
+@dataclass(frozen=True)
+class ModeFigures:
+    """One mode on every block: its step's peak and time."""
+
+    peak: int
+    seconds: float
+
+
+def arrange(counts: dict[Mode, int], order: list[Mode]) -> tuple[Mode, ...]:
+    """A plan with `counts[m]` blocks in each mode: the modes that save most on the first blocks
+    (their bytes wait longest for backward), NONE last."""
+    return tuple(itertools.chain.from_iterable([m] * counts.get(m, 0) for m in order))
+
+
+def candidates(figures: dict[Mode, ModeFigures], blocks: int, budget: int, keep: int = 3) -> list[tuple[Mode, ...]]:
+    """The `keep` plans predicted fastest among those predicted to fit `budget`.
+
+    Per block a mode saves (peak_NONE - peak_mode) / blocks and costs (t_mode - t_NONE)
+    / blocks, from the runs with every block in that mode; a plan is described by how
+    many blocks take each mode.
+    """
+    none = figures[Mode.NONE]
+    modes = list(figures)
+    save = {m: (none.peak - f.peak) / blocks for m, f in figures.items()}
+    cost = {m: (f.seconds - none.seconds) / blocks for m, f in figures.items()}
+    order = sorted(modes, key=lambda m: -save[m])
+    scored = []
+    for split in _compositions(blocks, len(modes)):
+        counts = dict(zip(modes, split))
+        peak = none.peak - sum(save[m] * n for m, n in counts.items())
+        seconds = sum(cost[m] * n for m, n in counts.items())
+        scored.append((peak <= budget, seconds, peak, arrange(counts, order)))
+    fitting = sorted((s for s in scored if s[0]), key=lambda s: s[1])
+    if not fitting:  # nothing predicted to fit: the tightest ones
+        fitting = sorted(scored, key=lambda s: s[2])
+    return [s[3] for s in fitting[:keep]]
+
+
+def _compositions(total: int, parts: int):
+    """Every way of writing `total` as `parts` non-negative counts."""
+    for cuts in itertools.combinations(range(total + parts - 1), parts - 1):
+        bounds = (-1, *cuts, total + parts - 1)
+        yield tuple(bounds[i + 1] - bounds[i] - 1 for i in range(parts))
+
+
+def fastest_step(runner: Runner, steps: int) -> float:
+    """The fastest of `steps` steps: load on a shared machine only ever adds time."""
+    return min(runner.step() for _ in range(steps))
+
+
+def find_oracle(figures: dict[Mode, ModeFigures], blocks: int, budget: int, run: Callable[[tuple], Runner],
+                steps: int) -> tuple[Runner, list[tuple]]:
+    """The fastest fixed plan that fits, found by running the predicted best candidates."""
+    tried = []
+    best: Runner | None = None
+    best_s = float("inf")
+    for plan in candidates(figures, blocks, budget):
+        runner = run(plan)
+        runner.step()  # warm-up
+        peak = runner.measure_peak()
+        seconds = fastest_step(runner, steps)
+        tried.append(("".join(m.label[0] if m is not (Mode.CHECKPOINT | Mode.OFFLOAD) else "K" for m in plan),
+                      peak, seconds))
+        if peak <= budget and seconds < best_s:
+            best, best_s = runner, seconds
+    if best is None:  # none measured within the budget: the all-CHECKPOINT plan, which is the floor
+        best = run((Mode.CHECKPOINT,) * blocks)
+        best.step()
+        best.measure_peak()
+    best.method = "oracle"
+    return best, tried
