@@ -13,7 +13,7 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.adaptmem-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-cuda bench venv clean
+.PHONY: demo test test-cuda bench stress venv clean
 
 demo: $(STAMP)
 	$(PY) -m adaptmem.demo
@@ -25,8 +25,11 @@ test-cuda: $(STAMP)
 	$(PY) -m pytest -q -m cuda $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) stress/bench_planner.py
-	$(PY) stress/bench_modes.py
+	$(PY) -m stress.bench --json runs/bench.json
+
+stress: $(STAMP)
+	@for s in lengths pressure ooms soak probe drift; do \
+		echo "== stress.scenario_$$s"; $(PY) -m stress.scenario_$$s || exit 1; done
 
 venv: $(STAMP)
 

@@ -77,7 +77,7 @@ class Policy(BaseModel):
     high_watermark: StrictFloat = Field(0.98, gt=0, le=1)
     "An observed peak above this fraction of the budget escalates at once."
 
-    low_watermark: StrictFloat = Field(0.8, gt=0, lt=1)
+    low_watermark: StrictFloat = Field(0.9, gt=0, lt=1)
     "Observed peaks under this fraction of the budget for calm_steps steps relax the plan."
 
     calm_steps: StrictInt = Field(10, ge=1)

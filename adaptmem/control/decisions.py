@@ -83,12 +83,12 @@ class Decider:
 
     def learn_bias(self, predicted: float, observed: float) -> bool:
         """A held plan's peak above the step's start, predicted and observed (bytes). True when
-        the bias moved enough (1%) that plans made with the old one should be made again."""
+        the bias moved enough (3%) that plans made with the old one should be made again."""
         if predicted <= 0 or observed <= 0:
             return False
         ratio = min(1.0, max(BIAS_FLOOR, observed / predicted))
         new = 0.5 * (self.bias + ratio)
-        moved = abs(new - self.bias) > 0.01
+        moved = abs(new - self.bias) > 0.03
         self.bias = new
         return moved
 

@@ -220,7 +220,7 @@ class MemoryManager(Reactions):
             self._in_step = False
             if sample is not None and sample.double_backward:
                 self._no_second_backward_for(Mode.SELECTIVE)
-            if sample is not None and sample.blocks:
+            if sample is not None and sample.blocks and not sample.unmeasured:
                 self.costs.learn(sample)
             if isinstance(error, torch.OutOfMemoryError):
                 return self._record_oom(error, sample)

@@ -69,8 +69,10 @@ def priors_for(probe: object, cuda: bool, in_flight_cap: float = 0.0) -> Priors:
     if cuda:
         return replace(CUDA_PRIORS, in_flight_cap=in_flight_cap)
     link = getattr(probe, "link_bytes_per_s", None)
-    # the stand-in allocates a copy back only when backward needs it: no prefetched block resident
-    return replace(HOST_PRIORS, link_bytes_per_s=link, in_flight_cap=in_flight_cap) if link else HOST_PRIORS
+    # its copies travel while compute goes on (hidden as on CUDA); it allocates a copy back only
+    # when backward needs it: no prefetched block resident
+    return (replace(HOST_PRIORS, link_bytes_per_s=link, hidden_share=CUDA_PRIORS.hidden_share,
+                    in_flight_cap=in_flight_cap) if link else HOST_PRIORS)
 
 
 @dataclass(frozen=True)

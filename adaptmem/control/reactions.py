@@ -91,7 +91,7 @@ class Reactions:
     # ----------------------------------------------------------- planning
     def _plan_forward(self, shape: InputShape) -> None:
         with self._lock:
-            batch, extent, start, budget = shape.batch, shape.extent, self.probe.allocated(), self.budget
+            batch, extent, start, budget = shape.batch, shape.extent, self.recorder.probe.allocated(), self.budget
             agree = self._agree is not None and self._in_step
             if agree:  # every rank plans for the largest shape and allocation, the smallest budget
                 batch, extent, start, budget = self._agree.figures(batch, extent, start, budget)
@@ -200,10 +200,10 @@ class Reactions:
         observed = sample.peak
         self.steps += 1
         self.peak_bytes = max(self.peak_bytes, observed)
-        retries = self.probe.signals().get("alloc_retries")  # also logs the fragmentation hint, once
+        retries = self._reading(self.probe.signals, {}).get("alloc_retries")  # also logs the fragmentation hint
         retried = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
         self._alloc_retries = retries
-        if self.policy.static_plan != "none":
+        if self.policy.static_plan != "none" or sample.unmeasured:  # nothing to decide on: hold
             decision = HOLD
         else:
             ratio = observed / self.budget if self.budget else 0.0
@@ -217,7 +217,8 @@ class Reactions:
         if pred is not None and observed > 0:
             error = (pred - observed) / observed
             self.errors.append(error)
-        if pred is not None and decision == HOLD and not calibrating and observed > self._step_start:
+        if pred is not None and decision == HOLD and not (calibrating or sample.unmeasured) \
+                and observed > self._step_start:
             if self.decider.learn_bias(pred - self._step_start, observed - self._step_start):
                 self.plans.cache.clear()  # aim again with the predictions' bias taken out
         if decision != HOLD or calibrating:
@@ -225,7 +226,7 @@ class Reactions:
         elif pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget:
             self.plans.cache.pop(self._step_key, None)
         self.plans.succeeded()
-        relief = self.budgets.relieve(self.budgets.available())
+        relief = self.budgets.relieve(self._reading(self.budgets.available, None))
         if relief is not None:
             self.plans.cache.clear()
             self.events.emit("relief", step=self.steps, budget_bytes_before=relief[0], budget_bytes=relief[1])
@@ -233,7 +234,7 @@ class Reactions:
             "step", step=self.steps, label=self._label, rank=self._rank, attempt=self.plans.attempt,
             batch=sample.batch, seq=sample.seq, tokens=sample.tokens, sample_elements=sample.extent,
             predicted_peak_bytes=pred, observed_peak_bytes=observed, budget_bytes=self.budget,
-            capacity_bytes=self.budgets.capacity, external_bytes=self.probe.external(),
+            capacity_bytes=self.budgets.capacity, external_bytes=self._reading(self.probe.external, None),
             host_bytes=sum(b.host for b in sample.blocks), prediction_error=error, decision=decision,
             headroom=round(self.decider.headroom, 4), alloc_retries=retries,
             plan=[sample.plan.get(i, h.mode).label for i, h in enumerate(self.handles)],
@@ -243,7 +244,7 @@ class Reactions:
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
         self.ooms += 1
         self.decider.after_oom()
-        self._tick()  # the device may have less free than we thought: read it now, not at the next sample
+        self._reading(self._tick, None)  # the device may have less free than we thought: read it now
         self.plans.cache.clear()
         ran = sample is not None and bool(sample.blocks)
         executed = tuple(sample.plan.get(i, h.mode) for i, h in enumerate(self.handles)) if ran else ()
@@ -258,6 +259,14 @@ class Reactions:
         gc.collect()
         if isinstance(self.probe, CudaProbe) and self.policy.empty_cache_on_oom:
             torch.cuda.empty_cache()
+
+    def _reading(self, read: Any, default: Any) -> Any:
+        """`read()`, or `default` when the probe behind it fails (logged by the recorder's count)."""
+        try:
+            return read()
+        except Exception as err:
+            self.recorder.probe._failed(getattr(read, "__name__", "a reading"), err)
+            return default
 
     # ------------------------------------------------------------ pressure
     def _tick(self) -> None:

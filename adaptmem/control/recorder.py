@@ -18,6 +18,7 @@ them (head and loss, forward and backward) and in backward (gradients).
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -85,6 +86,7 @@ class StepSample:
     double_backward: bool = False  # some block's backward ran twice in this step
     overlapped: bool = False  # a second forward began before the first one's backward
     tail_hooked: bool = False  # the first block's input needs a gradient, which marks the blocks' backward end
+    unmeasured: bool = False  # a probe reading failed during the step: its figures are not to be learned
     seconds: float = 0.0
 
     @property
@@ -122,11 +124,78 @@ def shape_of(args: tuple, kwargs: dict) -> InputShape:
     return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]))
 
 
-class StepRecorder:
-    """A `BlockObserver` that records one step at a time through a probe."""
+log = logging.getLogger("adaptmem")
+
+
+class SafeReadings:
+    """A probe whose readings never raise: a reading that fails (a driver hiccup, a lost GPU,
+    a probe of the user's that throws) gives the last good value instead, is counted, and is
+    logged (the first time, then every 100th). Training goes on; the step is not learned from."""
 
     def __init__(self, probe: MemoryProbe) -> None:
-        self.probe = probe
+        self.inner = probe
+        self.failures = 0
+        self._last = 0
+
+    def __getattr__(self, name: str) -> Any:  # name, step_started, ...
+        return getattr(self.inner, name)
+
+    def _failed(self, what: str, err: Exception) -> None:
+        self.failures += 1
+        if self.failures == 1 or self.failures % 100 == 0:
+            log.warning("adaptmem: reading %s from the probe failed (%s: %s; %d so far): the step goes on "
+                        "with the last good reading and is not learned from", what, type(err).__name__, err,
+                        self.failures)
+
+    def allocated(self) -> int:
+        try:
+            self._last = self.inner.allocated()
+        except Exception as err:
+            self._failed("allocated", err)
+        return self._last
+
+    def peak(self) -> int:
+        try:
+            return self.inner.peak()
+        except Exception as err:
+            self._failed("peak", err)
+            return self._last
+
+    def reset_peak(self) -> None:
+        try:
+            self.inner.reset_peak()
+        except Exception as err:
+            self._failed("reset_peak", err)
+
+    def mark(self) -> Any:
+        try:
+            return self.inner.mark()
+        except Exception as err:
+            self._failed("mark", err)
+            return None
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if start is None or end is None:
+            return 0.0
+        try:
+            return self.inner.seconds(start, end)
+        except Exception as err:
+            self._failed("seconds", err)
+            return 0.0
+
+    def synchronize(self) -> None:
+        try:
+            self.inner.synchronize()
+        except Exception as err:
+            self._failed("synchronize", err)
+
+
+class StepRecorder:
+    """A `BlockObserver` that records one step at a time through a probe (whose failures it survives)."""
+
+    def __init__(self, probe: MemoryProbe) -> None:
+        self.probe = SafeReadings(probe)
+        self._failures_at_begin = 0
         self._lock = threading.RLock()
         self.sample: StepSample | None = None
         self._open: str = "idle"  # which segment the next peak reading belongs to
@@ -139,6 +208,7 @@ class StepRecorder:
             started = getattr(self.probe, "step_started", None)
             if started is not None:  # scripted probes follow the step count
                 started()
+            self._failures_at_begin = self.probe.failures
             self.probe.reset_peak()
             self.sample = StepSample(start=self.probe.allocated())
             self._open = "pre"
@@ -155,6 +225,7 @@ class StepRecorder:
             end_mark = self.probe.mark()
             self.probe.synchronize()
             self._finish(sample, end_mark)
+            sample.unmeasured = self.probe.failures > self._failures_at_begin
             self.sample = None
             self._open = "idle"
             return sample

@@ -67,7 +67,7 @@ class Sampler(threading.Thread):
             if now - self._last_trace > 60:
                 self._last_trace = now
                 log.exception("adaptmem: background sampler error (sampling goes on)")
-            else:
+            elif self.errors % 100 == 0:  # a failing probe fails every tick: say so, not every time
                 log.warning("adaptmem: background sampler error %d (sampling goes on)", self.errors)
 
     def stop(self, timeout: float = 5.0) -> None:

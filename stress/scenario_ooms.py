@@ -1,0 +1,118 @@
+"""Out-of-memory errors injected at random points of forward, recompute and backward, all
+recovered with the whole training state exact.
+
+    python -m stress.scenario_ooms [--short]
+
+A tiny transformer with dropout, every second block checkpointed (so recomputes
+run in backward), trains with AdamW. A seeded injector raises
+`torch.OutOfMemoryError` at a random block, in a random place (its forward, its
+recompute, or its backward), on some steps' first attempt; `run_step` retries.
+The same steps run unmanaged, without injections. Violations: a step that fails,
+an injection not recovered, or any parameter, gradient, buffer or optimizer
+state that differs (torch.equal) from the unmanaged run's.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+
+import adaptmem
+from adaptmem.config.policy import load_policy
+from adaptmem.testing import SimulatedDevice
+from stress.scenario_kit import Deadline, batch, main_for, tiny
+
+PLACES = ("forward", "recompute", "backward")
+
+
+class Injector:
+    """Arms one OOM at a time: at block `index`, in `place`."""
+
+    def __init__(self, blocks) -> None:
+        self.armed: tuple[int, str] | None = None
+        self.fired = 0
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda m, a, i=i: self._pre(i))
+            block.register_forward_hook(lambda m, a, out, i=i: self._post(i, out))
+
+    def _fire(self) -> None:
+        self.armed = None
+        self.fired += 1
+        raise torch.OutOfMemoryError("injected out of memory")
+
+    def _pre(self, i: int) -> None:
+        if self.armed is None or self.armed[0] != i:
+            return
+        in_backward = torch._C._current_graph_task_id() != -1  # a recompute runs inside backward
+        if (self.armed[1] == "forward") != in_backward and self.armed[1] != "backward":
+            self._fire()
+
+    def _post(self, i: int, out: torch.Tensor) -> None:
+        if self.armed is not None and self.armed == (i, "backward") and out.requires_grad \
+                and torch._C._current_graph_task_id() == -1:
+            out.register_hook(lambda grad: self._fire() if self.armed == (i, "backward") else None)
+
+
+def train(steps: int, inject: int | None, deadline: Deadline) -> tuple[dict, int, int, list[str]]:
+    model = tiny(dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = [batch(model, 64, seed=s) for s in range(8)]
+    rng = random.Random(5)
+    violations, injector, mem = [], None, None
+    if inject is not None:
+        policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0})
+        mem = adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31))
+        injector = Injector(model.blocks)
+    torch.manual_seed(11)
+    for s in range(steps):
+        if deadline.expired:
+            violations.append(f"time bound passed at step {s}")
+            break
+        b = data[s % len(data)]
+        if mem is not None:
+            if injector.fired < inject and rng.random() < 0.8:
+                injector.armed = (rng.randrange(len(model.blocks)), rng.choice(PLACES))
+            try:
+                mem.run_step(lambda: model(**b).loss.backward())
+            except Exception as err:  # noqa: BLE001 - any escape is the violation
+                violations.append(f"step {s} failed: {type(err).__name__}: {err}")
+                break
+            injector.armed = None  # an armed place the step never reached (recompute of a NONE block)
+        else:
+            model(**b).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = {**{f"p.{n}": p.detach().clone() for n, p in model.named_parameters()},
+             **{f"b.{n}": t.clone() for n, t in model.named_buffers()},
+             **{f"o.{i}.{k}": v.clone() for i, st in enumerate(opt.state.values()) for k, v in st.items()},
+             "rng": torch.get_rng_state()}
+    recovered = 0
+    if mem is not None:
+        recovered = mem.summary()["ooms_recovered"]
+        mem.close()
+    fired = injector.fired if injector else 0
+    return state, fired, fired - recovered, violations
+
+
+def run(short: bool = False) -> list[str]:
+    target = 10 if short else 100
+    steps = 2 * target  # about 80% of the steps are armed; some armed places are not on the step's path
+    deadline = Deadline(120 if short else 600)
+    expected, _, _, _ = train(steps, None, deadline)
+    got, fired, unrecovered, violations = train(steps, target, deadline)
+    if fired < target:
+        violations.append(f"only {fired} of {target} OOMs were injected")
+    if unrecovered:
+        violations.append(f"{unrecovered} injected OOMs not recovered")
+    differ = [k for k in expected if not torch.equal(expected[k], got[k])]
+    if differ:
+        violations.append(f"{len(differ)} state tensors differ from unmanaged training, e.g. {differ[:3]}")
+    print(f"{steps} steps, {fired} OOMs injected and {fired - unrecovered} recovered; "
+          f"state compared over {len(expected)} tensors")
+    return violations
+
+
+if __name__ == "__main__":
+    sys.exit(main_for(run, __doc__))
