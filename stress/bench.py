@@ -181,6 +181,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def render(result: dict) -> str:
+    """The table, the controller's and planner's figures, the targets, the machine and the command."""
+    lines = [table(result["rows"]), "",
+             f"controller_fraction {result['controller_fraction']:+.2%} of a steady-state step (host probe); "
+             f"planner {result['planner_ms_100x6']:.2f} ms for 100 blocks x 6 modes", ""]
+    lines += [f"- {'met' if ok else '**missed**'}: {what}" for what, ok in result["targets"].items()]
+    lines += ["", f"Machine: {result['machine']}. Command: `{result['command']}` ({result['seconds']} s)."]
+    return "\n".join(lines)
+
+
 def targets(rows: list[dict], fraction: float, planner: float) -> list[tuple[str, bool]]:
     over = [r for r in rows if r["budget_bytes"] and r["method"] in ("adaptmem", "oracle")
             and r["peak_bytes"] > r["budget_bytes"]]
@@ -202,7 +212,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the rows and figures here")
     p.add_argument("--reps", type=int, default=None, help="rotated repetitions per method (default 5; 3 quick)")
     p.add_argument("--models", default="tiny,llama")
+    p.add_argument("--render", type=Path, default=None, metavar="JSON",
+                   help="print the Markdown of a --json file (the README's Results section) and exit")
     args = p.parse_args(argv)
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
+        return 0
     torch.set_num_threads(1)
     reps = args.reps or (4 if args.quick else 5)
     seqs = [256] if args.quick else [256, 512]
@@ -216,17 +231,13 @@ def main(argv=None) -> int:
     planner = planner_ms()
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}"
     command = "python -m stress.bench" + (" --quick" if args.quick else "")
-    print(table(rows))
-    print(f"\ncontroller_fraction {fraction:+.2%} of a steady-state step (host probe); "
-          f"planner {planner:.2f} ms for 100 blocks x 6 modes")
     checks = targets(rows, fraction, planner)
-    for what, ok in checks:
-        print(f"{'ok  ' if ok else 'MISS'} {what}")
-    print(f"\n{machine}; `{command}` in {time.perf_counter() - started:.0f} s")
+    result = {"rows": rows, "controller_fraction": fraction, "planner_ms_100x6": planner, "machine": machine,
+              "command": command, "seconds": round(time.perf_counter() - started), "targets": dict(checks)}
+    print(render(result))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "controller_fraction": fraction, "planner_ms_100x6": planner,
-                                         "machine": machine, "command": command,
-                                         "targets": {w: ok for w, ok in checks}}, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
     return 1 if not checks[0][1] else 0  # a budget exceeded is a failure; the other targets are reported
 
 

@@ -1,0 +1,44 @@
+"""The benchmark's own logic (not its timings): the oracle's candidate plans and the rendering."""
+
+from math import comb
+
+from adaptmem import Mode
+from stress.bench import render, targets
+from stress.benchkit import ModeFigures, _compositions, arrange, candidates
+
+
+def test_every_split_of_the_blocks_over_the_modes_is_a_candidate():
+    splits = list(_compositions(8, 5))
+    assert len(splits) == comb(8 + 4, 4) == len(set(splits))
+    assert all(sum(s) == 8 and min(s) >= 0 for s in splits)
+
+
+def test_candidates_are_the_fastest_predicted_to_fit():
+    figures = {Mode.NONE: ModeFigures(peak=1000, seconds=1.0),
+               Mode.CHECKPOINT: ModeFigures(peak=200, seconds=1.4),  # saves 100/block for 0.05 s
+               Mode.OFFLOAD: ModeFigures(peak=200, seconds=1.2)}  # saves 100/block for 0.025 s
+    best = candidates(figures, blocks=8, budget=600, keep=2)
+    assert best[0] == (Mode.OFFLOAD,) * 4 + (Mode.NONE,) * 4
+    assert all(sum(m is not Mode.NONE for m in plan) >= 4 for plan in best)
+    assert arrange({Mode.NONE: 1, Mode.CHECKPOINT: 2}, [Mode.CHECKPOINT, Mode.NONE]) == (
+        Mode.CHECKPOINT, Mode.CHECKPOINT, Mode.NONE)
+
+
+def test_targets_and_render_name_what_was_missed():
+    rows = [
+        {"model": "m", "seq": 8, "link": "l", "method": "unmanaged", "budget_frac": None, "budget_bytes": None,
+         "peak_bytes": 100, "ratio": 1.0, "spread": 0.0, "plan": None},
+        {"model": "m", "seq": 8, "link": "l", "method": "checkpoint_all", "budget_frac": None, "budget_bytes": None,
+         "peak_bytes": 50, "ratio": 1.4, "spread": 0.0, "plan": None},
+        {"model": "m", "seq": 8, "link": "l", "method": "oracle", "budget_frac": 0.7, "budget_bytes": 90,
+         "peak_bytes": 88, "ratio": 1.1, "spread": 0.0, "plan": "CCNN"},
+        {"model": "m", "seq": 8, "link": "l", "method": "adaptmem", "budget_frac": 0.7, "budget_bytes": 90,
+         "peak_bytes": 91, "ratio": 1.3, "spread": 0.1, "vs_oracle": 1.18, "vs_oracle_spread": 0.02, "plan": "SSNN"},
+    ]
+    checks = dict(targets(rows, fraction=0.004, planner=3.0))
+    assert checks == {"peak <= budget everywhere": False, "adaptmem <= 1.05x the oracle everywhere": False,
+                      "m 8 l 70%: overhead <= half of checkpoint_all's": False,
+                      "controller <= 1% of a step": True, "planner <= 5 ms for 100 x 6": True}
+    text = render({"rows": rows, "controller_fraction": 0.004, "planner_ms_100x6": 3.0, "machine": "x",
+                   "command": "python -m stress.bench", "seconds": 1, "targets": checks})
+    assert "| m | 8 | l | adaptmem | 70% |" in text and "**missed**: peak <= budget everywhere" in text
