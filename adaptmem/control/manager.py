@@ -91,7 +91,7 @@ class MemoryManager(Reactions):
 
     def _setup(self, model: nn.Module) -> None:
         p = self.policy
-        self.recorder = StepRecorder(self.probe)
+        self.recorder = StepRecorder(self.probe, get_instrumentation(model).runtime.offload.in_flight_bytes)
         cuda = isinstance(self.probe, CudaProbe)
         in_flight = max((h.offload_options.max_in_flight_bytes for h in self.handles), default=0)
         self.costs = CostModel([type(h.module).__name__ for h in self.handles], p, cuda=cuda,

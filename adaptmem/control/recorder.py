@@ -12,20 +12,23 @@ boundary, then resets the peak. From these:
   bwd_peak  transient above the start of its backward segment
   recompute bytes a checkpointed block rematerializes in backward
 
+Allocations at boundaries leave out offloaded copies still in flight (`_kept`).
+
 and, around the blocks, what the model does before them (embeddings), after
 them (head and loss, forward and backward) and in backward (gradients).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from adaptmem.control.readings import SafeReadings
 from adaptmem.devices.probe import MemoryProbe
 from adaptmem.modes import Mode
 from adaptmem.strategies import BlockCall
@@ -124,77 +127,12 @@ def shape_of(args: tuple, kwargs: dict) -> InputShape:
     return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]))
 
 
-log = logging.getLogger("adaptmem")
-
-
-class SafeReadings:
-    """A probe whose readings never raise: a reading that fails (a driver hiccup, a lost GPU,
-    a probe of the user's that throws) gives the last good value instead, is counted, and is
-    logged (the first time, then every 100th). Training goes on; the step is not learned from."""
-
-    def __init__(self, probe: MemoryProbe) -> None:
-        self.inner = probe
-        self.failures = 0
-        self._last = 0
-
-    def __getattr__(self, name: str) -> Any:  # name, step_started, ...
-        return getattr(self.inner, name)
-
-    def _failed(self, what: str, err: Exception) -> None:
-        self.failures += 1
-        if self.failures == 1 or self.failures % 100 == 0:
-            log.warning("adaptmem: reading %s from the probe failed (%s: %s; %d so far): the step goes on "
-                        "with the last good reading and is not learned from", what, type(err).__name__, err,
-                        self.failures)
-
-    def allocated(self) -> int:
-        try:
-            self._last = self.inner.allocated()
-        except Exception as err:
-            self._failed("allocated", err)
-        return self._last
-
-    def peak(self) -> int:
-        try:
-            return self.inner.peak()
-        except Exception as err:
-            self._failed("peak", err)
-            return self._last
-
-    def reset_peak(self) -> None:
-        try:
-            self.inner.reset_peak()
-        except Exception as err:
-            self._failed("reset_peak", err)
-
-    def mark(self) -> Any:
-        try:
-            return self.inner.mark()
-        except Exception as err:
-            self._failed("mark", err)
-            return None
-
-    def seconds(self, start: Any, end: Any) -> float:
-        if start is None or end is None:
-            return 0.0
-        try:
-            return self.inner.seconds(start, end)
-        except Exception as err:
-            self._failed("seconds", err)
-            return 0.0
-
-    def synchronize(self) -> None:
-        try:
-            self.inner.synchronize()
-        except Exception as err:
-            self._failed("synchronize", err)
-
-
 class StepRecorder:
     """A `BlockObserver` that records one step at a time through a probe (whose failures it survives)."""
 
-    def __init__(self, probe: MemoryProbe) -> None:
+    def __init__(self, probe: MemoryProbe, in_flight: Callable[[], int] | None = None) -> None:
         self.probe = SafeReadings(probe)
+        self._in_flight = in_flight
         self._failures_at_begin = 0
         self._lock = threading.RLock()
         self.sample: StepSample | None = None
@@ -210,7 +148,7 @@ class StepRecorder:
                 started()
             self._failures_at_begin = self.probe.failures
             self.probe.reset_peak()
-            self.sample = StepSample(start=self.probe.allocated())
+            self.sample = StepSample(start=self._kept())
             self._open = "pre"
             self._bwd_current = None
             self._step_mark = self.probe.mark()
@@ -303,7 +241,7 @@ class StepRecorder:
             block = sample.blocks[-1]
             block.fwd_top = max(self.probe.peak(), block.start)
             self.probe.reset_peak()
-            block.end = self.probe.allocated()
+            block.end = self._kept()
             block._marks["fwd1"] = self.probe.mark()
             block.mode = call.mode
             block.packed = call.stats.get("packed", 0)
@@ -322,10 +260,10 @@ class StepRecorder:
             if block is None or block.index != handle.index:
                 return
             if begin:
-                block._marks["rc0"] = (self.probe.allocated(), self.probe.mark())
+                block._marks["rc0"] = (self._kept(), self.probe.mark())
             elif "rc0" in block._marks:
                 before, _ = block._marks["rc0"]
-                block.recompute_bytes = self.probe.allocated() - before
+                block.recompute_bytes = self._kept() - before
                 block._marks["rc1"] = self.probe.mark()
 
     # ---------------------------------------------------------------- inner
@@ -359,12 +297,19 @@ class StepRecorder:
         """This boundary was passed before in this step: backward is running again."""
         return block.bwd_start is not None if block is not None else self.sample.completed_once
 
+    def _kept(self) -> int:
+        """Allocation now, less the device bytes of offloaded copies still in flight: those land
+        on the link's schedule, not the block's, so a block's `held` must not count them coming
+        or going (they show, where they are, in the peaks: transients, head, backward)."""
+        now = self.probe.allocated()
+        return now - self._in_flight() if self._in_flight is not None else now
+
     def _close_segment(self) -> int:
         """Attribute the peak since the last boundary to the open segment; returns allocation now."""
         sample = self.sample
         top = self.probe.peak()
         self.probe.reset_peak()
-        now = self.probe.allocated()
+        now = self._kept()
         sample.peak = max(sample.peak, top)
         if self._open == "between":  # only before the first backward boundary: the last one is the head and loss
             sample.head_top = max(sample.head_top, top)

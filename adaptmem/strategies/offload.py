@@ -96,7 +96,10 @@ class HostCopy(Payload):
     def __del__(self) -> None:
         fetched = self.fetched
         if fetched is not None:  # prefetched, never used (a step cut short)
-            self.tier.abandon(fetched)
+            try:
+                self.tier.abandon(fetched)
+            except Exception:  # at interpreter exit the CUDA runtime may be gone already
+                pass
 
 
 class HostTier:
