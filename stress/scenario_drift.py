@@ -18,7 +18,7 @@ import torch
 
 import adaptmem
 from adaptmem import CompressOptions, Mode
-from stress.scenario_kit import Deadline, batch, main_for, tiny
+from stress.scenario_kit import Scenario, batch, main_for, tiny
 
 
 def run(short: bool = False) -> list[str]:
@@ -27,13 +27,10 @@ def run(short: bool = False) -> list[str]:
     adaptmem.instrument(lossy, mode=Mode.COMPRESS, compress=CompressOptions(codec="int8", min_bytes=0))
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (exact, lossy)]
     data = [batch(exact, 64, seed=s) for s in range(16)]
-    deadline = Deadline(120 if short else 600)
+    scenario = Scenario(120 if short else 600)
     losses: list[tuple[float, float]] = []
-    violations = []
-    for i in range(steps):
-        if deadline.expired:
-            violations.append(f"time bound passed at step {i}")
-            break
+    violations = scenario.violations
+    for i in scenario.steps(steps):
         pair = []
         for model, opt in zip((exact, lossy), opts):
             loss = model(**data[i % len(data)]).loss

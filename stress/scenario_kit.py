@@ -9,7 +9,6 @@ runs; `make stress` runs the long ones.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 
@@ -27,15 +26,34 @@ def batch(model: TinyTransformer, seq: int, seed: int = 1, size: int = 2) -> dic
     return random_batch(model.cfg, size, seq, generator=torch.Generator().manual_seed(seed))
 
 
-class Deadline:
-    """A scenario's time bound: `expired` once `seconds` have passed."""
+class Scenario:
+    """A scenario's broken promises (`violations`, one line each) and its time bound."""
 
     def __init__(self, seconds: float) -> None:
         self.end = time.monotonic() + seconds
+        self.violations: list[str] = []
 
-    @property
-    def expired(self) -> bool:
-        return time.monotonic() > self.end
+    def steps(self, n: int):
+        """0..n-1, stopping early (a violation) once the time bound has passed."""
+        for i in range(n):
+            if time.monotonic() > self.end:
+                self.violations.append(f"time bound passed at step {i}")
+                return
+            yield i
+
+    def survived(self, i: int, step: Callable[[], object], what: str = "") -> bool:
+        """Run one step; an exception escaping it is the violation (False: stop there)."""
+        try:
+            step()
+            return True
+        except Exception as err:  # noqa: BLE001 - any escape is the violation
+            self.violations.append(f"step {i}{what} failed: {type(err).__name__}: {err}")
+            return False
+
+    def all_recovered(self, summary: dict) -> None:
+        """Every out-of-memory error the manager saw was recovered."""
+        if summary["ooms"] != summary["ooms_recovered"]:
+            self.violations.append(f"{summary['ooms'] - summary['ooms_recovered']} OOMs not recovered")
 
 
 def main_for(run: Callable[..., list[str]], doc: str, argv=None) -> int:

@@ -17,7 +17,7 @@ import sys
 import adaptmem
 from adaptmem import Mode
 from adaptmem.testing import SimulatedDevice, measure_peak
-from stress.scenario_kit import Deadline, batch, main_for, tiny
+from stress.scenario_kit import Scenario, batch, main_for, tiny
 
 
 def run(short: bool = False) -> list[str]:
@@ -32,19 +32,16 @@ def run(short: bool = False) -> list[str]:
     dev, meter = SimulatedDevice(capacity_bytes=int(budget / 0.9)), SimulatedDevice()
     dev.track(model)
     meter.track(model)
-    deadline = Deadline(60 if short else 300)
-    seen, violations, firsts = set(), [], 0
+    scenario = Scenario(60 if short else 300)
+    violations = scenario.violations
+    seen, firsts = set(), 0
     with meter, dev, adaptmem.manage(model, budget=budget, device=dev) as mem:
-        for i, seq in enumerate(lengths):
-            if deadline.expired:
-                violations.append(f"time bound passed at step {i}")
-                break
+        for i in scenario.steps(len(lengths)):
+            seq = lengths[i]
             meter.reset_peak()
             data = batch(model, seq, seed=i)
-            try:
-                mem.run_step(lambda: model(**data).loss.backward())
-            except Exception as err:  # noqa: BLE001 - any escape is the violation
-                violations.append(f"step {i} (length {seq}) failed: {type(err).__name__}: {err}")
+            if not scenario.survived(i, lambda: mem.run_step(lambda: model(**data).loss.backward()),
+                                     f" (length {seq})"):
                 break
             model.zero_grad(set_to_none=True)
             peak = meter.peak_bytes
@@ -55,8 +52,7 @@ def run(short: bool = False) -> list[str]:
         s = mem.summary()
     print(f"{len(lengths)} steps over lengths {min(lengths)}..{top}: {s['ooms']} OOMs, {s['ooms_recovered']} recovered, "
           f"{firsts} first sights over the budget, {s['plan_changes']} plan changes")
-    if s["ooms"] != s["ooms_recovered"]:
-        violations.append(f"{s['ooms'] - s['ooms_recovered']} OOMs not recovered")
+    scenario.all_recovered(s)
     return violations
 
 

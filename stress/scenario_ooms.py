@@ -22,7 +22,7 @@ import torch
 import adaptmem
 from adaptmem.config.policy import load_policy
 from adaptmem.testing import SimulatedDevice
-from stress.scenario_kit import Deadline, batch, main_for, tiny
+from stress.scenario_kit import Scenario, batch, main_for, tiny
 
 PLACES = ("forward", "recompute", "backward")
 
@@ -55,29 +55,23 @@ class Injector:
             out.register_hook(lambda grad: self._fire() if self.armed == (i, "backward") else None)
 
 
-def train(steps: int, inject: int | None, deadline: Deadline) -> tuple[dict, int, int, list[str]]:
+def train(steps: int, inject: int | None, scenario: Scenario) -> tuple[dict, int, int]:
     model = tiny(dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = [batch(model, 64, seed=s) for s in range(8)]
     rng = random.Random(5)
-    violations, injector, mem = [], None, None
+    injector, mem = None, None
     if inject is not None:
         policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0})
         mem = adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31))
         injector = Injector(model.blocks)
     torch.manual_seed(11)
-    for s in range(steps):
-        if deadline.expired:
-            violations.append(f"time bound passed at step {s}")
-            break
+    for s in scenario.steps(steps):
         b = data[s % len(data)]
         if mem is not None:
             if injector.fired < inject and rng.random() < 0.8:
                 injector.armed = (rng.randrange(len(model.blocks)), rng.choice(PLACES))
-            try:
-                mem.run_step(lambda: model(**b).loss.backward())
-            except Exception as err:  # noqa: BLE001 - any escape is the violation
-                violations.append(f"step {s} failed: {type(err).__name__}: {err}")
+            if not scenario.survived(s, lambda: mem.run_step(lambda: model(**b).loss.backward())):
                 break
             injector.armed = None  # an armed place the step never reached (recompute of a NONE block)
         else:
@@ -93,15 +87,16 @@ def train(steps: int, inject: int | None, deadline: Deadline) -> tuple[dict, int
         recovered = mem.summary()["ooms_recovered"]
         mem.close()
     fired = injector.fired if injector else 0
-    return state, fired, fired - recovered, violations
+    return state, fired, fired - recovered
 
 
 def run(short: bool = False) -> list[str]:
     target = 10 if short else 100
     steps = 2 * target  # about 80% of the steps are armed; some armed places are not on the step's path
-    deadline = Deadline(120 if short else 600)
-    expected, _, _, _ = train(steps, None, deadline)
-    got, fired, unrecovered, violations = train(steps, target, deadline)
+    scenario = Scenario(120 if short else 600)
+    violations = scenario.violations
+    expected, _, _ = train(steps, None, scenario)
+    got, fired, unrecovered = train(steps, target, scenario)
     if fired < target:
         violations.append(f"only {fired} of {target} OOMs were injected")
     if unrecovered:

@@ -16,7 +16,7 @@ import sys
 import adaptmem
 from adaptmem.config.policy import load_policy
 from adaptmem.testing import SimulatedDevice
-from stress.scenario_kit import Deadline, batch, main_for, tiny
+from stress.scenario_kit import Scenario, batch, main_for, tiny
 
 
 def run(short: bool = False) -> list[str]:
@@ -28,14 +28,11 @@ def run(short: bool = False) -> list[str]:
     steps, on, off = (16, 4, 8) if short else (60, 10, 30)
     taken = dev.capacity_bytes // 3
     policy = load_policy().model_copy(update={"calm_steps": 3})
-    deadline = Deadline(60 if short else 300)
-    violations = []
+    scenario = Scenario(60 if short else 300)
+    violations = scenario.violations
     with meter, dev, adaptmem.manage(model, budget="80%", device=dev, policy=policy) as mem:
         user = mem.budget
-        for i in range(steps):
-            if deadline.expired:
-                violations.append(f"time bound passed at step {i}")
-                break
+        for i in scenario.steps(steps):
             if i == on:
                 dev.occupy(taken)
                 mem.sampler.wait_ticks(1)
@@ -44,10 +41,7 @@ def run(short: bool = False) -> list[str]:
             if i == off:
                 dev.occupy(-taken)
             meter.reset_peak()
-            try:
-                mem.run_step(lambda: model(**data).loss.backward())
-            except Exception as err:  # noqa: BLE001 - any escape is the violation
-                violations.append(f"step {i} failed: {type(err).__name__}: {err}")
+            if not scenario.survived(i, lambda: mem.run_step(lambda: model(**data).loss.backward())):
                 break
             model.zero_grad(set_to_none=True)
             if meter.peak_bytes + dev.external_bytes > dev.capacity_bytes:
@@ -57,8 +51,7 @@ def run(short: bool = False) -> list[str]:
             violations.append(f"budget {mem.budget} not given back to {user} by the end")
     print(f"{steps} steps, pressure from {on} to {off}: {s['pressure_events']} pressure events, {s['ooms']} OOMs "
           f"({s['ooms_recovered']} recovered), {s['plan_changes']} plan changes")
-    if s["ooms"] != s["ooms_recovered"]:
-        violations.append(f"{s['ooms'] - s['ooms_recovered']} OOMs not recovered")
+    scenario.all_recovered(s)
     return violations
 
 

@@ -19,7 +19,7 @@ import torch
 
 import adaptmem
 from adaptmem.testing import SimulatedDevice, SimulatedProbe
-from stress.scenario_kit import Deadline, batch, main_for, tiny
+from stress.scenario_kit import Scenario, batch, main_for, tiny
 
 
 class FlakyProbe(SimulatedProbe):
@@ -60,22 +60,16 @@ def run(short: bool = False) -> list[str]:
     dev = SimulatedDevice(capacity_bytes=2**30)
     dev.track(managed)
     probe = FlakyProbe(dev, rate=0.05)
-    deadline = Deadline(60 if short else 300)
-    violations = []
+    scenario = Scenario(60 if short else 300)
+    violations = scenario.violations
     with dev, adaptmem.manage(managed, budget=2**28, device=probe) as mem:
-        for i in range(steps):
-            if deadline.expired:
-                violations.append(f"time bound passed at step {i}")
-                break
+        for i in scenario.steps(steps):
             probe.down = i in down
             b = data[i % len(data)]
             torch.manual_seed(i)
             reference(**b).loss.backward()
             torch.manual_seed(i)
-            try:
-                mem.run_step(lambda: managed(**b).loss.backward())
-            except Exception as err:  # noqa: BLE001 - any escape is the violation
-                violations.append(f"step {i} failed: {type(err).__name__}: {err}")
+            if not scenario.survived(i, lambda: mem.run_step(lambda: managed(**b).loss.backward())):
                 break
             expected, got = grads(reference), grads(managed)
             if any(not torch.equal(expected[n], got[n]) for n in expected):

@@ -21,7 +21,7 @@ import adaptmem
 from adaptmem import LOSSLESS_MODES
 from adaptmem.testing import SimulatedDevice
 from adaptmem.wrapping import get_instrumentation
-from stress.scenario_kit import Deadline, batch, main_for, tiny
+from stress.scenario_kit import Scenario, batch, main_for, tiny
 
 
 def run(short: bool = False) -> list[str]:
@@ -33,22 +33,16 @@ def run(short: bool = False) -> list[str]:
     dev = SimulatedDevice(link_bytes_per_s=2 * 2**30)
     dev.track(model)
     rng = random.Random(3)
-    deadline = Deadline(120 if short else 900)
-    violations, baseline = [], None
+    scenario = Scenario(120 if short else 900)
+    violations, baseline = scenario.violations, None
     flips = 0
     with dev:
-        for i in range(steps):
-            if deadline.expired:
-                violations.append(f"time bound passed at step {i}")
-                break
+        for i in scenario.steps(steps):
             for h in handles:
                 mode = rng.choice(LOSSLESS_MODES)
                 flips += mode is not h.mode
                 h.mode = mode
-            try:
-                model(**data).loss.backward()
-            except Exception as err:  # noqa: BLE001 - any escape is the violation
-                violations.append(f"step {i} failed: {type(err).__name__}: {err}")
+            if not scenario.survived(i, lambda: model(**data).loss.backward()):
                 break
             model.zero_grad(set_to_none=True)
             if i == 0:

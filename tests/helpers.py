@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from adaptmem import Mode
 from adaptmem.demo.tiny import TinyConfig, TinyTransformer, random_batch
+from adaptmem.testing import measure_peak
 
 
 def tiny(**overrides) -> TinyTransformer:
@@ -237,3 +239,11 @@ def tiny_lora(**overrides) -> torch.nn.Module:
         block.mlp[0] = LoRALinear(block.mlp[0])
         block.mlp[2] = LoRALinear(block.mlp[2])
     return model
+
+
+def budget_between(make, batch: dict, fraction: float) -> tuple[int, int]:
+    """(budget, unmanaged peak): a budget `fraction` of the way from the peak with every block
+    CHECKPOINT to the unmanaged peak, each measured on a fresh `make()`."""
+    low = measure_peak(make(), lambda: batch, mode=Mode.CHECKPOINT)
+    high = measure_peak(make(), lambda: batch)
+    return int(low + fraction * (high - low)), high

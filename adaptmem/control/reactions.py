@@ -261,12 +261,8 @@ class Reactions:
             torch.cuda.empty_cache()
 
     def _reading(self, read: Any, default: Any) -> Any:
-        """`read()`, or `default` when the probe behind it fails (logged by the recorder's count)."""
-        try:
-            return read()
-        except Exception as err:
-            self.recorder.probe._failed(getattr(read, "__name__", "a reading"), err)
-            return default
+        """`read()`, or `default` when the probe behind it fails (counted and logged with the recorder's)."""
+        return self.recorder.probe.read(read.__name__, read, default)
 
     # ------------------------------------------------------------ pressure
     def _tick(self) -> None:

@@ -23,6 +23,14 @@ class SafeReadings:
     def __getattr__(self, name: str) -> Any:  # name, step_started, ...
         return getattr(self.inner, name)
 
+    def read(self, what: str, fn: Any, default: Any, *args: Any) -> Any:
+        """`fn(*args)`, or `default` when it raises (the failure counted and logged as `what`)."""
+        try:
+            return fn(*args)
+        except Exception as err:
+            self._failed(what, err)
+            return default
+
     def _failed(self, what: str, err: Exception) -> None:
         self.failures += 1
         if self.failures == 1 or self.failures % 100 == 0:
@@ -31,43 +39,22 @@ class SafeReadings:
                         self.failures)
 
     def allocated(self) -> int:
-        try:
-            self._last = self.inner.allocated()
-        except Exception as err:
-            self._failed("allocated", err)
+        self._last = self.read("allocated", self.inner.allocated, self._last)
         return self._last
 
     def peak(self) -> int:
-        try:
-            return self.inner.peak()
-        except Exception as err:
-            self._failed("peak", err)
-            return self._last
+        return self.read("peak", self.inner.peak, self._last)
 
     def reset_peak(self) -> None:
-        try:
-            self.inner.reset_peak()
-        except Exception as err:
-            self._failed("reset_peak", err)
+        self.read("reset_peak", self.inner.reset_peak, None)
 
     def mark(self) -> Any:
-        try:
-            return self.inner.mark()
-        except Exception as err:
-            self._failed("mark", err)
-            return None
+        return self.read("mark", self.inner.mark, None)
 
     def seconds(self, start: Any, end: Any) -> float:
-        if start is None or end is None:
+        if start is None or end is None:  # a mark that failed
             return 0.0
-        try:
-            return self.inner.seconds(start, end)
-        except Exception as err:
-            self._failed("seconds", err)
-            return 0.0
+        return self.read("seconds", self.inner.seconds, 0.0, start, end)
 
     def synchronize(self) -> None:
-        try:
-            self.inner.synchronize()
-        except Exception as err:
-            self._failed("synchronize", err)
+        self.read("synchronize", self.inner.synchronize, None)

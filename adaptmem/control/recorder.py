@@ -21,8 +21,8 @@ them (head and loss, forward and backward) and in backward (gradients).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch

@@ -88,7 +88,7 @@ class CudaTier:
         main = torch.cuda.current_stream(self.device)
         block = self.pool.acquire(nbytes_of(t))  # idle: no copy still touches it; None: no pinned bytes
         if block is None:
-            host = torch.empty_strided(t.shape, _dense_strides(t), dtype=t.dtype, device="cpu")
+            host = torch.empty_like(t, device="cpu")  # t's strides when dense, as host_view keeps them
             host.copy_(t)  # pageable: synchronous, nothing left in flight
             return HostCopy(host, self, group=None, ready=_recorded(main))
         host = host_view(block, t)
@@ -134,6 +134,3 @@ def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     event.record(stream)
     return event
 
-
-def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
-    return torch.empty_like(t, device="meta").stride()  # t's own strides when dense

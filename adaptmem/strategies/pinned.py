@@ -142,7 +142,7 @@ class PinnedPool:
         if freed:
             _empty_host_cache()
 
-    def _refuse(self, why: str) -> None:  # noqa: D401 - returns None: acquire's "no pinned buffer"
+    def _refuse(self, why: str) -> None:  # acquire's "no pinned buffer": copy to pageable memory
         with self._lock:
             self.pageable += 1
         if not self._warned:

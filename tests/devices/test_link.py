@@ -8,9 +8,9 @@ import adaptmem
 from adaptmem import Mode
 from adaptmem.config.policy import load_policy
 from adaptmem.devices.link import SimulatedLink
-from adaptmem.testing import SimulatedDevice, measure_peak
+from adaptmem.testing import SimulatedDevice
 
-from helpers import assert_same, step, tiny, tiny_batch
+from helpers import assert_same, budget_between, step, tiny, tiny_batch
 
 MiB = 2**20
 
@@ -65,9 +65,7 @@ def test_a_slow_link_makes_the_planner_offload_less_and_the_budget_holds():
     policy = load_policy().model_copy(update={"modes": ("NONE", "CHECKPOINT", "OFFLOAD")})
     make = lambda: tiny(dim=128, n_layers=4)  # noqa: E731
     batch = tiny_batch(make(), batch=4, seq=128)
-    low = measure_peak(make(), lambda: batch, mode=Mode.CHECKPOINT)
-    high = measure_peak(make(), lambda: batch)
-    budget = int(low + 0.4 * (high - low))
+    budget, high = budget_between(make, batch, 0.4)
 
     def offloaded_blocks(speed):
         model = make()

@@ -8,9 +8,9 @@ import torch
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
 from adaptmem.config.policy import load_policy
-from adaptmem.testing import SimulatedDevice, measure_peak
+from adaptmem.testing import SimulatedDevice
 
-from helpers import cnn, image_batch, tiny, tiny_batch
+from helpers import budget_between, cnn, image_batch, tiny, tiny_batch
 
 TWICE_OK = [m for m in LOSSLESS_MODES if m is not Mode.SELECTIVE]
 MODELS = {
@@ -60,9 +60,7 @@ def test_a_manager_that_sees_a_second_backward_never_chooses_selective():
     policy = load_policy().model_copy(update={"modes": ("NONE", "SELECTIVE", "CHECKPOINT")})
     make = lambda: tiny(attention="eager", dim=128, n_layers=4)  # noqa: E731
     batch = tiny_batch(make(), batch=4, seq=128)
-    low = measure_peak(make(), lambda: batch, mode=Mode.CHECKPOINT)
-    high = measure_peak(make(), lambda: batch)
-    budget = int(low + 0.5 * (high - low))
+    budget, _ = budget_between(make, batch, 0.5)
 
     def run(kind):
         model = make()

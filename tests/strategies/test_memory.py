@@ -53,18 +53,24 @@ def test_offload_moves_bytes_to_the_host_and_the_rest_do_not(peaks):
         assert peaks[mode][1] == 0
 
 
-def test_checkpoint_with_offloaded_input_frees_the_block_inputs():
-    model = llama(layers=6, hidden=128)
-    batch = hf_batch(batch=2, seq=256)
+def held_after_forward(model, batch, modes) -> dict:
+    """Device bytes held between forward and backward, with every block in each of `modes`."""
     handles = adaptmem.instrument(model)
     held = {}
-    for mode in (Mode.CHECKPOINT, Mode.CHECKPOINT | Mode.OFFLOAD):
+    for mode in modes:
         for h in handles:
             h.mode = mode
         with SimulatedDevice() as dev:
             loss = model(**batch).loss
             held[mode] = dev.allocated_bytes
             loss.backward()
+    return held
+
+
+def test_checkpoint_with_offloaded_input_frees_the_block_inputs():
+    model = llama(layers=6, hidden=128)
+    batch = hf_batch(batch=2, seq=256)
+    held = held_after_forward(model, batch, (Mode.CHECKPOINT, Mode.CHECKPOINT | Mode.OFFLOAD))
     inputs = 6 * 2 * 256 * 128 * 4  # one hidden-state tensor per block, float32
     assert held[Mode.CHECKPOINT] - held[Mode.CHECKPOINT | Mode.OFFLOAD] >= inputs * 0.99
 
@@ -78,15 +84,7 @@ def test_selective_keeps_the_linear_outputs_and_no_attention_scores(attention):
     model = llama(layers=layers, hidden=hidden)
     model.config._attn_implementation = attention
     data = hf_batch(batch=batch, seq=seq)
-    handles = adaptmem.instrument(model)
-    held = {}
-    for mode in (Mode.CHECKPOINT, Mode.SELECTIVE):
-        for h in handles:
-            h.mode = mode
-        with SimulatedDevice() as dev:
-            loss = model(**data).loss
-            held[mode] = dev.allocated_bytes
-            loss.backward()
+    held = held_after_forward(model, data, (Mode.CHECKPOINT, Mode.SELECTIVE))
     heads = model.config.num_attention_heads
     scores = batch * heads * seq * seq * 4  # one block's attention probabilities, float32
     linear_outputs = batch * seq * (hidden + 2 * int(hidden * 2.6875)) * 4  # q, gate and up projections at least

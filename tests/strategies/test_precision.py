@@ -6,9 +6,9 @@ import torch
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
-from adaptmem.testing import SimulatedDevice, measure_peak
+from adaptmem.testing import SimulatedDevice
 
-from helpers import assert_same, cnn, image_batch, step, tiny, tiny_batch, tiny_lora
+from helpers import assert_same, budget_between, cnn, image_batch, step, tiny, tiny_batch, tiny_lora
 
 MODES = [m for m in LOSSLESS_MODES if m is not Mode.NONE]
 
@@ -55,9 +55,7 @@ def test_the_recorder_measures_frozen_and_autocast_steps(dtype):
             loss = model(**batch).loss
         loss.backward()
 
-    low = measure_peak(make(), lambda: batch, mode=Mode.CHECKPOINT)
-    high = measure_peak(make(), lambda: batch)
-    budget = int(low + 0.5 * (high - low))
+    budget, _ = budget_between(make, batch, 0.5)
     model = make()
     truth, dev = SimulatedDevice(), SimulatedDevice(capacity_bytes=2**31)
     truth.track(model)
