@@ -134,6 +134,9 @@ class Policy(BaseModel):
     replan_tolerance: StrictFloat = Field(0.05, gt=0, le=1)
     "A cached plan is made again when its predicted peak missed the observed one by more than this fraction of the budget."
 
+    measure_every: StrictInt = Field(10, ge=1)
+    "In steady state (plan held, shapes seen, predictions on target) the step is measured block by block only every this many steps; the others read just the step's peak. 1: every step."
+
     planner_bins: StrictInt = Field(1024, ge=64, le=16384)
     "Resolution of the planner's byte axis (bins over the budget); every byte count is rounded up to a bin."
 

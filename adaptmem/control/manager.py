@@ -107,6 +107,8 @@ class MemoryManager(Reactions):
         self._step_key: tuple[int, int] | None = None
         self._step_pred: float | None = None
         self._step_start = 0
+        self._measured_record: Any = None  # the plan record the last step measured block by block ran
+        self._measured_at = 0  # and that step's number
         self._unmarked_warned = False
         self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
         self._rank = self._agree.rank if self._agree is not None else 0
@@ -220,7 +222,7 @@ class MemoryManager(Reactions):
             self._in_step = False
             if sample is not None and sample.double_backward:
                 self._no_second_backward_for(Mode.SELECTIVE)
-            if sample is not None and sample.blocks and not sample.unmeasured:
+            if sample is not None and sample.blocks and sample.detailed and not sample.unmeasured:
                 self.costs.learn(sample)
             if isinstance(error, torch.OutOfMemoryError):
                 return self._record_oom(error, sample)

@@ -101,9 +101,20 @@ class Reactions:
                 record = replace(record, modes=self._agree.plan(record.modes))
             self._apply(record)
             if self._in_step:
+                self.recorder.detail = self._worth_measuring(record)
                 self._step_key = record.key
                 self._step_pred = self.plans.predict(record.modes, batch, extent, start)
                 self._step_start = start
+
+    def _worth_measuring(self, record: PlanRecord) -> bool:
+        """Measure this step block by block: something is to be learned (a plan made or changed,
+        a new shape bucket, the cost model still young) or `measure_every` steps have passed."""
+        fresh = record is not self._measured_record
+        due = self.steps + 1 - self._measured_at >= self.policy.measure_every
+        if fresh or due or self.costs.steps_learned < 3:
+            self._measured_record, self._measured_at = record, self.steps + 1
+            return True
+        return False
 
     def _agree_on_failure(self, error: BaseException | None) -> BaseException | None:
         """Across ranks: when any rank ran out of memory in this step, every rank records it."""
@@ -239,6 +250,7 @@ class Reactions:
             headroom=round(self.decider.headroom, 4), alloc_retries=retries,
             plan=[sample.plan.get(i, h.mode).label for i, h in enumerate(self.handles)],
             plan_counts=dict(Counter(m.label for m in sample.plan.values())), seconds=round(sample.seconds, 6),
+            measured="blocks" if sample.detailed else "peak",
         )
 
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:

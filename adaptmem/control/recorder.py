@@ -14,6 +14,11 @@ boundary, then resets the peak. From these:
 
 Allocations at boundaries leave out offloaded copies still in flight (`_kept`).
 
+A step recorded without `detail` (the manager's steady state: shapes seen, plan
+held, predictions on target) reads the probe only at its start, at the first
+block and at its end: it yields the step's peak, not per-block figures, and is
+not learned from. The hooks still run, so overlap and double backward are seen.
+
 and, around the blocks, what the model does before them (embeddings), after
 them (head and loss, forward and backward) and in backward (gradients).
 """
@@ -90,6 +95,7 @@ class StepSample:
     overlapped: bool = False  # a second forward began before the first one's backward
     tail_hooked: bool = False  # the first block's input needs a gradient, which marks the blocks' backward end
     unmeasured: bool = False  # a probe reading failed during the step: its figures are not to be learned
+    detailed: bool = True  # measured block by block (False: only its start and peak, not learned from)
     seconds: float = 0.0
 
     @property
@@ -139,6 +145,7 @@ class StepRecorder:
         self._open: str = "idle"  # which segment the next peak reading belongs to
         self._bwd_current: BlockSample | None = None
         self._step_mark: Any = None
+        self.detail = True  # measure the step block by block (the manager sets it at the first block)
 
     # ---------------------------------------------------------------- steps
     def begin(self) -> StepSample:
@@ -149,6 +156,7 @@ class StepRecorder:
             self._failures_at_begin = self.probe.failures
             self.probe.reset_peak()
             self.sample = StepSample(start=self._kept())
+            self.detail = True
             self._open = "pre"
             self._bwd_current = None
             self._step_mark = self.probe.mark()
@@ -213,7 +221,13 @@ class StepRecorder:
             sample = self.sample
             if sample is None or sample.overlapped:
                 return
-            now = self._close_segment()
+            if sample.blocks and not sample.detailed:
+                sample.blocks.append(BlockSample(index=handle.index, mode=handle.mode, input_bytes=0, start=0))
+                sample.plan[handle.index] = handle.mode
+                return
+            if not sample.blocks:
+                sample.detailed = self.detail
+            now = self._close_segment() if sample.detailed else self._kept()
             grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
             if not sample.blocks:
                 sample.batch, sample.extent, sample.seq = shape_of(args, kwargs)
@@ -228,7 +242,8 @@ class StepRecorder:
             inputs = sum(t.numel() * t.element_size() for t in grad_inputs)
             elem = grad_inputs[0].element_size() if grad_inputs else 0
             block = BlockSample(index=handle.index, mode=handle.mode, input_bytes=inputs, start=now, elem_size=elem)
-            block._marks["fwd0"] = self.probe.mark()
+            if sample.detailed:
+                block._marks["fwd0"] = self.probe.mark()
             sample.blocks.append(block)
             sample.plan[handle.index] = handle.mode
             self._open = "block"
@@ -239,15 +254,22 @@ class StepRecorder:
             if sample is None or not sample.blocks or sample.overlapped:
                 return
             block = sample.blocks[-1]
-            block.fwd_top = max(self.probe.peak(), block.start)
-            self.probe.reset_peak()
-            block.end = self._kept()
-            block._marks["fwd1"] = self.probe.mark()
+            if sample.detailed:
+                block.fwd_top = max(self.probe.peak(), block.start)
+                self.probe.reset_peak()
+                block.end = self._kept()
+                block._marks["fwd1"] = self.probe.mark()
             block.mode = call.mode
             block.packed = call.stats.get("packed", 0)
             block.kept = call.stats.get("kept", 0)
             block.host = call.stats.get("host", 0)
             outs = tensors_in(output)
+            if not sample.detailed:
+                self._open = "between"
+                grad_out = next((t for t in outs if t.requires_grad), None)
+                if grad_out is not None:
+                    grad_out.register_hook(self._make_bwd_hook(block))
+                return
             block.output_bytes = sum(t.numel() * t.element_size() for t in outs)
             grad_out = next((t for t in outs if t.requires_grad), None)
             if grad_out is not None:
@@ -282,6 +304,12 @@ class StepRecorder:
             if self._seen_twice(block):
                 self.sample.double_backward = True  # a second backward (retain_graph / create_graph)
                 return
+            if not self.sample.detailed:  # only where backward has got to
+                if block is None:
+                    self.sample.completed_once = True
+                else:
+                    block.bwd_start = 0
+                return
             now = self._close_segment()
             if block is None:
                 self._bwd_current = None
@@ -307,6 +335,9 @@ class StepRecorder:
     def _close_segment(self) -> int:
         """Attribute the peak since the last boundary to the open segment; returns allocation now."""
         sample = self.sample
+        if not sample.detailed:  # one reading: the step's peak
+            sample.peak = max(sample.peak, self.probe.peak())
+            return 0
         top = self.probe.peak()
         self.probe.reset_peak()
         now = self._kept()
@@ -327,6 +358,9 @@ class StepRecorder:
         probe = self.probe
         sample.seconds = probe.seconds(self._step_mark, end_mark)
         blocks = sample.blocks
+        if not sample.detailed:
+            sample.completed = bool(blocks) and all(b.bwd_start is not None for b in blocks)
+            return
         if blocks and blocks[-1].held is None:
             last = blocks[-1]
             drops = [b.end - b.start - b.held for b in blocks[:-1] if b.held is not None and b.mode == last.mode]

@@ -124,7 +124,8 @@ def test_a_resumed_fit_continues_counters_costs_and_the_log(tmp_path):
     run = first.manager.summary()["run"]
     ckpt = next((tmp_path / "a" / "ckpt").glob("*.ckpt"))
     state = torch.load(ckpt, weights_only=False)["callbacks"]["AdaptMemCallback"]["manager"]
-    assert state["counters"]["steps"] == 4 and state["costs"]["steps_learned"] == 4
+    measured = [r for r in read_log(log, run=run) if r["type"] == "step" and r["measured"] == "blocks"]
+    assert state["counters"]["steps"] == 4 and state["costs"]["steps_learned"] == len(measured) >= 3
     second = AdaptMemCallback(budget="1GiB", device=dev, log=str(log))
     with dev:
         fit(tmp_path / "b", callback=second, steps=4, ckpt=str(ckpt))

@@ -1,0 +1,142 @@
+"""Measuring block by block only when there is something to learn; the step's peak always."""
+
+import torch
+
+import adaptmem
+from adaptmem.config.policy import load_policy
+from adaptmem.devices.simulated import SimulatedProbe
+from adaptmem.modes import Mode
+from adaptmem.testing import SimulatedDevice
+
+from helpers import tiny, tiny_batch
+
+
+class CountingProbe(SimulatedProbe):
+    """The stand-in's probe, counting its readings per step."""
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        super().__init__(device)
+        self.reads = 0
+
+    def allocated(self) -> int:
+        self.reads += 1
+        return super().allocated()
+
+    def peak(self) -> int:
+        self.reads += 1
+        return super().peak()
+
+    def reset_peak(self) -> None:
+        self.reads += 1
+        super().reset_peak()
+
+    def mark(self):
+        self.reads += 1
+        return super().mark()
+
+
+def run(mem, model, dev, probe, lengths, truth=None):
+    """Steps at the given lengths: each one's record, probe readings and (with `truth`) true peak."""
+    out = []
+    for seq in lengths:
+        batch = tiny_batch(model, batch=4, seq=seq)
+        probe.reads = 0
+        if truth is not None:
+            truth.reset_peak()
+        with mem.step():
+            model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+        out.append((mem.last_step, probe.reads, truth.peak_bytes if truth is not None else None))
+    return out
+
+
+def managed(budget_fraction=0.7, every=5, **overrides):
+    model = tiny(dim=128, n_layers=6, vocab_size=512)
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    probe = CountingProbe(dev)
+    with dev:
+        plain = adaptmem.testing.measure_peak(model, lambda: tiny_batch(model, 4, 128), mode=Mode.NONE)
+        ckpt = adaptmem.testing.measure_peak(model, lambda: tiny_batch(model, 4, 128), mode=Mode.CHECKPOINT)
+    budget = int(ckpt + budget_fraction * (plain - ckpt))
+    policy = load_policy("balanced").model_copy(update={"measure_every": every, **overrides})
+    return model, dev, probe, budget, policy
+
+
+def test_steady_steps_read_only_their_peak_and_measure_every_nth():
+    model, dev, probe, budget, policy = managed(every=5)
+    with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+        steps = run(mem, model, dev, probe, [128] * 24)
+        learned = mem.costs.steps_learned
+    measured = [r["measured"] for r, _, _ in steps]
+    plans = [tuple(r["plan"]) for r, _, _ in steps]
+    assert "peak" in measured and measured[0] == "blocks"
+    assert learned == measured.count("blocks")  # only the steps measured block by block are learned
+    for i in range(1, len(steps)):  # a plan that changed is measured
+        if plans[i] != plans[i - 1]:
+            assert measured[i] == "blocks", (i, measured)
+    for i in range(len(measured) - 4):  # and never more than `measure_every` steps go by unmeasured
+        assert "blocks" in measured[i:i + 5], measured
+    light = [reads for (r, reads, _) in steps if r["measured"] == "peak"]
+    detailed = [reads for (r, reads, _) in steps if r["measured"] == "blocks"]
+    assert max(light) <= 8 < 3 * 6 <= min(detailed), (light, detailed)  # a few readings, not a few per block
+
+
+def test_a_light_step_sees_the_same_peak_as_a_measured_one():
+    """Same plan, same batch: the peak read once per step equals the one read block by block."""
+    model, dev, probe, budget, policy = managed(every=1000)
+    with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+        steps = run(mem, model, dev, probe, [128] * 12)
+        tail = [(r["measured"], tuple(r["plan"]), r["observed_peak_bytes"]) for r, _, _ in steps[4:]]
+    by_plan: dict = {}
+    for how, plan, peak in tail:
+        by_plan.setdefault(plan, {}).setdefault(how, set()).add(peak)
+    compared = [seen for seen in by_plan.values() if "peak" in seen and "blocks" in seen]
+    assert compared, tail
+    assert all(seen["peak"] == seen["blocks"] for seen in compared), by_plan
+
+
+def test_a_new_shape_and_a_drifting_prediction_are_measured():
+    model, dev, probe, budget, policy = managed(every=1000)
+    with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+        steps = run(mem, model, dev, probe, [128] * 8 + [192] + [128] * 3)
+        first = [r["measured"] for r, _, _ in steps]
+        assert first[8] == "blocks"  # a new shape bucket
+        assert first[4:8].count("peak") >= 2
+        assert first[-1] == "peak"  # back at a shape seen, on target: light again
+        before = mem.costs.steps_learned
+        # the prediction drifts: every block now keeps 600 kB more (a hook the plan knows
+        # nothing of), which the next step's peak shows
+        extra = []
+        for block in model.blocks:
+            block.register_forward_hook(lambda m, i, o: extra.append(torch.empty(150_000)) or None)
+        steps = run(mem, model, dev, probe, [128] * 3)
+        extra.clear()
+    after = [r for r, _, _ in steps]
+    assert abs(after[0]["prediction_error"]) > policy.replan_tolerance * budget / after[0]["observed_peak_bytes"]
+    assert after[1]["measured"] == "blocks" and mem.costs.steps_learned > before
+
+
+def test_double_backward_is_seen_in_a_light_step():
+    model, dev, probe, budget, policy = managed(every=1000, modes=("NONE", "CHECKPOINT", "OFFLOAD"))
+    with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+        run(mem, model, dev, probe, [128] * 6)
+        assert mem.last_step["measured"] == "peak"
+        samples, end = [], mem.recorder.end
+
+        def keep():
+            samples.append(end())
+            return samples[-1]
+
+        mem.recorder.end = keep
+        batch = tiny_batch(model, batch=4, seq=128)
+        for twice in (False, True):
+            with mem.step():
+                loss = model(**batch).loss
+                loss.backward(retain_graph=twice)
+                if twice:
+                    loss.backward()
+            model.zero_grad(set_to_none=True)
+    assert [s.detailed for s in samples] == [False, False]
+    assert [s.double_backward for s in samples] == [False, True]
+    assert all(s.completed for s in samples)
