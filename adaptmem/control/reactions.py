@@ -107,12 +107,13 @@ class Reactions:
                 self._step_start = start
 
     def _worth_measuring(self, record: PlanRecord) -> bool:
-        """Measure this step block by block: something is to be learned (a plan made or changed,
-        a new shape bucket, the cost model still young) or `measure_every` steps have passed."""
-        fresh = record is not self._measured_record
+        """Measure this step block by block: something is to be learned (another plan or shape
+        bucket than the last step measured, a prediction that missed, an escalation or OOM, the
+        cost model still young) or `measure_every` steps have passed since the last one."""
+        what = (record.key, record.modes)
         due = self.steps + 1 - self._measured_at >= self.policy.measure_every
-        if fresh or due or self.costs.steps_learned < 3:
-            self._measured_record, self._measured_at = record, self.steps + 1
+        if what != self._measured_what or due or self._measure_next or self.costs.steps_learned < 3:
+            self._measured_what, self._measured_at, self._measure_next = what, self.steps + 1, False
             return True
         return False
 
@@ -232,9 +233,11 @@ class Reactions:
                 and observed > self._step_start:
             if self.decider.learn_bias(pred - self._step_start, observed - self._step_start):
                 self.plans.cache.clear()  # aim again with the predictions' bias taken out
+        missed = pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget
+        self._measure_next |= missed or decision == ESCALATE
         if decision != HOLD or calibrating:
             self.plans.cache.clear()
-        elif pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget:
+        elif missed:
             self.plans.cache.pop(self._step_key, None)
         self.plans.succeeded()
         relief = self.budgets.relieve(self._reading(self.budgets.available, None))
@@ -255,6 +258,7 @@ class Reactions:
 
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
         self.ooms += 1
+        self._measure_next = True
         self.decider.after_oom()
         self._reading(self._tick, None)  # the device may have less free than we thought: read it now
         self.plans.cache.clear()

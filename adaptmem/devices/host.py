@@ -18,9 +18,10 @@ class HostProbe(HostClock):
         self._process = psutil.Process(os.getpid())
         self._peak = 0
         self._lock = threading.Lock()
+        self._total = psutil.virtual_memory().total  # the machine's RAM does not change while it runs
 
     def capacity(self) -> int:
-        return psutil.virtual_memory().total
+        return self._total
 
     def allocated(self) -> int:
         rss = self._process.memory_info().rss

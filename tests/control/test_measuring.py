@@ -84,7 +84,7 @@ def test_steady_steps_read_only_their_peak_and_measure_every_nth():
 
 def test_a_light_step_sees_the_same_peak_as_a_measured_one():
     """Same plan, same batch: the peak read once per step equals the one read block by block."""
-    model, dev, probe, budget, policy = managed(every=1000)
+    model, dev, probe, budget, policy = managed(every=3)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         steps = run(mem, model, dev, probe, [128] * 12)
         tail = [(r["measured"], tuple(r["plan"]), r["observed_peak_bytes"]) for r, _, _ in steps[4:]]
