@@ -111,17 +111,21 @@ def _solve(options, capacity, final, bins, *, use_cost: bool) -> list[int] | Non
     sizes = (raw[..., :2] / quantum - 1e-9).ceil_().clamp_(0, top + 1).to(torch.int64)  # rounded up to bins
     saved, need, cost = sizes[..., 0], sizes[..., 1], raw[..., 2]
     span = top + 1
-    prev_all = torch.arange(span)[None, None, :] - saved[:, :, None]  # (n, width, span)
-    invalid_all = (prev_all < 0) | (prev_all > (top - need)[:, :, None])
-    prev_all = prev_all.clamp_(0, top).view(n, -1)
-    best = torch.full((span,), math.inf, dtype=torch.float64)
-    best[0] = 0.0
-    choices: list[torch.Tensor] = []
-    for i in range(n):
-        reached = best.index_select(0, prev_all[i]).view(width, span)
-        reached.add_(cost[i, :, None]).masked_fill_(invalid_all[i], math.inf)
-        best, choice = reached.min(dim=0)
-        choices.append(choice)
+    saved32, room = saved.to(torch.int32), (top - need).to(torch.int32)
+    prev_all = torch.arange(span, dtype=torch.int32)[None, None, :] - saved32[:, :, None]  # (n, width, span)
+    # where a choice does not fit (what its peak needs), it reads an entry that is always infinite
+    prev_all.masked_fill_((prev_all < 0) | (prev_all > room[:, :, None]), span)
+    prev_rows = prev_all.view(n, -1).unbind(0)
+    cost_rows = cost[:, :, None].unbind(0)
+    best_ext = torch.full((span + 1,), math.inf, dtype=torch.float64)
+    best_ext[0] = 0.0
+    best = best_ext[:span]
+    reached = torch.empty((n, width, span), dtype=torch.float64)  # block i's cost per choice and prefix sum
+    grids, flats = reached.unbind(0), reached.view(n, -1).unbind(0)
+    for i in range(n):  # three kernels a block: this loop is the planner's time
+        torch.index_select(best_ext, 0, prev_rows[i], out=flats[i])
+        grids[i].add_(cost_rows[i])
+        torch.amin(grids[i], 0, out=best)
     final_bins = _up(final, quantum)
     if final_bins > top:
         return None
@@ -131,8 +135,9 @@ def _solve(options, capacity, final, bins, *, use_cost: bool) -> list[int] | Non
     end = int(torch.nonzero(tail == tail.min())[0])  # cheapest, then the smallest total saved
     saved_rows = saved.tolist()
     picked: list[int] = []
-    for i in range(n - 1, -1, -1):
-        m = int(choices[i][end])
+    for i in range(n - 1, -1, -1):  # back from the end: the first choice that reached it
+        column = reached[i, :, end].tolist()
+        m = column.index(min(column))
         picked.append(m)
         end -= saved_rows[i][m]
     return picked[::-1]
