@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import weakref
 from collections import Counter
@@ -93,7 +94,8 @@ class MemoryManager(Reactions):
         p = self.policy
         self.recorder = StepRecorder(self.probe, get_instrumentation(model).runtime.offload.in_flight_bytes)
         cuda = isinstance(self.probe, CudaProbe)
-        in_flight = max((h.offload_options.max_in_flight_bytes for h in self.handles), default=0)
+        windows = [h.offload_options.max_in_flight_bytes for h in self.handles]
+        in_flight = math.inf if None in windows else max(windows, default=0)  # None: a block's worth
         self.costs = CostModel([type(h.module).__name__ for h in self.handles], p, cuda=cuda,
                                priors=priors_for(self.probe, cuda, in_flight))
         self.decider = Decider(p)

@@ -255,7 +255,9 @@ class StepRecorder:
                 return
             block = sample.blocks[-1]
             if sample.detailed:
-                block.fwd_top = max(self.probe.peak(), block.start)
+                top = self.probe.peak()
+                block.fwd_top = max(top, block.start)
+                sample.peak = max(sample.peak, top)  # the step's peak may be this block's forward
                 self.probe.reset_peak()
                 block.end = self._kept()
                 block._marks["fwd1"] = self.probe.mark()

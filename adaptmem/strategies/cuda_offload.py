@@ -83,7 +83,7 @@ class CudaTier:
         self.h2d = torch.cuda.Stream(device)
         self.window = CopyWindow()
 
-    def pack(self, t: torch.Tensor, group: PackGroup | None, options: OffloadOptions) -> HostCopy:
+    def pack(self, t: torch.Tensor, group: PackGroup | None, limit: int | None) -> HostCopy:
         t = t.detach()
         main = torch.cuda.current_stream(self.device)
         block = self.pool.acquire(nbytes_of(t))  # idle: no copy still touches it; None: no pinned bytes
@@ -97,7 +97,7 @@ class CudaTier:
             host.copy_(t, non_blocking=True)
             ready = _recorded(self.d2h)
         block.busy_until = ready
-        self.window.push(t, ready, options.max_in_flight_bytes, main)
+        self.window.push(t, ready, limit, main)
         copy = HostCopy(host, self, group=group, block=block, ready=ready)
         weakref.finalize(copy, self.pool.release, block)
         if group is not None:

@@ -46,16 +46,21 @@ class OffloadOptions:
     max_in_flight_bytes: device bytes whose copies to the host may be in flight
         at once (the window of copies not yet arrived, across blocks); past it the
         next pack waits for the oldest copy. Larger hides more of a slow link
-        behind compute, at that many device bytes.
+        behind compute, at that many device bytes. None (the default): one block's
+        worth, the most one block call has offloaded so far: a block's copies
+        travel while it and the start of the next compute, and a link too slow to
+        keep up holds at most that, which keeps the peak predictable.
     """
 
     min_bytes: int = 16 * 1024
     prefetch: bool = True
-    max_in_flight_bytes: int = 256 * 2**20
+    max_in_flight_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_bytes", "max_in_flight_bytes"):
             value = getattr(self, name)
+            if value is None and name == "max_in_flight_bytes":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"OffloadOptions.{name} must be a non-negative int of bytes, got {value!r}")
 
@@ -108,11 +113,11 @@ class HostTier:
     until it has arrived (at most `max_in_flight_bytes` in flight), and backward waits for
     the copy back, which a prefetch starts early."""
 
-    def pack(self, t: torch.Tensor, group: "PackGroup | None", options: OffloadOptions) -> HostCopy:
+    def pack(self, t: torch.Tensor, group: "PackGroup | None", limit: int | None) -> HostCopy:
         with torch.no_grad(), host_allocations():
             host = t.detach().clone()
         link = current_link()
-        ready = link.send(t.detach(), limit=options.max_in_flight_bytes) if link is not None else None
+        ready = link.send(t.detach(), limit=limit) if link is not None else None
         copy = HostCopy(host, self, group=group, ready=ready)
         if group is not None and link is not None:
             group.add(copy)

@@ -18,9 +18,15 @@ class OffloadRuntime:
         self._host = HostTier()
         self._cuda: dict[int, CudaTier] = {}
         self._last_group: PackGroup | None = None
+        self._call_bytes = 0  # bytes the block call under way has offloaded
+        self.largest_call_bytes = 0  # the most one block call has offloaded
 
     def new_group(self, options: OffloadOptions) -> PackGroup | None:
-        if not options.prefetch or torch.compiler.is_compiling():  # no state for torch.compile to guard on
+        """A block call begins offloading: its copies' group (for prefetch in backward)."""
+        if torch.compiler.is_compiling():  # no state for torch.compile to guard on
+            return None
+        self._call_bytes = 0
+        if not options.prefetch:
             return None
         last = self._last_group
         group = PackGroup(prev=last if last is not None and not last.began else None)
@@ -28,9 +34,21 @@ class OffloadRuntime:
         return group
 
     def offload(self, t: torch.Tensor, group: PackGroup | None, options: OffloadOptions) -> HostCopy:
+        limit = self.window(options, t.untyped_storage().nbytes())
         if t.device.type == "cuda":
-            return self.tier_for(t.device).pack(t, group, options)
-        return self._host.pack(t, group, options)
+            return self.tier_for(t.device).pack(t, group, limit)
+        return self._host.pack(t, group, limit)
+
+    def window(self, options: OffloadOptions, nbytes: int) -> int:
+        """Device bytes that may be in flight once a copy of `nbytes` is sent: the options'
+        window, or (None) the most one block call has offloaded, this one included."""
+        if options.max_in_flight_bytes is not None:
+            return options.max_in_flight_bytes
+        if torch.compiler.is_compiling():
+            return max(self.largest_call_bytes, nbytes)
+        self._call_bytes += nbytes
+        self.largest_call_bytes = max(self.largest_call_bytes, self._call_bytes)
+        return self.largest_call_bytes
 
     def tier_for(self, device: torch.device) -> CudaTier:
         """The CUDA tier (side streams, copy window) of `device`."""

@@ -120,7 +120,26 @@ def test_the_window_bounds_the_device_bytes_offload_holds_in_flight():
     assert results["bounded"][2] > 0 and results["bounded"][0] < results["unbounded"][0]
 
 
+def test_by_default_a_slow_link_holds_one_block_calls_bytes_in_flight():
+    from adaptmem.wrapping import get_instrumentation
+
+    model = tiny(dim=128, n_layers=4)
+    batch = tiny_batch(model, batch=4, seq=128)
+    expected = step(model, batch)
+    adaptmem.instrument(model, mode=Mode.OFFLOAD)  # the default window: one block's worth
+    dev = SimulatedDevice(link_bytes_per_s=100 * MiB)
+    dev.track(model)
+    with dev:
+        assert_same(step(model, batch), expected)
+    per_call = get_instrumentation(model).runtime.offload.largest_call_bytes
+    assert dev.host_peak_bytes >= 4 * per_call > 0  # four blocks' copies went out
+    assert dev.link.peak_in_flight_bytes <= per_call and dev.link.window_waits > 0
+
+
 def test_the_planner_is_told_the_window_where_copies_take_time():
+    model = tiny()
+    with adaptmem.manage(model, budget=2**29, device=SimulatedDevice(2**30, link_bytes_per_s=100 * MiB)) as mem:
+        assert mem.costs.priors.in_flight_cap == float("inf")  # one block's worth: each block's own backlog
     for speed, expected in ((None, 0.0), (100 * MiB, 4 * MiB)):
         model = tiny()
         adaptmem.instrument(model, offload=adaptmem.OffloadOptions(max_in_flight_bytes=4 * MiB))
