@@ -266,13 +266,8 @@ class StepRecorder:
             block.kept = call.stats.get("kept", 0)
             block.host = call.stats.get("host", 0)
             outs = tensors_in(output)
-            if not sample.detailed:
-                self._open = "between"
-                grad_out = next((t for t in outs if t.requires_grad), None)
-                if grad_out is not None:
-                    grad_out.register_hook(self._make_bwd_hook(block))
-                return
-            block.output_bytes = sum(t.numel() * t.element_size() for t in outs)
+            if sample.detailed:
+                block.output_bytes = sum(t.numel() * t.element_size() for t in outs)
             grad_out = next((t for t in outs if t.requires_grad), None)
             if grad_out is not None:
                 grad_out.register_hook(self._make_bwd_hook(block))
