@@ -146,3 +146,17 @@ def test_the_planner_is_told_the_window_where_copies_take_time():
         dev = SimulatedDevice(capacity_bytes=2**30, link_bytes_per_s=speed)
         with adaptmem.manage(model, budget=2**29, device=dev) as mem:
             assert mem.costs.priors.in_flight_cap == expected
+
+
+def test_the_manager_times_steps_on_the_links_clock():
+    """A benchmark's virtual clock (CPU time plus the link's waits) is the one the manager
+    measures with, so what a slow link costs is learned where it is paid."""
+    from adaptmem.devices.simulated import SimulatedProbe
+
+    dev = SimulatedDevice(link_bytes_per_s=100 * MiB)
+    now = [5.0]
+    dev.link.clock, dev.link.sleep = (lambda: now[0]), (lambda s: now.__setitem__(0, now[0] + s))
+    probe = SimulatedProbe(dev)
+    start = probe.mark()
+    dev.link.sleep(0.25)
+    assert start == 5.0 and probe.seconds(start, probe.mark()) == 0.25
