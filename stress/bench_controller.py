@@ -84,12 +84,13 @@ def controller_fraction(steps: int = 20, seq: int = 512, measure_every: int | No
         runtime.tell, mem.recorder._bwd_boundary = own.wrap(tell), own.wrap(bwd)
         sampler = _thread_clock(mem.sampler)
         stepped, measured, background = 0.0, 0, 0.0
+        begin, end = own.wrap(mem.begin_step), own.wrap(mem.end_step)
         for _ in range(steps):
             s0 = sampler() if sampler else 0.0
             t = time.thread_time()
-            own.wrap(mem.begin_step)()
+            begin()
             work()
-            own.wrap(mem.end_step)()
+            end()
             stepped += time.thread_time() - t
             background += (sampler() - s0) if sampler else 0.0
             measured += mem.last_step["measured"] == "blocks"

@@ -112,8 +112,8 @@ class Reactions:
         cost model still young) or `measure_every` steps have passed since the last one."""
         what = (record.key, record.modes)
         due = self.steps + 1 - self._measured_at >= self.policy.measure_every
-        if what != self._measured_what or due or self._measure_next or self.costs.steps_learned < 3:
-            self._measured_what, self._measured_at, self._measure_next = what, self.steps + 1, False
+        if what != self._measured_what or due or self.costs.steps_learned < 3:
+            self._measured_what, self._measured_at = what, self.steps + 1
             return True
         return False
 
@@ -234,7 +234,8 @@ class Reactions:
             if self.decider.learn_bias(pred - self._step_start, observed - self._step_start):
                 self.plans.cache.clear()  # aim again with the predictions' bias taken out
         missed = pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget
-        self._measure_next |= missed or decision == ESCALATE
+        if missed or decision == ESCALATE:
+            self._measured_what = None  # the next step has something to teach: measure it block by block
         if decision != HOLD or calibrating:
             self.plans.cache.clear()
         elif missed:
@@ -258,7 +259,7 @@ class Reactions:
 
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
         self.ooms += 1
-        self._measure_next = True
+        self._measured_what = None
         self.decider.after_oom()
         self._reading(self._tick, None)  # the device may have less free than we thought: read it now
         self.plans.cache.clear()

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from adaptmem.strategies.offload import HostCopy, OffloadOptions, PackGroup
+from adaptmem.strategies.offload import HostCopy, PackGroup
 from adaptmem.strategies.payloads import nbytes_of
 from adaptmem.strategies.pinned import PinnedPool, host_view
 
@@ -83,7 +83,7 @@ class CudaTier:
         self.h2d = torch.cuda.Stream(device)
         self.window = CopyWindow()
 
-    def pack(self, t: torch.Tensor, group: PackGroup | None, limit: int | None) -> HostCopy:
+    def pack(self, t: torch.Tensor, group: PackGroup | None, limit: int) -> HostCopy:
         t = t.detach()
         main = torch.cuda.current_stream(self.device)
         block = self.pool.acquire(nbytes_of(t))  # idle: no copy still touches it; None: no pinned bytes

@@ -113,7 +113,7 @@ class HostTier:
     until it has arrived (at most `max_in_flight_bytes` in flight), and backward waits for
     the copy back, which a prefetch starts early."""
 
-    def pack(self, t: torch.Tensor, group: "PackGroup | None", limit: int | None) -> HostCopy:
+    def pack(self, t: torch.Tensor, group: "PackGroup | None", limit: int) -> HostCopy:
         with torch.no_grad(), host_allocations():
             host = t.detach().clone()
         link = current_link()

@@ -5,10 +5,9 @@ import torch
 import adaptmem
 from adaptmem.config.policy import load_policy
 from adaptmem.devices.simulated import SimulatedProbe
-from adaptmem.modes import Mode
 from adaptmem.testing import SimulatedDevice
 
-from helpers import tiny, tiny_batch
+from helpers import budget_between, tiny, tiny_batch
 
 
 class CountingProbe(SimulatedProbe):
@@ -35,7 +34,7 @@ class CountingProbe(SimulatedProbe):
         return super().mark()
 
 
-def run(mem, model, dev, probe, lengths, truth=None):
+def run(mem, model, probe, lengths, truth=None):
     """Steps at the given lengths: each one's record, probe readings and (with `truth`) true peak."""
     out = []
     for seq in lengths:
@@ -50,15 +49,13 @@ def run(mem, model, dev, probe, lengths, truth=None):
     return out
 
 
-def managed(budget_fraction=0.7, every=5, **overrides):
-    model = tiny(dim=128, n_layers=6, vocab_size=512)
+def managed(every=5, **overrides):
+    make = lambda: tiny(dim=128, n_layers=6, vocab_size=512)  # noqa: E731
+    model = make()
+    budget, _ = budget_between(make, tiny_batch(model, 4, 128), 0.7)
     dev = SimulatedDevice(capacity_bytes=2**31)
     dev.track(model)
     probe = CountingProbe(dev)
-    with dev:
-        plain = adaptmem.testing.measure_peak(model, lambda: tiny_batch(model, 4, 128), mode=Mode.NONE)
-        ckpt = adaptmem.testing.measure_peak(model, lambda: tiny_batch(model, 4, 128), mode=Mode.CHECKPOINT)
-    budget = int(ckpt + budget_fraction * (plain - ckpt))
     policy = load_policy("balanced").model_copy(update={"measure_every": every, **overrides})
     return model, dev, probe, budget, policy
 
@@ -66,7 +63,7 @@ def managed(budget_fraction=0.7, every=5, **overrides):
 def test_steady_steps_read_only_their_peak_and_measure_every_nth():
     model, dev, probe, budget, policy = managed(every=5)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
-        steps = run(mem, model, dev, probe, [128] * 24)
+        steps = run(mem, model, probe, [128] * 24)
         learned = mem.costs.steps_learned
     measured = [r["measured"] for r, _, _ in steps]
     plans = [tuple(r["plan"]) for r, _, _ in steps]
@@ -88,7 +85,7 @@ def test_every_step_sees_its_true_peak_measured_block_by_block_or_not():
     model, dev, probe, budget, policy = managed(every=3)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         truth = dev.open_window()
-        steps = run(mem, model, dev, probe, [128] * 12, truth=truth)
+        steps = run(mem, model, probe, [128] * 12, truth=truth)
     seen = [(r["measured"], r["observed_peak_bytes"], true) for r, _, true in steps]
     assert {how for how, _, _ in seen} == {"blocks", "peak"}
     assert all(observed == true for _, observed, true in seen), seen
@@ -97,7 +94,7 @@ def test_every_step_sees_its_true_peak_measured_block_by_block_or_not():
 def test_a_new_shape_and_a_drifting_prediction_are_measured():
     model, dev, probe, budget, policy = managed(every=1000)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
-        steps = run(mem, model, dev, probe, [128] * 8 + [192] + [128] * 3)
+        steps = run(mem, model, probe, [128] * 8 + [192] + [128] * 3)
         first = [r["measured"] for r, _, _ in steps]
         assert first[8] == "blocks"  # a new shape bucket
         assert first[4:8].count("peak") >= 2
@@ -108,7 +105,7 @@ def test_a_new_shape_and_a_drifting_prediction_are_measured():
         extra = []
         for block in model.blocks:
             block.register_forward_hook(lambda m, i, o: extra.append(torch.empty(150_000)) or None)
-        steps = run(mem, model, dev, probe, [128] * 3)
+        steps = run(mem, model, probe, [128] * 3)
         extra.clear()
     after = [r for r, _, _ in steps]
     assert abs(after[0]["prediction_error"]) > policy.replan_tolerance * budget / after[0]["observed_peak_bytes"]
@@ -118,7 +115,7 @@ def test_a_new_shape_and_a_drifting_prediction_are_measured():
 def test_double_backward_is_seen_in_a_light_step():
     model, dev, probe, budget, policy = managed(every=1000, modes=("NONE", "CHECKPOINT", "OFFLOAD"))
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
-        run(mem, model, dev, probe, [128] * 6)
+        run(mem, model, probe, [128] * 6)
         assert mem.last_step["measured"] == "peak"
         samples, end = [], mem.recorder.end
 
