@@ -109,8 +109,7 @@ class MemoryManager(Reactions):
         self._step_key: tuple[int, int] | None = None
         self._step_pred: float | None = None
         self._step_start = 0
-        self._measured_what: Any = None  # (bucket, plan) of the last step measured block by block (None: the next)
-        self._measured_at = 0  # and that step's number
+        self._measured: dict = {}  # per shape bucket: (plan, step) of its last step measured block by block
         self._unmarked_warned = False
         self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
         self._rank = self._agree.rank if self._agree is not None else 0

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from adaptmem.control.decisions import ESCALATE, HOLD
-from adaptmem.control.plans import PlanRecord
+from adaptmem.control.plans import MAX_CACHED_PLANS, PlanRecord
 from adaptmem.control.recorder import InputShape, StepSample, shape_of
 from adaptmem.control.retry import failure_record
 from adaptmem.devices.cuda import CudaProbe
@@ -107,13 +107,15 @@ class Reactions:
                 self._step_start = start
 
     def _worth_measuring(self, record: PlanRecord) -> bool:
-        """Measure this step block by block: something is to be learned (another plan or shape
-        bucket than the last step measured, a prediction that missed, an escalation or OOM, the
-        cost model still young) or `measure_every` steps have passed since the last one."""
-        what = (record.key, record.modes)
-        due = self.steps + 1 - self._measured_at >= self.policy.measure_every
-        if what != self._measured_what or due or self.costs.steps_learned < 3:
-            self._measured_what, self._measured_at = what, self.steps + 1
+        """Measure this step block by block: something is to be learned (a shape bucket not yet
+        measured, or measured under another plan; a prediction that missed, an escalation or OOM;
+        the cost model still young) or `measure_every` steps have passed since this bucket was."""
+        last = self._measured.get(record.key)  # (plan, step) of its last step measured block by block
+        if last is None or last[0] != record.modes or self.steps + 1 - last[1] >= self.policy.measure_every \
+                or self.costs.steps_learned < 3:
+            if len(self._measured) >= MAX_CACHED_PLANS:
+                self._measured.clear()
+            self._measured[record.key] = (record.modes, self.steps + 1)
             return True
         return False
 
@@ -234,8 +236,10 @@ class Reactions:
             if self.decider.learn_bias(pred - self._step_start, observed - self._step_start):
                 self.plans.cache.clear()  # aim again with the predictions' bias taken out
         missed = pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget
-        if missed or decision == ESCALATE:
-            self._measured_what = None  # the next step has something to teach: measure it block by block
+        if decision == ESCALATE:  # the next step has something to teach: measure it block by block
+            self._measured.clear()
+        elif missed:
+            self._measured.pop(self._step_key, None)
         if decision != HOLD or calibrating:
             self.plans.cache.clear()
         elif missed:
@@ -259,7 +263,7 @@ class Reactions:
 
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
         self.ooms += 1
-        self._measured_what = None
+        self._measured.clear()
         self.decider.after_oom()
         self._reading(self._tick, None)  # the device may have less free than we thought: read it now
         self.plans.cache.clear()

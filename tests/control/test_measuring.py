@@ -135,3 +135,13 @@ def test_double_backward_is_seen_in_a_light_step():
     assert [s.detailed for s in samples] == [False, False]
     assert [s.double_backward for s in samples] == [False, True]
     assert all(s.completed for s in samples)
+
+
+def test_lengths_that_take_turns_are_light_once_each_is_measured():
+    """Each shape bucket is measured under its plan, then its steps read only their peak, even
+    when every step's length differs from the one before (the long-sequence job's batches)."""
+    model, dev, probe, budget, policy = managed(every=1000)
+    with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+        steps = run(mem, model, probe, [128, 192] * 8)
+    measured = [r["measured"] for r, _, _ in steps]
+    assert measured[:2] == ["blocks", "blocks"] and measured[-6:].count("peak") >= 4, measured
