@@ -42,3 +42,26 @@ def test_targets_and_render_name_what_was_missed():
     text = render({"rows": rows, "controller_fraction": 0.004, "planner_ms_100x6": 3.0, "machine": "x",
                    "command": "python -m stress.bench", "seconds": 1, "targets": checks})
     assert "| m | 8 | l | adaptmem | 70% |" in text and "**missed**: peak <= budget everywhere" in text
+
+
+def test_the_offload_profile_counts_copy_time_beside_compute_on_other_streams():
+    from stress.profile_offload import summarize
+
+    def kernel(ts, dur, stream):
+        return {"cat": "kernel", "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    def memcpy(ts, dur, stream, tag, nbytes):
+        return {"cat": "gpu_memcpy", "name": f"Memcpy {tag} (Device -> Pinned)", "ts": ts, "dur": dur,
+                "args": {"stream": stream, "bytes": nbytes}}
+
+    events = [
+        kernel(0, 10, 7), kernel(5, 10, 7),  # one busy stretch, 0..15
+        memcpy(10, 10, 13, "DtoH", 1000),  # half beside compute
+        memcpy(30, 4, 7, "DtoH", 10),  # on the compute stream itself: nothing beside it
+        memcpy(40, 10, 14, "HtoD", 500), kernel(42, 2, 14), kernel(45, 20, 7),  # 5 of 10 beside stream 7
+    ]
+    s = summarize(events)
+    assert s["compute_ms"] == (15 + 2 + 20) / 1e3
+    assert s["d2h"]["copies"] == 2 and s["d2h"]["bytes"] == 1010
+    assert s["d2h"]["overlapped"] == 5 / 14
+    assert s["h2d"]["overlapped"] == 5 / 10 and s["h2d"]["gbps"] == 500 / 10e-6 / 1e9

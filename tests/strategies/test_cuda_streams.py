@@ -142,32 +142,43 @@ def test_restored_tensors_come_from_the_compute_streams_pool():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    retries = torch.cuda.memory_stats()["num_alloc_retries"]  # counted since the process began
     grads_of(model, batch)
     stats = torch.cuda.memory_stats()
     assert stats["reserved_bytes.all.peak"] <= 1.25 * stats["allocated_bytes.all.peak"] + 64 * MiB
-    assert stats["num_alloc_retries"] == 0
+    assert stats["num_alloc_retries"] == retries
+
+
+def copy_profile(prefetch: bool, tmp_path) -> dict:
+    """One profiled OFFLOAD step of a model whose copies take longer than issuing them (hidden
+    1024, batch 4 x 1024): on a tiny model a copy ends before the CPU has launched the next
+    kernel, and nothing could overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from stress.profile_offload import summarize
+
+    model = llama(layers=6, hidden=1024, dropout=0.0).cuda()
+    batch = {k: v.cuda() for k, v in hf_batch(batch=4, seq=1024).items()}
+    adaptmem.instrument(model, mode=Mode.OFFLOAD, offload=OffloadOptions(prefetch=prefetch))
+    for _ in range(2):
+        grads_of(model, batch)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        grads_of(model, batch)
+    trace = tmp_path / f"trace-{prefetch}.json"
+    prof.export_chrome_trace(str(trace))
+    s = summarize(json.loads(trace.read_text())["traceEvents"])
+    assert s["h2d"]["bytes"] > 0 and s["h2d"]["pageable"] == 0, s
+    return s
 
 
 def test_a_blocks_copy_back_overlaps_the_next_blocks_compute(tmp_path):
-    model, batch, _ = offloaded()
-    grads_of(model, batch)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        grads_of(model, batch)
-    trace = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    events = json.loads(trace.read_text())["traceEvents"]
-    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    assert copies and kernels
-
-    def overlaps(a, b):
-        return a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"]
-
-    hidden = [c for c in copies if any(overlaps(c, k) and k["args"].get("stream") != c["args"].get("stream")
-                                       for k in kernels)]
-    assert len(hidden) >= len(copies) // 2, f"{len(hidden)} of {len(copies)} copies back overlapped compute"
+    """With prefetch, block i-1's copies back run while block i's gradients are computed; without
+    it each copy is fetched when needed and compute waits for it. The link here is the bottleneck
+    (copies take longer than compute), so the share of copy time hidden is bounded by compute's."""
+    hidden = {p: copy_profile(p, tmp_path)["h2d"] for p in (True, False)}
+    ms = {p: h["ms"] * h["overlapped"] for p, h in hidden.items()}
+    assert ms[True] >= 0.1 * hidden[True]["ms"], hidden
+    assert ms[True] >= 3 * ms[False], hidden
 
 
 def test_the_pinned_pool_is_bounded_and_its_counters_match_the_host_allocator():
@@ -186,8 +197,10 @@ def test_the_pinned_pool_is_bounded_and_its_counters_match_the_host_allocator():
         pinned.append(pool.pinned_bytes)
     torch.cuda.synchronize()
     assert counts[-1] == counts[-2] and max(pinned) <= 2 * pinned[0]  # reused, not grown step after step
-    # the pool's buffers (in use or idle) are the host allocator's blocks checked out, rounding included
-    assert torch.cuda.host_memory_stats().get("active_bytes.current", 0) - before == pool.pinned_bytes
+    # the pool's buffers (in use or idle) are the host allocator's blocks checked out, rounding
+    # included; PyTorch itself may hold a few bytes more (staging for small non-blocking copies)
+    grown = torch.cuda.host_memory_stats().get("active_bytes.current", 0) - before
+    assert pool.pinned_bytes <= grown <= pool.pinned_bytes + 64 * 1024
     assert pool.pinned_bytes <= pool.max_pinned_bytes
 
 
