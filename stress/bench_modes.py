@@ -53,10 +53,32 @@ def one_step(model, ids):
     model(input_ids=ids, labels=ids).loss.backward()
 
 
-def measure(model, handles, mode, ids, steps, device):
+HF_CHECKPOINTING = "HF checkpointing"  # the model's own checkpointing: the peer users pick today
+
+
+def hf_checkpointing(model, on: bool) -> None:
+    """Switch the model's own checkpointing, by its current name (`activation_checkpointing_*`
+    in newer transformers, `gradient_checkpointing_*` before)."""
+    verb = "enable" if on else "disable"
+    new = getattr(model, f"activation_checkpointing_{verb}", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs={"use_reentrant": False}) if on else new()
+    else:
+        old = getattr(model, f"gradient_checkpointing_{verb}")
+        old(gradient_checkpointing_kwargs={"use_reentrant": False}) if on else old()
+
+
+def set_mode(model, handles, mode) -> None:
+    """Every block in `mode`, or (the peer's row) every block plain under the model's own checkpointing."""
+    peer = mode == HF_CHECKPOINTING
+    hf_checkpointing(model, peer)
     for h in handles:
-        h.mode = mode
-    one_step(model, ids)  # warm-up (and pinned pool fill)
+        h.mode = Mode.NONE if peer else mode
+
+
+def peak_of(model, ids, device) -> int:
+    """The step's peak above what is allocated before it (after a warm-up step that fills the pinned pool)."""
+    one_step(model, ids)
     if device == "cuda":
         torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
@@ -64,12 +86,15 @@ def measure(model, handles, mode, ids, steps, device):
         torch.cuda.reset_peak_memory_stats()
         one_step(model, ids)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        model.zero_grad(set_to_none=True)
-        with SimulatedDevice() as dev:
-            one_step(model, ids)
-        peak = dev.peak_bytes
+        return torch.cuda.max_memory_allocated() - base
+    model.zero_grad(set_to_none=True)
+    with SimulatedDevice() as dev:
+        one_step(model, ids)
+    return dev.peak_bytes
+
+
+def times_of(model, ids, steps, device) -> list[float]:
+    one_step(model, ids)  # warm-up after a mode switch
     times = []
     for _ in range(steps):
         if device == "cuda":
@@ -79,7 +104,22 @@ def measure(model, handles, mode, ids, steps, device):
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return peak, statistics.median(times)
+    return times
+
+
+def link_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
+    """Device-to-host and host-to-device GB/s of one pinned copy of `nbytes`: the floor of offload's time."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for dst, src in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
+    return rates[0], rates[1]
 
 
 def main(argv=None) -> int:
@@ -91,8 +131,12 @@ def main(argv=None) -> int:
                    help="vocabulary (default 32000 on CUDA; 4096 on CPU, where a large vocabulary's "
                         "gradients and logits would hide the activations)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 1 on CUDA, 4 on CPU)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
-    p.add_argument("--modes", default=",".join(m.label for m in ALLOWED_MODES))
+    p.add_argument("--steps", type=int, default=3, help="timed steps per mode and round")
+    p.add_argument("--repeat", type=int, default=3, help="rounds over every mode (rotated repetitions)")
+    p.add_argument("--modes", default=",".join(m.label for m in ALLOWED_MODES),
+                   help="comma-separated modes to time, each block in that mode")
+    p.add_argument("--no-peer", action="store_true",
+                   help=f"leave out the {HF_CHECKPOINTING!r} row (the model's own gradient_checkpointing_enable())")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -102,26 +146,37 @@ def main(argv=None) -> int:
     vocab = args.vocab or (32000 if cuda else 4096)
     args.batch = args.batch or (1 if cuda else 4)
     dtype = torch.bfloat16 if cuda else torch.float32
-    modes = [Mode.parse(m) for m in args.modes.split(",")]
+    modes = [Mode.parse(m) for m in args.modes.split(",")] + ([] if args.no_peer else [HF_CHECKPOINTING])
     model = build(preset, vocab, args.device, dtype)
     handles = adaptmem.instrument(model)
     ids = torch.randint(0, vocab, (args.batch, seq), device=args.device)
     where = torch.cuda.get_device_name() if cuda else "CPU (peak from SimulatedDevice, time measured without it)"
     print(f"Llama preset {preset!r} (vocab {vocab}), {len(handles)} blocks, batch {args.batch} x {seq}, {dtype}, on {where}", flush=True)
-    rows = []
+    link = link_gbps() if cuda else None
+    if link:
+        print(f"pinned copies: device to host {link[0]:.1f} GB/s, host to device {link[1]:.1f} GB/s", flush=True)
+    peaks, times = {}, {m: [] for m in modes}
     for i, mode in enumerate(modes, 1):
-        peak, secs = measure(model, handles, mode, ids, args.steps, args.device)
-        rows.append({"mode": mode.label, "peak_bytes": peak, "step_s": secs})
-        print(f"  [{i}/{len(modes)}] {mode.label:<20} peak {format_bytes(peak):>12}  step {secs * 1e3:8.1f} ms", flush=True)
+        set_mode(model, handles, mode)
+        peaks[mode] = peak_of(model, ids, args.device)
+        print(f"  [{i}/{len(modes)}] {getattr(mode, 'label', mode):<20} peak {format_bytes(peaks[mode]):>12}", flush=True)
+    for r in range(args.repeat):  # rotated: each round times every mode once, so drift hits all alike
+        for mode in modes:
+            set_mode(model, handles, mode)
+            times[mode] += times_of(model, ids, args.steps, args.device)
+        print(f"  round {r + 1}/{args.repeat} timed", flush=True)
+    rows = [{"mode": getattr(m, "label", m), "peak_bytes": peaks[m], "step_s": statistics.median(times[m]),
+             "spread": (max(times[m]) - min(times[m])) / statistics.median(times[m])} for m in modes]
     base = next((r for r in rows if r["mode"] == "NONE"), rows[0])
-    print(f"\n{'mode':<20} {'peak':>12} {'peak/NONE':>10} {'step/NONE':>10}")
+    print(f"\n{'mode':<20} {'peak':>12} {'peak/NONE':>10} {'step':>10} {'step/NONE':>10}")
     for r in rows:
         r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
         r["time_ratio"] = r["step_s"] / base["step_s"]
-        print(f"{r['mode']:<20} {format_bytes(r['peak_bytes']):>12} {r['peak_ratio']:>10.1%} {r['time_ratio']:>9.2f}x")
+        print(f"{r['mode']:<20} {format_bytes(r['peak_bytes']):>12} {r['peak_ratio']:>10.1%} "
+              f"{r['step_s'] * 1e3:>8.1f}ms {r['time_ratio']:>9.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"preset": preset, "vocab": vocab, "seq": seq, "batch": args.batch,
-                                         "device": where, "rows": rows}, indent=2))
+                                         "device": where, "link_gbps": link, "rows": rows}, indent=2))
     return 0
 
 
