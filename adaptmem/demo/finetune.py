@@ -97,10 +97,17 @@ def tiny_job(opts: argparse.Namespace, gen: torch.Generator, cuda: bool) -> Job:
 
 def _job(name: str, model: torch.nn.Module, batches: list[dict], longest: dict, opts: argparse.Namespace,
          cuda: bool) -> Job:
-    if cuda:
+    if cuda:  # the real device; the budget is the same share of the unmanaged peak as the stand-in's size
         model.cuda()
-        total = torch.cuda.get_device_properties(0).total_memory
-        return Job(name, model, [_to(b, "cuda") for b in batches], _to(longest, "cuda"), None, total, 0)
+        longest = _to(longest, "cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        model(**longest).loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        worst = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()  # what the unmanaged step reserved is not the managed run's to keep
+        return Job(name, model, [_to(b, "cuda") for b in batches], longest, None, int(worst * opts.device_share), worst)
     worst = measure_peak(model, lambda: longest)
     return Job(name, model, batches, longest, SimulatedDevice(int(worst * opts.device_share), name="demo-gpu"),
                int(worst * opts.device_share), worst)
@@ -120,7 +127,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--min-seq", type=int, default=None)
     parser.add_argument("--max-seq", type=int, default=None)
     parser.add_argument("--device-share", type=float, default=0.5,
-                        help="simulated device size, as a share of the unmanaged peak at the longest batch")
+                        help="the device's size as a share of the unmanaged peak at the longest batch "
+                             "(on a GPU: the share of it the run may use)")
     parser.add_argument("--policy", default="balanced")
     parser.add_argument("--log", default="runs/demo.jsonl")
     parser.add_argument("--cpu", action="store_true", help="use the simulated device even when a GPU is present")
@@ -139,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     job = (tiny_job if opts.quick else llama_job)(opts, gen, cuda)
-    where = "the GPU" if cuda else f"a simulated device of {format_bytes(job.capacity)}"
+    where = (f"{torch.cuda.get_device_name()}, {format_bytes(job.capacity)} of it" if cuda
+             else f"a simulated device of {format_bytes(job.capacity)}")
     print(f"adaptmem demo: fine-tuning a {job.name} on {opts.batch} x {opts.min_seq}..{opts.max_seq} tokens "
-          f"per batch,\non {where}" + ("" if cuda else f" (unmanaged, the longest batch needs {format_bytes(job.worst)})")
-          + ".\n")
+          f"per batch,\non {where} (unmanaged, the longest batch needs {format_bytes(job.worst)}).\n")
     if job.device is not None:
         show_unmanaged_failure(job)
     return train_managed(job, opts)
@@ -169,12 +177,14 @@ def train_managed(job: Job, opts: argparse.Namespace) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     pressure_at, release_at = opts.steps // 3, opts.steps // 3 + 4
     taken = int(job.capacity * 0.3)
-    print(f"managed:    adaptmem.manage(model, policy={opts.policy!r}, budget='90%', log={opts.log!r})")
+    budget = "90%" if dev is not None else int(0.9 * job.capacity)  # on a GPU: 90% of the share it may use
+    shown = repr(budget) if dev is not None else f"{budget}  # {format_bytes(budget)}"
+    print(f"managed:    adaptmem.manage(model, policy={opts.policy!r}, log={opts.log!r}, budget={shown})")
     print(f"            plan letters, one per block: {LEGEND}")
     print(f"{'step':>4} {'tokens':>6} {'loss':>6} {'peak':>10} {'/ budget':>8}  plan")
     start, losses = time.perf_counter(), []
     with (dev if dev is not None else contextlib.nullcontext()), \
-            adaptmem.manage(model, policy=opts.policy, budget="90%", device=dev, log=opts.log) as mem:
+            adaptmem.manage(model, policy=opts.policy, budget=budget, device=dev, log=opts.log) as mem:
         for i, batch in enumerate(job.batches):
             if dev is not None and i == pressure_at:
                 dev.occupy(taken)
