@@ -122,6 +122,22 @@ def link_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
+def render(paths: list[Path]) -> str:
+    """A Markdown table of runs saved with --json, side by side: peak and step time against NONE."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    head = "| mode | " + " | ".join(f"peak / NONE, step / NONE (batch {r['batch']} x {r['seq']})" for r in runs) + " |"
+    lines = [head, "|---|" + "---|" * len(runs)]
+    for i, row in enumerate(runs[0]["rows"]):
+        cells = [f"{r['rows'][i]['peak_ratio']:.1%}, {r['rows'][i]['time_ratio']:.2f}x" for r in runs]
+        lines.append(f"| {row['mode']} | " + " | ".join(cells) + " |")
+    first = runs[0]
+    where = f"{first['device']}, Llama preset {first['preset']!r}, vocab {first['vocab']}"
+    if first.get("link_gbps"):
+        where += f"; pinned copies {first['link_gbps'][0]:.0f} GB/s each way"
+    nones = ", ".join(f"{format_bytes(r['rows'][0]['peak_bytes'])} in {r['rows'][0]['step_s'] * 1e3:.0f} ms" for r in runs)
+    return "\n".join(lines) + f"\n\n{where}; NONE: {nones}."
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -138,7 +154,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-peer", action="store_true",
                    help=f"leave out the {HF_CHECKPOINTING!r} row (the model's own gradient_checkpointing_enable())")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="print the Markdown table of runs saved with --json, and exit")
     args = p.parse_args(argv)
+    if args.render:
+        print(render(args.render))
+        return 0
 
     cuda = args.device == "cuda"
     preset = args.preset or ("1b" if cuda else "small")
