@@ -65,7 +65,7 @@ class Policy(BaseModel):
     budget_fraction: StrictFloat = Field(0.9, gt=0, le=1)
     "With budget=None: the budget as this fraction of the device memory not used by others at start."
 
-    headroom: StrictFloat = Field(0.92, gt=0, le=1)
+    headroom: StrictFloat = Field(0.94, gt=0, le=1)
     "Plan for predicted peak <= headroom x budget at first; the margin absorbs prediction error."
 
     min_headroom: StrictFloat = Field(0.5, gt=0, le=1)
@@ -77,7 +77,7 @@ class Policy(BaseModel):
     high_watermark: StrictFloat = Field(0.98, gt=0, le=1)
     "An observed peak above this fraction of the budget escalates at once."
 
-    low_watermark: StrictFloat = Field(0.9, gt=0, lt=1)
+    low_watermark: StrictFloat = Field(0.94, gt=0, lt=1)
     "Observed peaks under this fraction of the budget for calm_steps steps relax the plan."
 
     calm_steps: StrictInt = Field(10, ge=1)

@@ -365,7 +365,8 @@ def test_scripted_probe_gives_the_exact_decision_sequence():
     budget = 100 * MiB
     ratios = [0.5, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9, 0.99, 0.5, 0.5, 0.5, 0.9, 0.5, 0.5]
     probe = ScriptedProbe(2 * budget, [int(r * budget) for r in ratios])
-    policy = load_policy().model_copy(update={"calm_steps": 3})
+    # the watermarks this sequence is written against (0.9 is in band), whatever the defaults
+    policy = load_policy().model_copy(update={"calm_steps": 3, "headroom": 0.92, "low_watermark": 0.9})
     with adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         for _ in ratios:
             with mem.step():
@@ -382,9 +383,10 @@ def test_scripted_probe_shows_no_flip_flop():
     model = tiny(n_layers=3)
     budget = 100 * MiB
     holder = {}
-    # the load is over the high watermark whenever the plan aims above 92% of the budget
-    probe = ScriptedProbe(2 * budget, lambda step: int((0.99 if holder["mem"].decider.headroom > 0.92 else 0.7) * budget))
     policy = load_policy().model_copy(update={"calm_steps": 2})
+    start = policy.headroom
+    # the load is over the high watermark whenever the plan aims above where it started
+    probe = ScriptedProbe(2 * budget, lambda step: int((0.99 if holder["mem"].decider.headroom > start else 0.7) * budget))
     with adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         holder["mem"] = mem
         for _ in range(40):
