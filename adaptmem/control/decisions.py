@@ -11,8 +11,9 @@ observed peak is compared with the budget:
 
 Predictions carry margins, so a held plan's observed peak usually sits under its
 prediction: `bias` (observed over predicted, above the step's start, over recent
-held steps; never above 1) lets the planner aim the prediction that much higher,
-so the budget is used rather than left to the margins. Any escalation or
+held steps; never above 1) lets the planner aim the prediction that much higher
+(never past `max_headroom` of the budget as predicted), so the budget is used
+rather than left to the margins. Any escalation or
 out-of-memory error sets it back to 1.
 
 A relaxation that has to be undone (an escalation within the calm window that

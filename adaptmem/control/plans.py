@@ -4,7 +4,10 @@
 budget) into one mode
 per block. A plan is made by the planner from the cost model, aimed at
 `headroom x budget`, and kept for its shape bucket (input sizes grouped
-geometrically, the plan made for the bucket's longest). Before anything is
+geometrically), made for the largest input seen in the bucket so far: a larger
+one is planned for again before it runs, and a run of one shape is planned for
+that shape, not for the top of its bucket (up to `bucket_ratio` larger, which
+would leave that much of the budget unused). Before anything is
 known, every block is checkpointed (the calibration step); static policies
 give their fixed plan; a model the user instrumented first starts from the
 user's modes instead. After an out-of-memory error, a retry's plan is no
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from adaptmem.control.costs import CostModel
@@ -39,11 +42,13 @@ MAX_CACHED_PLANS = 64
 class PlanRecord:
     modes: tuple[Mode, ...]
     key: Key
+    extent: int  # the input elements per sample planned for: the largest seen in the bucket
     start: int  # bytes allocated when the plan was made (it is redone if that grows)
     predicted: float | None  # absolute predicted peak at the bucket's shape
     reason: str
     feasible: bool = True
     shortfall: float = 0.0
+    learned: int = 0  # the cost model's steps learned when the plan was made (or last checked)
 
 
 class PlanBook:
@@ -82,21 +87,42 @@ class PlanBook:
         """The plan for a forward starting now: the bucket's, unless stale or retrying."""
         key = self.bucket(batch, extent)
         record = self.cache.get(key)
-        if record is None or start > record.start + 0.01 * budget or self.failed is not None:
-            record = self.make(key, start, budget, fixed={}, reason="new shape" if record is None else "replan")
+        if record is None or extent > record.extent:
+            seen = extent if record is None else max(extent, record.extent)
+            record = self.make(key, start, budget, fixed={}, reason="new shape", extent=seen)
+            self.cache[key] = record
+        elif (start > record.start + 0.01 * budget or self.failed is not None
+              or self._outlearned(record, start, budget)):
+            record = self.make(key, start, budget, fixed={}, reason="replan", extent=record.extent)
             self.cache[key] = record
         self.cache.move_to_end(key)
         while len(self.cache) > MAX_CACHED_PLANS:
             self.cache.popitem(last=False)
         return record
 
+    def _outlearned(self, record: PlanRecord, start: int, budget: int) -> bool:
+        """A cached plan that the cost model, having learned since the plan was made, now predicts
+        over `max_headroom` of the budget: it would not fit. Checked once per step learned."""
+        if record.learned == self.costs.steps_learned or self.policy.static_plan != "none" or not record.feasible:
+            return False
+        predicted = self.predict(record.modes, record.key[0], record.extent, start)
+        if predicted is not None and predicted > self.policy.max_headroom * budget:
+            return True
+        self.cache[record.key] = replace(record, learned=self.costs.steps_learned)
+        return False
+
     def pin(self, pinned: dict[int, Mode]) -> None:
         """Blocks that keep the given modes whatever the plan (cached plans are dropped)."""
         self.pinned = dict(pinned)
         self.cache.clear()
 
-    def make(self, key: Key, start: int, budget: int, *, fixed: dict[int, Mode], reason: str) -> PlanRecord:
+    def make(self, key: Key, start: int, budget: int, *, fixed: dict[int, Mode], reason: str,
+             extent: int | None = None) -> PlanRecord:
+        """A plan for bucket `key`, made for inputs of `extent` elements per sample (default: the
+        bucket's top)."""
         p = self.policy
+        extent = key[1] if extent is None else extent
+        shape = (key[0], extent)
         fixed = {**self.pinned, **fixed}
         predicted, feasible, shortfall = None, True, 0.0
         if p.static_plan != "none":
@@ -108,12 +134,12 @@ class PlanBook:
             modes = tuple(Mode.CHECKPOINT if Mode.CHECKPOINT in self.allowed else top for _ in range(self.n))
             reason = "calibrate"
         else:
-            modes, predicted, feasible, shortfall = self._solve(key, start, budget, fixed)
+            modes, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed)
         if self.failed is not None:
-            modes, reason = self._tighter_than_failed(modes, key), f"retry {self.attempt}"
+            modes, reason = self._tighter_than_failed(modes, shape), f"retry {self.attempt}"
         for i, mode in fixed.items():
             modes = modes[:i] + (mode,) + modes[i + 1:]
-        return PlanRecord(modes, key, start, predicted, reason, feasible, shortfall)
+        return PlanRecord(modes, key, extent, start, predicted, reason, feasible, shortfall, self.costs.steps_learned)
 
     def predict(self, modes: tuple[Mode, ...], batch: int, extent: int, start: int) -> float | None:
         """Predicted absolute peak of `modes` for this shape, or None before calibration."""
@@ -143,15 +169,17 @@ class PlanBook:
         self.tried.clear()
 
     # ------------------------------------------------------------------ inner
-    def _solve(self, key: Key, start: int, budget: int, fixed: dict[int, Mode]):
-        batch, extent = key
+    def _solve(self, key: Key, shape: Key, start: int, budget: int, fixed: dict[int, Mode]):
+        batch, extent = shape
         p = self.policy
         target = self.decider.headroom * budget
         head = self.costs.head_bytes(batch, extent)
         options = self.costs.options(batch, extent, self.allowed, fixed)
         host_limit = p.host_fraction * self.probe.host_available()
+        # the bias aims the predictions higher, never past max_headroom of the budget as predicted
+        aim = min((target - start) / self.decider.bias, p.max_headroom * budget - start)
         for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
-            result = solve(options, (target - start) / self.decider.bias, head, p.planner_bins)
+            result = solve(options, aim, head, p.planner_bins)
             chosen = [next(o for o in row if o.mode is m) for row, m in zip(options, result.modes)]
             if sum(o.host for o in chosen) <= host_limit:
                 break
@@ -172,7 +200,7 @@ class PlanBook:
         k = self.policy.every_k if self.policy.static_plan == "every-k" else max(1, round(math.sqrt(self.n)))
         return tuple(Mode.CHECKPOINT if (i + 1) % k == 0 else Mode.NONE for i in range(self.n))
 
-    def _tighter_than_failed(self, modes: tuple[Mode, ...], key: Key) -> tuple[Mode, ...]:
+    def _tighter_than_failed(self, modes: tuple[Mode, ...], shape: Key) -> tuple[Mode, ...]:
         """No looser anywhere than the failed plan, and not one tried already: else each
         block one rung up the ladder; past its top, uniform plans, tightest predicted first."""
         allowed = self.allowed
@@ -180,25 +208,25 @@ class PlanBook:
         failed = self.failed
         merged = tuple(m if rank.get(m, 0) >= rank.get(f, 0) else f for m, f in zip(modes, failed))
         candidates = [merged, tuple(step_up(f, allowed) for f in failed)]
-        candidates += [tuple(m for _ in failed) for m in self._uniform_by_peak(key)]
+        candidates += [tuple(m for _ in failed) for m in self._uniform_by_peak(shape)]
         for candidate in candidates:
             if candidate not in self.tried:
                 return candidate
         return candidates[-1]
 
-    def _uniform_by_peak(self, key: Key) -> list[Mode]:
+    def _uniform_by_peak(self, shape: Key) -> list[Mode]:
         rungs = list(reversed(ladder(self.allowed)))
         if not self.costs.known:
             return rungs
         start = self.probe.allocated()
-        return sorted(rungs, key=lambda m: self.predict(tuple(m for _ in range(self.n)), *key, start) or 0.0)
+        return sorted(rungs, key=lambda m: self.predict(tuple(m for _ in range(self.n)), *shape, start) or 0.0)
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> list:
-        return [[list(k), [m.label for m in r.modes], r.start, r.predicted] for k, r in self.cache.items()]
+        return [[list(k), [m.label for m in r.modes], r.start, r.predicted, r.extent] for k, r in self.cache.items()]
 
     def load_state_dict(self, state: list) -> None:
-        self.cache = OrderedDict(
-            (tuple(k), PlanRecord(tuple(Mode.parse(m) for m in modes), tuple(k), start, pred, "resume"))
-            for k, modes, start, pred in state
-        )
+        self.cache = OrderedDict()
+        for k, modes, start, pred, *extent in state:  # saved before plans kept their extent: the bucket's top
+            self.cache[tuple(k)] = PlanRecord(tuple(Mode.parse(m) for m in modes), tuple(k),
+                                              extent[0] if extent else k[1], start, pred, "resume")

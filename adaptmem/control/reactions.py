@@ -155,7 +155,8 @@ class Reactions:
         with self._lock:
             start = self.probe.allocated()
             bucket = self.plans.bucket(shape.batch, shape.extent)
-            self._apply(self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward"))
+            self._apply(self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward",
+                                        extent=shape.extent))
 
     def _check_own_checkpointing(self) -> None:
         """The model's own gradient checkpointing (Hugging Face's `gradient_checkpointing`),
@@ -203,7 +204,8 @@ class Reactions:
         batch, extent, start, done = state
         if len(done) >= len(self.handles):
             return 0
-        record = self.plans.make(self.plans.bucket(batch, extent), start, self.budget, fixed=done, reason="pressure")
+        record = self.plans.make(self.plans.bucket(batch, extent), start, self.budget, fixed=done, reason="pressure",
+                                 extent=extent)
         changed = sum(1 for i, h in enumerate(self.handles) if i not in done and h.mode is not record.modes[i])
         self._apply(record)
         return changed
