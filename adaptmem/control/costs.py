@@ -77,6 +77,10 @@ class CostModel:
     def known(self) -> bool:
         return self.steps_learned > 0
 
+    def measured(self, batch: int, extent: int) -> bool:
+        """This very shape has been measured block by block (among the shapes the fits keep)."""
+        return bool(self.latent) and (int(batch), int(extent)) in self.latent[0]["input_bytes"].points
+
     # ---------------------------------------------------------------- learn
     def learn(self, sample: StepSample) -> None:
         if not sample.blocks or sample.batch * sample.extent == 0 or sample.overlapped:

@@ -7,7 +7,11 @@ per block. A plan is made by the planner from the cost model, aimed at
 geometrically), made for the largest input seen in the bucket so far: a larger
 one is planned for again before it runs, and a run of one shape is planned for
 that shape, not for the top of its bucket (up to `bucket_ratio` larger, which
-would leave that much of the budget unused). Before anything is
+would leave that much of the budget unused). A shape the cost model has not
+measured yet is planned for the bucket's top (its predictions are inter- or
+extrapolated, and the top is their margin), and planned for again at its own
+size once it has been measured.
+Before anything is
 known, every block is checkpointed (the calibration step); static policies
 give their fixed plan; a model the user instrumented first starts from the
 user's modes instead. After an out-of-memory error, a retry's plan is no
@@ -42,13 +46,14 @@ MAX_CACHED_PLANS = 64
 class PlanRecord:
     modes: tuple[Mode, ...]
     key: Key
-    extent: int  # the input elements per sample planned for: the largest seen in the bucket
+    extent: int  # the input elements per sample planned for: `seen`, or the bucket's top beyond what was measured
     start: int  # bytes allocated when the plan was made (it is redone if that grows)
     predicted: float | None  # absolute predicted peak at the bucket's shape
     reason: str
     feasible: bool = True
     shortfall: float = 0.0
     learned: int = 0  # the cost model's steps learned when the plan was made (or last checked)
+    seen: int = 0  # the largest input elements per sample seen in the bucket
 
 
 class PlanBook:
@@ -87,13 +92,13 @@ class PlanBook:
         """The plan for a forward starting now: the bucket's, unless stale or retrying."""
         key = self.bucket(batch, extent)
         record = self.cache.get(key)
-        if record is None or extent > record.extent:
-            seen = extent if record is None else max(extent, record.extent)
+        if record is None or extent > record.seen:
+            seen = extent if record is None else max(extent, record.seen)
             record = self.make(key, start, budget, fixed={}, reason="new shape", extent=seen)
             self.cache[key] = record
         elif (start > record.start + 0.01 * budget or self.failed is not None
               or self._outlearned(record, start, budget)):
-            record = self.make(key, start, budget, fixed={}, reason="replan", extent=record.extent)
+            record = self.make(key, start, budget, fixed={}, reason="replan", extent=record.seen)
             self.cache[key] = record
         self.cache.move_to_end(key)
         while len(self.cache) > MAX_CACHED_PLANS:
@@ -101,9 +106,14 @@ class PlanBook:
         return record
 
     def _outlearned(self, record: PlanRecord, start: int, budget: int) -> bool:
-        """A cached plan that the cost model, having learned since the plan was made, now predicts
-        over `max_headroom` of the budget: it would not fit. Checked once per step learned."""
-        if record.learned == self.costs.steps_learned or self.policy.static_plan != "none" or not record.feasible:
+        """The cost model has learned since the cached plan was made, and either has now measured
+        the shape the plan kept a margin for, or predicts the plan over `max_headroom` of the
+        budget (it would not fit). Checked once per step learned."""
+        if record.learned == self.costs.steps_learned or self.policy.static_plan != "none":
+            return False
+        if record.extent > record.seen and self.costs.measured(record.key[0], record.seen):
+            return True
+        if not record.feasible:
             return False
         predicted = self.predict(record.modes, record.key[0], record.extent, start)
         if predicted is not None and predicted > self.policy.max_headroom * budget:
@@ -118,10 +128,11 @@ class PlanBook:
 
     def make(self, key: Key, start: int, budget: int, *, fixed: dict[int, Mode], reason: str,
              extent: int | None = None) -> PlanRecord:
-        """A plan for bucket `key`, made for inputs of `extent` elements per sample (default: the
-        bucket's top)."""
+        """A plan for bucket `key`, for inputs of up to `extent` elements per sample (default: the
+        bucket's top), made for the bucket's top while that shape has not been measured."""
         p = self.policy
-        extent = key[1] if extent is None else extent
+        seen = key[1] if extent is None else extent
+        extent = seen if self.costs.measured(key[0], seen) else max(seen, key[1])
         shape = (key[0], extent)
         fixed = {**self.pinned, **fixed}
         predicted, feasible, shortfall = None, True, 0.0
@@ -139,7 +150,8 @@ class PlanBook:
             modes, reason = self._tighter_than_failed(modes, shape), f"retry {self.attempt}"
         for i, mode in fixed.items():
             modes = modes[:i] + (mode,) + modes[i + 1:]
-        return PlanRecord(modes, key, extent, start, predicted, reason, feasible, shortfall, self.costs.steps_learned)
+        return PlanRecord(modes, key, extent, start, predicted, reason, feasible, shortfall,
+                          self.costs.steps_learned, seen)
 
     def predict(self, modes: tuple[Mode, ...], batch: int, extent: int, start: int) -> float | None:
         """Predicted absolute peak of `modes` for this shape, or None before calibration."""
@@ -223,10 +235,12 @@ class PlanBook:
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> list:
-        return [[list(k), [m.label for m in r.modes], r.start, r.predicted, r.extent] for k, r in self.cache.items()]
+        return [[list(k), [m.label for m in r.modes], r.start, r.predicted, r.extent, r.seen, r.learned]
+                for k, r in self.cache.items()]
 
     def load_state_dict(self, state: list) -> None:
         self.cache = OrderedDict()
-        for k, modes, start, pred, *extent in state:  # saved before plans kept their extent: the bucket's top
-            self.cache[tuple(k)] = PlanRecord(tuple(Mode.parse(m) for m in modes), tuple(k),
-                                              extent[0] if extent else k[1], start, pred, "resume")
+        for k, modes, start, pred, *rest in state:  # saved before plans kept their extent: the bucket's top
+            extent, seen, learned = (rest + [k[1], k[1], 0][len(rest):])[:3]
+            self.cache[tuple(k)] = PlanRecord(tuple(Mode.parse(m) for m in modes), tuple(k), extent, start, pred,
+                                              "resume", learned=learned, seen=seen)

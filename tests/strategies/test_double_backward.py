@@ -77,11 +77,15 @@ def test_a_manager_that_sees_a_second_backward_never_chooses_selective():
                         grads.append(backward_twice(model, batch, kind))
                 chosen.append(set(mem.plan.values()))
             events = mem.events.of_type("restrict")
-        return chosen, grads, events
+            allowed = mem.plans.allowed
+        return chosen, grads, events, allowed
 
-    once, _, none_restricted = run("once")
-    assert any(Mode.SELECTIVE in modes for modes in once) and not none_restricted  # it would choose it
-    twice, grads, restricted = run("retain_graph")
+    # with one backward, SELECTIVE stays among the modes the planner weighs (whether it wins here
+    # depends on the times measured); with two it is taken out at the first step and never chosen
+    _, _, none_restricted, allowed = run("once")
+    assert Mode.SELECTIVE in allowed and not none_restricted
+    twice, grads, restricted, allowed = run("retain_graph")
+    assert Mode.SELECTIVE not in allowed
     assert not any(Mode.SELECTIVE in modes for modes in twice)
     assert restricted[0]["mode"] == "SELECTIVE" and restricted[0]["step"] == 1
     expected = backward_twice(make(), batch, "retain_graph")
