@@ -85,9 +85,12 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
             self.manager.close()
 
     def _own_checkpointing_off(self, model: Any) -> None:
-        if self.keep_model_checkpointing or not getattr(model, "is_gradient_checkpointing", False):
+        # newer transformers name it activation checkpointing (the gradient_* names warn there)
+        new_names = hasattr(model, "activation_checkpointing_disable")
+        on = getattr(model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing", False)
+        if self.keep_model_checkpointing or not on:
             return
-        model.gradient_checkpointing_disable()
+        (model.activation_checkpointing_disable if new_names else model.gradient_checkpointing_disable)()
         log.warning("adaptmem: switched off the model's own gradient checkpointing (gradient_checkpointing=True); "
                     "adaptmem now decides which blocks to recompute. Pass keep_model_checkpointing=True to keep it.")
 
