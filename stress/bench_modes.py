@@ -56,22 +56,12 @@ def one_step(model, ids):
 HF_CHECKPOINTING = "HF checkpointing"  # the model's own checkpointing: the peer users pick today
 
 
-def hf_checkpointing(model, on: bool) -> None:
-    """Switch the model's own checkpointing, by its current name (`activation_checkpointing_*`
-    in newer transformers, `gradient_checkpointing_*` before)."""
-    verb = "enable" if on else "disable"
-    new = getattr(model, f"activation_checkpointing_{verb}", None)
-    if new is not None:
-        new(activation_checkpointing_kwargs={"use_reentrant": False}) if on else new()
-    else:
-        old = getattr(model, f"gradient_checkpointing_{verb}")
-        old(gradient_checkpointing_kwargs={"use_reentrant": False}) if on else old()
-
-
 def set_mode(model, handles, mode) -> None:
     """Every block in `mode`, or (the peer's row) every block plain under the model's own checkpointing."""
+    from adaptmem.integrations.transformers import switch_own_checkpointing
+
     peer = mode == HF_CHECKPOINTING
-    hf_checkpointing(model, peer)
+    switch_own_checkpointing(model, peer)
     for h in handles:
         h.mode = Mode.NONE if peer else mode
 

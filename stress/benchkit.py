@@ -132,7 +132,9 @@ def make_runner(method: str, base: torch.nn.Module, batch: dict, speed: float | 
     runner = Runner(method, model, dev, clock, batch)
     if method == "checkpoint_all":
         if hasattr(model, "gradient_checkpointing_enable"):  # the model's own: what users pick today
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from adaptmem.integrations.transformers import switch_own_checkpointing
+
+            switch_own_checkpointing(model, True)
         else:
             adaptmem.instrument(model, mode=Mode.CHECKPOINT)
     elif method == "offload_all":

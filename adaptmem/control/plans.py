@@ -240,7 +240,7 @@ class PlanBook:
 
     def load_state_dict(self, state: list) -> None:
         self.cache = OrderedDict()
-        for k, modes, start, pred, *rest in state:  # saved before plans kept their extent: the bucket's top
-            extent, seen, learned = (rest + [k[1], k[1], 0][len(rest):])[:3]
+        for k, modes, start, pred, *rest in state:
+            extent, seen, learned = rest or (k[1], k[1], 0)  # saved before plans kept their extent: the top
             self.cache[tuple(k)] = PlanRecord(tuple(Mode.parse(m) for m in modes), tuple(k), extent, start, pred,
                                               "resume", learned=learned, seen=seen)

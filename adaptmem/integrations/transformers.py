@@ -46,6 +46,26 @@ _JSON = (str, int, float, bool, type(None))
 _LIVE: weakref.WeakValueDictionary[str, AdaptMemTrainerCallback] = weakref.WeakValueDictionary()
 
 
+def _own_checkpointing_name(model: Any) -> str:
+    """What this transformers calls a model's own checkpointing: `activation_checkpointing`
+    in newer versions (where the `gradient_checkpointing` names warn), else the old name."""
+    return "activation_checkpointing" if hasattr(model, "activation_checkpointing_enable") else "gradient_checkpointing"
+
+
+def own_checkpointing_on(model: Any) -> bool:
+    """The model's own (Hugging Face) checkpointing is on."""
+    return bool(getattr(model, f"is_{_own_checkpointing_name(model)}", False))
+
+
+def switch_own_checkpointing(model: Any, on: bool) -> None:
+    """Switch the model's own checkpointing on (non-reentrant) or off, by its current name."""
+    name = _own_checkpointing_name(model)
+    if on:
+        getattr(model, f"{name}_enable")(**{f"{name}_kwargs": {"use_reentrant": False}})
+    else:
+        getattr(model, f"{name}_disable")()
+
+
 class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
     """Adaptive activation memory for a Hugging Face Trainer.
 
@@ -85,12 +105,9 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
             self.manager.close()
 
     def _own_checkpointing_off(self, model: Any) -> None:
-        # newer transformers name it activation checkpointing (the gradient_* names warn there)
-        new_names = hasattr(model, "activation_checkpointing_disable")
-        on = getattr(model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing", False)
-        if self.keep_model_checkpointing or not on:
+        if self.keep_model_checkpointing or not own_checkpointing_on(model):
             return
-        (model.activation_checkpointing_disable if new_names else model.gradient_checkpointing_disable)()
+        switch_own_checkpointing(model, False)
         log.warning("adaptmem: switched off the model's own gradient checkpointing (gradient_checkpointing=True); "
                     "adaptmem now decides which blocks to recompute. Pass keep_model_checkpointing=True to keep it.")
 
