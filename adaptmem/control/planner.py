@@ -96,51 +96,76 @@ def tightest_capacity(options: list[list[Option]], final: float = 0.0, bins: int
     return high
 
 
+_CHUNK = 8  # blocks whose index rows are built at once: small enough to stay in cache, never mapped afresh
+
+
 def _solve(options, capacity, final, bins, *, use_cost: bool) -> list[int] | None:
     if capacity <= 0:
         return None
     quantum = max(1.0, capacity / bins)
     top = int(math.floor(capacity / quantum + 1e-9))
     n, width = len(options), max(len(opts) for opts in options)
-    pad = math.inf  # padding options can never be chosen
-    raw = torch.tensor(
-        [[(o.saved, o.need, o.seconds if use_cost else 0.0) for o in opts] + [(pad, pad, 0.0)] * (width - len(opts))
-         for opts in options],
-        dtype=torch.float64,
-    )
-    sizes = (raw[..., :2] / quantum - 1e-9).ceil_().clamp_(0, top + 1).to(torch.int64)  # rounded up to bins
+    flat: list[float] = []
+    for opts in options:
+        for o in opts:
+            flat += (o.saved, o.need, o.seconds if use_cost else 0.0)
+        flat += (math.inf, math.inf, 0.0) * (width - len(opts))  # padding: never fits
+    raw = torch.tensor(flat, dtype=torch.float64).view(n, width, 3)
+    sizes = (raw[..., :2] / quantum - 1e-9).ceil_().clamp_(0, top + 1).to(torch.int32)  # rounded up to bins
     saved, need, cost = sizes[..., 0], sizes[..., 1], raw[..., 2]
     span = top + 1
-    saved32, room = saved.to(torch.int32), (top - need).to(torch.int32)
-    prev_all = torch.arange(span, dtype=torch.int32)[None, None, :] - saved32[:, :, None]  # (n, width, span)
-    # where a choice does not fit (what its peak needs), it reads an entry that is always infinite
-    prev_all.masked_fill_((prev_all < 0) | (prev_all > room[:, :, None]), span)
-    prev_rows = prev_all.view(n, -1).unbind(0)
+    # The prefix sum j after block i is reached from j - saved, which must lie in [0, top - need]
+    # (the block's peak fits), so j <= lim. Each row of best costs per prefix sum sits behind
+    # `pad` infinities: a source below 0 reads infinity by itself, and a choice with j > lim is
+    # sent to entry 0. The rows are built a few blocks at a time, in integer arithmetic only:
+    # boolean masks, and large temporaries that the allocator maps afresh on every call, would
+    # cost more than the loop itself.
+    pad = int(saved.max()) + 1
+    lim = saved + top - need
+    ramp = torch.arange(span, dtype=torch.int32)
     cost_rows = cost[:, :, None].unbind(0)
-    best_ext = torch.full((span + 1,), math.inf, dtype=torch.float64)
-    best_ext[0] = 0.0
-    best = best_ext[:span]
-    reached = torch.empty((n, width, span), dtype=torch.float64)  # block i's cost per choice and prefix sum
-    grids, flats = reached.unbind(0), reached.view(n, -1).unbind(0)
-    for i in range(n):  # three kernels a block: this loop is the planner's time
-        torch.index_select(best_ext, 0, prev_rows[i], out=flats[i])
-        grids[i].add_(cost_rows[i])
-        torch.amin(grids[i], 0, out=best)
+    source = torch.full((pad + span,), math.inf, dtype=torch.float64)
+    source[pad] = 0.0
+    sources = [source]  # sources[i]: best cost per prefix sum after i blocks, behind the pad
+    grid = torch.empty((width, span), dtype=torch.float64)  # block i's cost per choice and prefix sum
+    flat_grid = grid.view(-1)
+    for first in range(0, n, _CHUNK):
+        rows = _source_rows(saved[first:first + _CHUNK], lim[first:first + _CHUNK], ramp, pad)
+        after = torch.full((len(rows), pad + span), math.inf, dtype=torch.float64)
+        for row, out, best in zip(rows, after.unbind(0), after[:, pad:].unbind(0)):
+            # three kernels a block: this loop is the planner's time
+            torch.index_select(sources[-1], 0, row, out=flat_grid)
+            grid.add_(cost_rows[len(sources) - 1])
+            torch.amin(grid, 0, out=best)
+            sources.append(out)
     final_bins = _up(final, quantum)
     if final_bins > top:
         return None
-    tail = best[: top - final_bins + 1]
+    tail = sources[n][pad: pad + top - final_bins + 1]
     if not torch.isfinite(tail).any():
         return None
     end = int(torch.nonzero(tail == tail.min())[0])  # cheapest, then the smallest total saved
-    saved_rows = saved.tolist()
+    saved_rows, lim_rows, cost_list = saved.tolist(), lim.tolist(), cost.tolist()
+    deepest = pad - 1  # the largest step back a choice takes
     picked: list[int] = []
     for i in range(n - 1, -1, -1):  # back from the end: the first choice that reached it
-        column = reached[i, :, end].tolist()
+        # what each choice would have cost to reach `end`, recomputed as the loop computed it
+        window = sources[i][pad + end - deepest: pad + end + 1].tolist()  # the rows it can come from
+        column = [window[deepest - s] + c if end <= cap else math.inf
+                  for s, cap, c in zip(saved_rows[i], lim_rows[i], cost_list[i])]
         m = column.index(min(column))
         picked.append(m)
         end -= saved_rows[i][m]
     return picked[::-1]
+
+
+def _source_rows(saved, lim, ramp, pad) -> tuple:
+    """Per block, the flat (choice, prefix sum) index into the previous row: pad + j - saved, or 0."""
+    lim = lim[:, :, None]
+    over = lim - ramp  # < 0 where the block's peak does not fit
+    rows = (lim + (pad - saved)[:, :, None]) - over
+    rows.add_(over.clamp_(max=0), alpha=pad + len(ramp)).clamp_(min=0)
+    return rows.view(len(rows), -1).unbind(0)
 
 
 def _up(value: float, quantum: float) -> int:
