@@ -17,7 +17,8 @@ forward and backward shows), `several` in 120% (several blocks' worth shows). St
 CPU time of the training thread plus simulated link waits (`stress.benchkit.VirtualClock`), over rotated repetitions.
 A shared machine only ever adds time, so a method's time is its fastest repetition and a ratio
 is of fastest times; the spread shown is half the min-max range of the per-repetition ratios.
-Peaks come from steps of their own, read through a window no manager reads. One torch thread.
+Peaks come from steps of their own, read through a window no manager reads. One torch thread;
+freed host memory stays mapped (`stress.benchkit.keep_host_memory`), so page faults stay out of the times.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch
 from adaptmem import Mode
 from adaptmem.config.units import format_bytes
 from stress.bench_controller import controller_fraction
-from stress.benchkit import ORACLE_MODES, ModeFigures, batch_for, build, find_oracle, make_runner, fastest_step
+from stress.benchkit import (ORACLE_MODES, ModeFigures, batch_for, build, fastest_step, find_oracle,
+                             keep_host_memory, make_runner)
 
 LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / unmanaged step
 FRACTIONS = (0.3, 0.5, 0.7)
@@ -183,6 +185,7 @@ def main(argv=None) -> int:
         print(render(json.loads(args.render.read_text())))
         return 0
     torch.set_num_threads(1)
+    keep_host_memory()
     reps = args.reps or (4 if args.quick else 5)
     seqs = [256] if args.quick else [256, 512]
     links = ["one-block"] if args.quick else list(LINKS)

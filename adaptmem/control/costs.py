@@ -72,6 +72,9 @@ class CostModel:
         self.tail = Fit("base")
         self.elem_size = 4
         self.steps_learned = 0
+        self._pool_key: tuple | None = None  # (batch, extent, steps_learned) the pooled overheads are for
+        self._pool: dict = {}
+        self._groups: list[tuple[int, ...]] = []
 
     @property
     def known(self) -> bool:
@@ -170,17 +173,53 @@ class CostModel:
         return Latents(**{k: f.predict(batch, extent, q) for k, f in self.latent[index].items()})
 
     def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
-        """Measured time of the mode less measured time of NONE (NONE's own when it ran)."""
+        """Measured time of the mode less measured time of NONE, averaged over the blocks like this one."""
         if mode is Mode.NONE:
             return 0.0
-        fits = self.direct[index].get(mode) or self._sibling(index, mode)
-        none = self.direct[index].get(Mode.NONE) or self._sibling(index, Mode.NONE)
+        overhead = self._pooled_overhead(index, mode, batch, extent)
+        if overhead is None:  # no block like it has run the mode and NONE (or a checkpoint) both
+            fits = self.direct[index].get(mode) or self._sibling(index, mode)
+            none = self.direct[index].get(Mode.NONE) or self._sibling(index, Mode.NONE)
+            baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]
+            if fits is None or not fits["seconds"] or not baseline:
+                return derived.seconds
+            overhead = fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
+        return max(0.0, overhead) + self._penalty(mode, self._latents(index, batch, extent))
+
+    def _pooled_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
+        """The mean, over the blocks alike with `index` that have run `mode`, of each one's time
+        in it less its own time without it.
+
+        One block's timing is one sample of a noisy clock, and the blocks at either end carry
+        what runs beside them (the embedding's backward, the head's): block by block, the
+        same mode on identical layers read from 5 to 50 ms, and the planner chose its blocks by
+        that noise. Alike means the same class with the same input size, so a stage of a
+        network whose blocks share a class but not a shape is pooled only with itself.
+        """
+        key = (batch, extent, self.steps_learned)
+        if self._pool_key != key:
+            self._pool_key, self._pool = key, {}
+            self._groups = self._alike_groups(batch, extent)
+        group = self._groups[index]
+        if (group, mode) not in self._pool:
+            own = [o for j in group if (o := self._own_overhead(j, mode, batch, extent)) is not None]
+            self._pool[group, mode] = sum(own) / len(own) if own else None
+        return self._pool[group, mode]
+
+    def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
+        fits = self.direct[index].get(mode)
+        none = self.direct[index].get(Mode.NONE)
         baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]
         if fits is None or not fits["seconds"] or not baseline:
-            return derived.seconds
-        lat = self._latents(index, batch, extent)
-        overhead = fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
-        return max(0.0, overhead) + self._penalty(mode, lat)
+            return None
+        return fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
+
+    def _alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
+        """Per block, the blocks of its class whose input is within 2% of its own size."""
+        sizes = [lat["input_bytes"].predict(batch, extent) for lat in self.latent]
+        return [tuple(j for j, (c, x) in enumerate(zip(self.classes, sizes))
+                      if c == cls and abs(x - size) <= 0.02 * max(x, size, 1.0))
+                for cls, size in zip(self.classes, sizes)]
 
     def _sibling(self, index: int, mode: Mode) -> dict[str, Fit] | None:
         cls = self.classes[index]
@@ -258,6 +297,7 @@ class CostModel:
         self.tail = Fit.from_state(state["tail"])
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
+        self._pool_key = None
 
 
 def _revealed_activations(blk: BlockSample) -> float | None:

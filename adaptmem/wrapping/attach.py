@@ -228,8 +228,9 @@ def _warn_if_hf_checkpointing(handle: BlockHandle, runtime: BlockRuntime) -> Non
         runtime.warn_once(
             "hf-gc",
             f"adaptmem: {handle.name} has Hugging Face gradient checkpointing enabled, so it is "
-            "recomputed twice under adaptmem's recompute modes; call "
-            "model.gradient_checkpointing_disable() and let adaptmem decide",
+            "recomputed twice under adaptmem's recompute modes; switch it off "
+            "(model.activation_checkpointing_disable(), or model.gradient_checkpointing_disable() in "
+            "transformers without it) and let adaptmem decide",
         )
 
 

@@ -175,3 +175,37 @@ def test_state_round_trip_and_mismatch(harness):
     wrong = CostModel(["Other"] * 3, harness.costs.policy, cuda=False)
     with pytest.raises(ValueError, match="cost model state is for 4 blocks"):
         wrong.load_state_dict(harness.costs.state_dict())
+
+
+def _timed_step(modes, seconds, sizes, batch=2, extent=1000):
+    """A step whose block i ran modes[i] for seconds[i] (forward and backward together)."""
+    from adaptmem.control.recorder import BlockSample, StepSample
+
+    blocks, at = [], 0
+    for i, (mode, took, size) in enumerate(zip(modes, seconds, sizes)):
+        blocks.append(BlockSample(index=i, mode=mode, input_bytes=size, start=at, end=at + 2 * size,
+                                  fwd_top=at + 3 * size, held=2 * size, output_bytes=size, bwd_start=at + 2 * size,
+                                  bwd_top=at + 4 * size, fwd_seconds=took / 3, bwd_seconds=2 * took / 3))
+        at += 2 * size
+    return StepSample(batch=batch, extent=extent, blocks=blocks, completed=True, seconds=sum(seconds))
+
+
+def test_a_modes_time_is_pooled_over_blocks_alike_and_only_those():
+    """Block by block, timings are noisy: alike blocks (same class, same input size) share the mean of
+    their measured overheads, so the planner does not pick blocks by noise; a block of the same class
+    with another input size (a later stage) keeps its own."""
+    policy = load_policy("balanced")
+    costs = CostModel(["Layer"] * 5, policy, cuda=False)
+    sizes = [1000, 1000, 1000, 1000, 500]  # the last: another stage, half the input
+    costs.learn(_timed_step([Mode.NONE] * 5, [0.040, 0.042, 0.038, 0.060, 0.020], sizes))
+    costs.learn(_timed_step([Mode.OFFLOAD, Mode.OFFLOAD, Mode.NONE, Mode.OFFLOAD, Mode.OFFLOAD],
+                            [0.045, 0.062, 0.038, 0.061, 0.030], sizes))
+    seconds = [costs.figures(i, Mode.OFFLOAD, 2, 1000).seconds for i in range(5)]
+
+    def own(i):  # block i's own fits: offload's time less NONE's
+        return (costs.direct[i][Mode.OFFLOAD]["seconds"].predict(2, 1000)
+                - costs.direct[i][Mode.NONE]["seconds"].predict(2, 1000))
+
+    assert seconds[0] == seconds[1] == seconds[2] == seconds[3] == pytest.approx((own(0) + own(1) + own(3)) / 3)
+    assert len({round(own(i), 6) for i in (0, 1, 3)}) == 3  # the blocks did differ
+    assert seconds[4] == pytest.approx(own(4)) and seconds[4] != pytest.approx(seconds[0])
