@@ -14,18 +14,23 @@ Methods, each on its own copy of the model and its own stand-in device:
 Link speeds are set from the model: `hidden` moves all of offload_all's bytes in 5% of an
 unmanaged step (the copies hide behind compute), `one-block` in 35% (about one block's
 forward and backward shows), `several` in 120% (several blocks' worth shows). Step time is
-CPU time of the training thread plus simulated link waits (`stress.benchkit.VirtualClock`), over rotated repetitions.
-A shared machine only ever adds time, so a method's time is its fastest repetition and a ratio
-is of fastest times; the spread shown is half the min-max range of the per-repetition ratios.
+CPU time of the training thread plus simulated link waits (`stress.benchkit.VirtualClock`), over 10
+rotated rounds in which every method steps once. A ratio is the median over rounds of the two
+methods' times in the same round (`paired`): a slow spell of the shared machine lands on both;
+the spread shown is half the min-max range of the per-round ratios.
 Peaks come from steps of their own, read through a window no manager reads. One torch thread;
-freed host memory stays mapped (`stress.benchkit.keep_host_memory`), so page faults stay out of the times.
+freed host memory stays mapped (`stress.benchkit.keep_host_memory`), so page faults stay out of the
+times, and large tensors sit on transparent huge pages (THP_MEM_ALLOC_ENABLE=1, set by the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -98,28 +103,33 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps) -> list[
         if r.manager is not None:  # the peaks of the timed steps count too
             r.measure_peak(2)
         r.close()
+    gc.collect()
     log(f"  {len(runners)} methods x {reps} repetitions in {time.perf_counter() - t0:.0f} s")
     base_times = fixed["unmanaged"].times
     rows = []
     for r in runners:
-        ratios = [t / b for t, b in zip(r.times, base_times)]
+        ratio, spread = paired(r.times, base_times)
         rows.append({"model": name, "seq": seq, "method": r.method, "budget_frac": r.budget_frac, "link": link,
                      "link_bytes_per_s": int(speed), "peak_bytes": max(r.peaks), "budget_bytes": r.budget_bytes,
-                     "step_s": min(r.times), "ratio": min(r.times) / min(base_times),
-                     "spread": (max(ratios) - min(ratios)) / 2, "times": [round(t, 5) for t in r.times],
+                     "step_s": statistics.median(r.times), "ratio": ratio, "spread": spread,
+                     "times": [round(t, 5) for t in r.times],
                      "plan": "".join(m.label[0] if m is not (Mode.CHECKPOINT | Mode.OFFLOAD) else "K"
                                      for m in (r.plan or ())) or None})
-    for row in rows:
-        if row["method"] == "adaptmem":
-            oracle = next(o for o in rows if o["method"] == "oracle" and o["budget_frac"] == row["budget_frac"])
-            mine = next(r for r in runners if r.method == "adaptmem" and r.budget_frac == row["budget_frac"])
-            theirs = next(r for r in runners if r.method == "oracle" and r.budget_frac == row["budget_frac"])
-            per = [a / b for a, b in zip(mine.times, theirs.times)]
-            row["vs_oracle"], row["vs_oracle_spread"] = min(mine.times) / min(theirs.times), (max(per) - min(per)) / 2
-            row["plan"] = "".join(p[0] if p != "CHECKPOINT+OFFLOAD" else "K" for p in mine.manager.last_step["plan"])
+    for row, r in zip(rows, runners):
+        if r.method == "adaptmem":
+            theirs = next(o for o in runners if o.method == "oracle" and o.budget_frac == r.budget_frac)
+            row["vs_oracle"], row["vs_oracle_spread"] = paired(r.times, theirs.times)
             row["vs_oracle"] = round(row["vs_oracle"], 4)
-            del oracle
+            row["plan"] = "".join(p[0] if p != "CHECKPOINT+OFFLOAD" else "K" for p in r.manager.last_step["plan"])
     return rows
+
+
+def paired(times: list[float], against: list[float]) -> tuple[float, float]:
+    """The median over repetitions of the ratio of two methods' times in the same round, and half
+    the range of those ratios. Within a round the two ran minutes apart at most, so a slow spell
+    of the machine slows both and cancels; the median drops a round one of them was unlucky in."""
+    ratios = [t / b for t, b in zip(times, against)]
+    return statistics.median(ratios), (max(ratios) - min(ratios)) / 2
 
 
 def planner_ms() -> float:
@@ -176,7 +186,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one length, one link speed: every method, < 5 min")
     p.add_argument("--json", type=Path, default=None, help="write the rows and figures here")
-    p.add_argument("--reps", type=int, default=None, help="rotated repetitions per method (default 5; 3 quick)")
+    p.add_argument("--reps", type=int, default=None, help="rotated repetitions per method (default 10)")
     p.add_argument("--models", default="tiny,llama")
     p.add_argument("--render", type=Path, default=None, metavar="JSON",
                    help="print the Markdown of a --json file (the README's Results section) and exit")
@@ -186,14 +196,14 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(1)
     keep_host_memory()
-    reps = args.reps or (4 if args.quick else 5)
+    reps = args.reps or 10
     seqs = [256] if args.quick else [256, 512]
     links = ["one-block"] if args.quick else list(LINKS)
     started = time.perf_counter()
     rows = []
     for name in args.models.split(","):
         for seq in seqs:
-            rows += bench_config(name, seq, 2, links, reps, steps=3)
+            rows += bench_config(name, seq, 2, links, reps, steps=4)
     controller = controller_fraction(10 if args.quick else 30)
     fraction = controller["direct"]
     planner = planner_ms()
@@ -211,4 +221,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") is None and "--render" not in sys.argv:
+        # torch reads it once, at its first allocation: large tensors on transparent huge pages
+        # made step times 3% faster and their spread between identical copies of a model tighter
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "stress.bench", *sys.argv[1:]])
     sys.exit(main())

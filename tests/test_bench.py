@@ -1,9 +1,12 @@
 """The benchmark's own logic (not its timings): the oracle's candidate plans and the rendering."""
 
+import statistics
 from math import comb
 
+import pytest
+
 from adaptmem import Mode
-from stress.bench import render, targets
+from stress.bench import paired, render, targets
 from stress.benchkit import ModeFigures, _compositions, arrange, candidates
 
 
@@ -22,6 +25,14 @@ def test_candidates_are_the_fastest_predicted_to_fit():
     assert all(sum(m is not Mode.NONE for m in plan) >= 4 for plan in best)
     assert arrange({Mode.NONE: 1, Mode.CHECKPOINT: 2}, [Mode.CHECKPOINT, Mode.NONE]) == (
         Mode.CHECKPOINT, Mode.CHECKPOINT, Mode.NONE)
+
+
+def test_ratios_pair_each_round_so_a_slow_spell_cancels():
+    base = [1.0, 1.0, 1.5, 1.0, 1.0]  # round 3: the machine was slow for both
+    mine = [1.2, 1.2, 1.8, 1.2, 1.9]  # round 5: this method alone was unlucky
+    ratio, spread = paired(mine, base)
+    assert ratio == pytest.approx(1.2) and spread == pytest.approx((1.9 - 1.2) / 2)
+    assert statistics.mean(mine) / statistics.mean(base) > 1.25  # unpaired, the unlucky round shows
 
 
 def test_targets_and_render_name_what_was_missed():
