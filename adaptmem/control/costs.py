@@ -173,10 +173,15 @@ class CostModel:
         return Latents(**{k: f.predict(batch, extent, q) for k, f in self.latent[index].items()})
 
     def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
-        """Measured time of the mode less measured time of NONE, averaged over the blocks like this one."""
+        """Measured time of the mode less measured time of NONE, averaged over the blocks like this
+        one; an offload's own where it ran on this very block, since where a copy is made decides
+        how much compute it hides behind (on a link that shows, an offload on the fifth of eight
+        blocks cost four times one on the first)."""
         if mode is Mode.NONE:
             return 0.0
-        overhead = self._pooled_overhead(index, mode, batch, extent)
+        overhead = self._own_overhead(index, mode, batch, extent) if mode & Mode.OFFLOAD else None
+        if overhead is None:
+            overhead = self._pooled_overhead(index, mode, batch, extent)
         if overhead is None:  # no block like it has run the mode and NONE (or a checkpoint) both
             fits = self.direct[index].get(mode) or self._sibling(index, mode)
             none = self.direct[index].get(Mode.NONE) or self._sibling(index, Mode.NONE)
@@ -248,15 +253,16 @@ class CostModel:
     def options(self, batch: int, extent: int, allowed: tuple[Mode, ...], fixed: dict[int, Mode] | None = None) -> list[list[Option]]:
         """Planner input: each block's options, with its `grad` term folded into `need`."""
         fixed = fixed or {}
-        out = []
-        for i in range(len(self.classes)):
+        out, n = [], len(self.classes)
+        for i in range(n):
             grad = self.grad[i].predict(batch, extent)
             modes = (fixed[i],) if i in fixed else allowed
             row = []
             for mode in modes:
                 f = self.figures(i, mode, batch, extent)
-                # ties (a mode whose measured cost is within noise of zero) go to the simpler mode
-                seconds = f.seconds + _TIE_BREAK * LADDER.index(mode)
+                # ties (a mode whose measured cost is within noise of zero) go to the simpler mode, and
+                # an offload to the earlier block: the later blocks' compute hides its copies both ways
+                seconds = f.seconds + _TIE_BREAK * (LADDER.index(mode) + (i / n if mode & Mode.OFFLOAD else 0.0))
                 row.append(Option(mode, f.held, max(f.fx, f.held + grad + f.wx), seconds, f.host))
             out.append(row)
         return out

@@ -178,15 +178,17 @@ def test_state_round_trip_and_mismatch(harness):
 
 
 def _timed_step(modes, seconds, sizes, batch=2, extent=1000):
-    """A step whose block i ran modes[i] for seconds[i] (forward and backward together)."""
+    """A step whose block i ran modes[i] for seconds[i] (forward and backward together); an
+    offloaded block keeps its input on the device and sends the rest of its activations away."""
     from adaptmem.control.recorder import BlockSample, StepSample
 
     blocks, at = [], 0
     for i, (mode, took, size) in enumerate(zip(modes, seconds, sizes)):
-        blocks.append(BlockSample(index=i, mode=mode, input_bytes=size, start=at, end=at + 2 * size,
-                                  fwd_top=at + 3 * size, held=2 * size, output_bytes=size, bwd_start=at + 2 * size,
-                                  bwd_top=at + 4 * size, fwd_seconds=took / 3, bwd_seconds=2 * took / 3))
-        at += 2 * size
+        held = size if mode is Mode.OFFLOAD else 4 * size
+        blocks.append(BlockSample(index=i, mode=mode, input_bytes=size, start=at, end=at + held,
+                                  fwd_top=at + held + size, held=held, output_bytes=size, bwd_start=at + held,
+                                  bwd_top=at + held + 2 * size, fwd_seconds=took / 3, bwd_seconds=2 * took / 3))
+        at += held
     return StepSample(batch=batch, extent=extent, blocks=blocks, completed=True, seconds=sum(seconds))
 
 
@@ -198,14 +200,45 @@ def test_a_modes_time_is_pooled_over_blocks_alike_and_only_those():
     costs = CostModel(["Layer"] * 5, policy, cuda=False)
     sizes = [1000, 1000, 1000, 1000, 500]  # the last: another stage, half the input
     costs.learn(_timed_step([Mode.NONE] * 5, [0.040, 0.042, 0.038, 0.060, 0.020], sizes))
-    costs.learn(_timed_step([Mode.OFFLOAD, Mode.OFFLOAD, Mode.NONE, Mode.OFFLOAD, Mode.OFFLOAD],
+    costs.learn(_timed_step([Mode.CHECKPOINT, Mode.CHECKPOINT, Mode.NONE, Mode.CHECKPOINT, Mode.CHECKPOINT],
                             [0.045, 0.062, 0.038, 0.061, 0.030], sizes))
-    seconds = [costs.figures(i, Mode.OFFLOAD, 2, 1000).seconds for i in range(5)]
+    seconds = [costs.figures(i, Mode.CHECKPOINT, 2, 1000).seconds for i in range(5)]
 
-    def own(i):  # block i's own fits: offload's time less NONE's
-        return (costs.direct[i][Mode.OFFLOAD]["seconds"].predict(2, 1000)
+    def own(i):  # block i's own fits: the checkpoint's time less NONE's
+        return (costs.direct[i][Mode.CHECKPOINT]["seconds"].predict(2, 1000)
                 - costs.direct[i][Mode.NONE]["seconds"].predict(2, 1000))
 
     assert seconds[0] == seconds[1] == seconds[2] == seconds[3] == pytest.approx((own(0) + own(1) + own(3)) / 3)
     assert len({round(own(i), 6) for i in (0, 1, 3)}) == 3  # the blocks did differ
     assert seconds[4] == pytest.approx(own(4)) and seconds[4] != pytest.approx(seconds[0])
+
+
+def test_an_offload_keeps_its_own_blocks_time_where_it_ran_there():
+    """Where a copy is made decides how much compute hides it: a block's own offload time is used,
+    and the pooled one only for alike blocks that have not offloaded yet."""
+    costs = CostModel(["Layer"] * 4, load_policy("balanced"), cuda=False)
+    sizes = [1000] * 4
+    costs.learn(_timed_step([Mode.NONE] * 4, [0.040] * 4, sizes))
+    costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE, Mode.OFFLOAD, Mode.NONE], [0.045, 0.040, 0.080, 0.040], sizes))
+    seconds = [costs.figures(i, Mode.OFFLOAD, 2, 1000).seconds for i in range(4)]
+    assert seconds[0] == pytest.approx(0.005) and seconds[2] == pytest.approx(0.04)  # their own
+    assert seconds[1] == seconds[3] == pytest.approx((0.005 + 0.04) / 2)
+
+
+def test_among_equally_cheap_blocks_the_earliest_are_managed():
+    """Pooled, alike blocks cost the same in a mode: the plan manages the first ones, whose bytes
+    wait longest for backward, and an offload goes first of all: its copies have the most compute
+    to hide behind there."""
+    from adaptmem.control.planner import plan
+
+    costs = CostModel(["Layer"] * 6, load_policy("balanced"), cuda=False)
+    sizes = [1000] * 6
+    costs.learn(_timed_step([Mode.NONE] * 6, [0.040, 0.041, 0.039, 0.040, 0.042, 0.038], sizes))
+    costs.learn(_timed_step([Mode.NONE, Mode.OFFLOAD] * 3, [0.040, 0.049, 0.039, 0.048, 0.042, 0.046], sizes))
+    options = costs.options(2, 1000, (Mode.NONE, Mode.OFFLOAD))
+    offload = [row[1].seconds for row in options]
+    assert offload == sorted(offload) and len(set(offload)) == 6  # equal but for where: earlier is cheaper
+    everything = sum(row[0].saved for row in options)
+    result = plan(options, capacity=everything - 1.5 * (options[0][0].saved - options[0][1].saved))
+    k = result.modes.count(Mode.OFFLOAD)
+    assert result.feasible and 0 < k < 6 and result.modes == (Mode.OFFLOAD,) * k + (Mode.NONE,) * (6 - k)
