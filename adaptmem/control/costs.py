@@ -196,9 +196,9 @@ class CostModel:
         in it less its own time without it.
 
         One block's timing is one sample of a noisy clock, and the blocks at either end carry
-        what runs beside them (the embedding's backward, the head's): block by block, the
-        same mode on identical layers read from 5 to 50 ms, and the planner chose its blocks by
-        that noise. Alike means the same class with the same input size, so a stage of a
+        what runs beside them (the embedding's backward, the head's): block by block, a
+        checkpoint on identical layers read from 6 to 26 ms, and the planner chose its blocks
+        by that noise. Alike means the same class with the same input size, so a stage of a
         network whose blocks share a class but not a shape is pooled only with itself.
         """
         key = (batch, extent, self.steps_learned)
