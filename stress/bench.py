@@ -1,6 +1,6 @@
 """adaptmem against its peers and an oracle, side by side in one run, at three link speeds.
 
-    python -m stress.bench                    # tiny + Llama, 2 lengths, 3 link speeds (~15 min on 2 cores)
+    python -m stress.bench                    # tiny + Llama, 2 lengths, 3 link speeds (~30 min on 2 cores)
     python -m stress.bench --quick            # every method at one link speed, one length (< 5 min)
     python -m stress.bench --json results.json
 
