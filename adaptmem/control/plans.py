@@ -40,7 +40,6 @@ Key = tuple[int, int]  # (batch, bucketed elements per sample of the main input)
 
 #: Plans kept, one per shape bucket; past it the least recently used is dropped.
 MAX_CACHED_PLANS = 64
-WORTH_SWITCHING = 0.02  # a plan made now replaces the cached one when faster by this share of the blocks' time
 
 
 @dataclass(frozen=True)
@@ -109,9 +108,7 @@ class PlanBook:
     def _outlearned(self, record: PlanRecord, start: int, budget: int) -> bool:
         """The cost model has learned since the cached plan was made, and either has now measured
         the shape the plan kept a margin for, or predicts the plan over `max_headroom` of the
-        budget (it would not fit), or predicts a plan made now faster by more than
-        `WORTH_SWITCHING` of the blocks' time (a mode chosen on its prior has shown its real
-        cost). Checked once per step learned."""
+        budget (it would not fit). Checked once per step learned."""
         if record.learned == self.costs.steps_learned or self.policy.static_plan != "none":
             return False
         if record.extent > record.seen and self.costs.measured(record.key[0], record.seen):
@@ -121,23 +118,8 @@ class PlanBook:
         predicted = self.predict(record.modes, record.key[0], record.extent, start)
         if predicted is not None and predicted > self.policy.max_headroom * budget:
             return True
-        if self._faster_now(record, start, budget):
-            return True
         self.cache[record.key] = replace(record, learned=self.costs.steps_learned)
         return False
-
-    def _faster_now(self, record: PlanRecord, start: int, budget: int) -> bool:
-        batch, extent = record.key[0], record.extent
-        modes, _, feasible, _ = self._solve(record.key, (batch, extent), start, budget, dict(self.pinned))
-        if not feasible or modes == record.modes:
-            return False
-        rows = self.costs.options(batch, extent, self.allowed, fixed=self.pinned)
-
-        def seconds(plan: tuple[Mode, ...]) -> float:
-            return sum(next((o.seconds for o in row if o.mode is m), math.inf) for row, m in zip(rows, plan))
-
-        blocks = sum(lat["none_s"].predict(batch, extent) for lat in self.costs.latent)
-        return blocks > 0 and seconds(record.modes) - seconds(modes) > WORTH_SWITCHING * blocks
 
     def pin(self, pinned: dict[int, Mode]) -> None:
         """Blocks that keep the given modes whatever the plan (cached plans are dropped)."""

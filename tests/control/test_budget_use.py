@@ -98,29 +98,3 @@ def test_a_cached_plan_that_what_was_learned_says_no_longer_fits_is_made_again()
     again = book.choose(key[0], record.extent, start, budget)
     assert again.reason == "replan" and again.modes != everything
     assert book.predict(again.modes, key[0], record.extent, start) <= book.policy.max_headroom * budget
-
-
-def test_a_cached_plan_is_made_again_when_what_was_learned_makes_another_clearly_faster():
-    """A plan chosen while a mode's cost was a prior is replaced once the cost model, having learned
-    since, predicts a plan made now faster by more than WORTH_SWITCHING of the blocks' time; a plan
-    as good as a fresh one stays."""
-    model = tiny(dim=64, n_layers=6, vocab_size=256)
-    batch = tiny_batch(model, batch=2, seq=128)
-    dev = SimulatedDevice(capacity_bytes=2**31)
-    dev.track(model)
-    with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:  # room for every block in NONE
-        for _ in range(3):
-            with mem.step():
-                model(**batch).loss.backward()
-            model.zero_grad(set_to_none=True)
-    book = mem.plans
-    (key, record) = next(iter(book.cache.items()))
-    assert set(record.modes) == {Mode.NONE}
-    book.cache[key] = replace(record, learned=book.costs.steps_learned - 1)
-    assert book.choose(key[0], record.extent, 0, mem.budget).reason != "replan"  # as good as a fresh one
-    slow = replace(record, modes=(Mode.CHECKPOINT,) * len(record.modes), learned=book.costs.steps_learned)
-    book.cache[key] = slow
-    assert book.choose(key[0], record.extent, 0, mem.budget) is slow  # checked since the last learning
-    book.cache[key] = replace(slow, learned=book.costs.steps_learned - 1)
-    again = book.choose(key[0], record.extent, 0, mem.budget)
-    assert again.reason == "replan" and set(again.modes) == {Mode.NONE}
