@@ -145,7 +145,10 @@ class PlanBook:
             modes = tuple(Mode.CHECKPOINT if Mode.CHECKPOINT in self.allowed else top for _ in range(self.n))
             reason = "calibrate"
         else:
-            modes, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed)
+            modes, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed, warn=extent <= seen)
+            if not feasible and extent > seen:  # no plan fits the bucket's top: plan for the input itself
+                extent, shape = seen, (key[0], seen)
+                modes, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed)
         if self.failed is not None:
             modes, reason = self._tighter_than_failed(modes, shape), f"retry {self.attempt}"
         for i, mode in fixed.items():
@@ -181,7 +184,7 @@ class PlanBook:
         self.tried.clear()
 
     # ------------------------------------------------------------------ inner
-    def _solve(self, key: Key, shape: Key, start: int, budget: int, fixed: dict[int, Mode]):
+    def _solve(self, key: Key, shape: Key, start: int, budget: int, fixed: dict[int, Mode], *, warn: bool = True):
         batch, extent = shape
         p = self.policy
         target = self.decider.headroom * budget
@@ -197,7 +200,7 @@ class PlanBook:
                 break
             worst = max(range(len(chosen)), key=lambda i: chosen[i].host)
             options[worst] = [o for o in options[worst] if o.host == 0] or options[worst]
-        if not result.feasible and key not in self._warned:
+        if warn and not result.feasible and key not in self._warned:
             self._warned.add(key)
             log.warning(
                 "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "

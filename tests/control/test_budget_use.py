@@ -35,6 +35,30 @@ def test_a_plan_is_made_for_the_largest_input_seen_in_its_bucket_once_that_shape
     assert extents == [top, top, 104 * 64, top, 110 * 64]
 
 
+def test_when_no_plan_fits_a_buckets_top_the_input_itself_is_planned_for_without_a_warning(caplog):
+    """The top of a bucket is a margin for a shape not measured yet; where no plan fits it but one
+    fits the input that came, that plan runs, and nothing warns of a shortfall the input does not have."""
+    model = tiny(dim=64, n_layers=4, vocab_size=256)
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
+        for _ in range(3):
+            with mem.step():
+                model(**tiny_batch(model, batch=2, seq=100)).loss.backward()
+            model.zero_grad(set_to_none=True)
+    book, seen = mem.plans, 104 * 64  # a longer input in the same bucket, not measured
+    key = book.bucket(2, seen)
+    assert key[1] > seen and not book.costs.measured(2, seen)
+    tightest = tuple(Mode.CHECKPOINT for _ in range(book.n))
+    at_top, at_seen = (book.predict(tightest, 2, e, 0) for e in (key[1], seen))
+    aim = (at_top + at_seen) / 2  # fits the input, not the top
+    budget = int(max(aim * book.decider.bias / book.decider.headroom, aim / book.policy.max_headroom))
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        record = book.make(key, 0, budget, fixed={}, reason="new", extent=seen)
+    assert record.feasible and record.extent == seen
+    assert not [r for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+
+
 def fill(n_layers: int, fraction: float, steps: int = 30):
     """Steps of one shape under a budget `fraction` of the way from every block CHECKPOINT to
     unmanaged, with NONE and CHECKPOINT only: the fuller a plan, the fewer recomputes, the cheaper.
