@@ -183,12 +183,9 @@ class CostModel:
         if overhead is None:
             overhead = self._pooled_overhead(index, mode, batch, extent)
         if overhead is None:  # no block like it has run the mode and NONE (or a checkpoint) both
-            fits = self.direct[index].get(mode) or self._sibling(index, mode)
-            none = self.direct[index].get(Mode.NONE) or self._sibling(index, Mode.NONE)
-            baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]
-            if fits is None or not fits["seconds"] or not baseline:
-                return derived.seconds
-            overhead = fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
+            overhead = self._own_overhead(index, mode, batch, extent, siblings=True)
+        if overhead is None:
+            return derived.seconds
         return max(0.0, overhead) + self._penalty(mode, self._latents(index, batch, extent))
 
     def _pooled_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
@@ -211,9 +208,14 @@ class CostModel:
             self._pool[group, mode] = sum(own) / len(own) if own else None
         return self._pool[group, mode]
 
-    def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
-        fits = self.direct[index].get(mode)
-        none = self.direct[index].get(Mode.NONE)
+    def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *,
+                      siblings: bool = False) -> float | None:
+        """Block `index`'s measured time in `mode` less its time without it (with `siblings`, a
+        figure it lacks is taken from the first block of its class that has one)."""
+        def fits_of(m: Mode) -> dict[str, Fit] | None:
+            return self.direct[index].get(m) or (self._sibling(index, m) if siblings else None)
+
+        fits, none = fits_of(mode), fits_of(Mode.NONE)
         baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]
         if fits is None or not fits["seconds"] or not baseline:
             return None

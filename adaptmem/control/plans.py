@@ -1,22 +1,19 @@
 """Choosing a plan for a batch: the cache per shape bucket, and the plans of retries.
 
 `PlanBook` turns (batch, input elements per sample, what is allocated now,
-budget) into one mode
-per block. A plan is made by the planner from the cost model, aimed at
-`headroom x budget`, and kept for its shape bucket (input sizes grouped
-geometrically), made for the largest input seen in the bucket so far: a larger
-one is planned for again before it runs, and a run of one shape is planned for
-that shape, not for the top of its bucket (up to `bucket_ratio` larger, which
-would leave that much of the budget unused). A shape the cost model has not
-measured yet is planned for the bucket's top (its predictions are inter- or
-extrapolated, and the top is their margin), and planned for again at its own
-size once it has been measured.
-Before anything is
-known, every block is checkpointed (the calibration step); static policies
-give their fixed plan; a model the user instrumented first starts from the
-user's modes instead. After an out-of-memory error, a retry's plan is no
-looser anywhere than the one that failed, and never one that already failed in
-this step.
+budget) into one mode per block. A plan is made by the planner from the cost
+model, aimed at `headroom x budget`, and kept for its shape bucket (input sizes
+grouped geometrically), made for the largest input seen in the bucket so far: a
+larger one is planned for again before it runs, and a run of one shape is
+planned for that shape, not for the top of its bucket (up to `bucket_ratio`
+larger, which would leave that much of the budget unused). A shape the cost
+model has not measured yet is planned for the bucket's top (its predictions are
+inter- or extrapolated, and the top is their margin), and planned for again at
+its own size once it has been measured. Before anything is known, every block
+is checkpointed (the calibration step); static policies give their fixed plan;
+a model the user instrumented first starts from the user's modes instead. After
+an out-of-memory error, a retry's plan is no looser anywhere than the one that
+failed, and never one that already failed in this step.
 """
 
 from __future__ import annotations

@@ -174,11 +174,11 @@ class Reactions:
         if added:
             log.warning(
                 "adaptmem: %d block(s) (%s) now checkpoint themselves: the model's own gradient checkpointing "
-                "(gradient_checkpointing_enable() or activation_checkpointing_enable()) decides for them, recomputing them whatever adaptmem "
-                "plans, so adaptmem runs them in NONE (its own recompute would run them once more) and plans "
-                "the others. Switch it off (model.activation_checkpointing_disable(), or "
-                "model.gradient_checkpointing_disable() in transformers without it) to let adaptmem decide for every "
-                "block.",
+                "(gradient_checkpointing_enable() or activation_checkpointing_enable()) decides for them, "
+                "recomputing them whatever adaptmem plans, so adaptmem runs them in NONE (its own recompute would"
+                " run them once more) and plans the others. Switch it off "
+                "(model.activation_checkpointing_disable(), or model.gradient_checkpointing_disable() in "
+                "transformers without it) to let adaptmem decide for every block.",
                 len(own), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
             )
         else:
