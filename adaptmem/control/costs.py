@@ -51,6 +51,12 @@ _REC = Mode.CHECKPOINT | Mode.OFFLOAD
 _CO = Mode.COMPRESS | Mode.OFFLOAD
 _QUANTITIES = ("held", "fx", "wx", "seconds")
 _TIE_BREAK = 1e-6  # seconds per ladder rung: far below any measured cost
+_TIME_SPAN = 4  # observations a time is averaged over (`Fit.span`); bytes keep the default 2
+
+
+def _fit(name: str) -> Fit:
+    """A new fit for the quantity `name`: a time ("seconds", "..._s") averages more readings."""
+    return Fit(span=_TIME_SPAN) if name == "seconds" or name.endswith("_s") else Fit()
 
 
 class CostModel:
@@ -66,7 +72,7 @@ class CostModel:
         self.priors = priors if priors is not None else (CUDA_PRIORS if cuda else HOST_PRIORS)
         n = len(classes)
         self.direct: list[dict[Mode, dict[str, Fit]]] = [{} for _ in range(n)]
-        self.latent: list[dict[str, Fit]] = [{k: Fit() for k in LATENT_NAMES} for _ in range(n)]
+        self.latent: list[dict[str, Fit]] = [{k: _fit(k) for k in LATENT_NAMES} for _ in range(n)]
         self.grad: list[Fit] = [Fit("base") for _ in range(n)]
         self.head = Fit("base")
         self.tail = Fit("base")
@@ -110,7 +116,7 @@ class CostModel:
         x = blk.input_bytes
         lat["input_bytes"].add(b, s, x)
         lat["output_growth"].add(b, s, max(0, blk.output_bytes - x))
-        fits = self.direct[blk.index].setdefault(mode, {q: Fit() for q in _QUANTITIES})
+        fits = self.direct[blk.index].setdefault(mode, {q: _fit(q) for q in _QUANTITIES})
         fits["held"].add(b, s, max(0, blk.held))
         fits["fx"].add(b, s, blk.fwd_peak)
         complete = blk.bwd_peak is not None and blk.bwd_seconds is not None
@@ -298,7 +304,7 @@ class CostModel:
             )
         self.direct = [{Mode.parse(m): {q: Fit.from_state(f) for q, f in fits.items()} for m, fits in d.items()}
                        for d in state["direct"]]
-        self.latent = [{k: Fit.from_state(lat[k]) if k in lat else Fit() for k in LATENT_NAMES}
+        self.latent = [{k: Fit.from_state(lat[k]) if k in lat else _fit(k) for k in LATENT_NAMES}
                        for lat in state["latent"]]
         self.grad = [Fit.from_state(f) for f in state["grad"]]
         self.head = Fit.from_state(state["head"])

@@ -27,23 +27,32 @@ MAX_SHAPES = 32
 class Fit:
     """One quantity as a function of (batch, extent), from the observations so far."""
 
-    def __init__(self, kind: str = "act") -> None:
+    def __init__(self, kind: str = "act", span: int = 2) -> None:
         if kind not in ("act", "base"):
             raise ValueError(f"Fit kind must be 'act' or 'base', got {kind!r}")
+        if span < 1:
+            raise ValueError(f"Fit span must be at least 1 observation, got {span}")
         self.kind = kind
+        self.span = span
         self.points: OrderedDict[tuple[int, int], float] = OrderedDict()
+        self.counts: dict[tuple[int, int], int] = {}
 
     def add(self, batch: int, extent: int, value: float) -> None:
-        """Observe `value` at this shape (averaged with an earlier observation of it).
+        """Observe `value` at this shape: the mean of the last observations of it, about `span`
+        of them (the plain mean of the first `span`, then each new one weighs 1/span).
 
-        The shape becomes the most recently used; past `MAX_SHAPES` the least
-        recently used one is forgotten, so a shape that keeps coming back stays.
+        Bytes repeat exactly from step to step, and a short span (2) follows a change
+        at once; a time is one reading of a noisy clock, and a longer span averages
+        the noise out. The shape becomes the most recently used; past `MAX_SHAPES` the
+        least recently used one is forgotten, so a shape that keeps coming back stays.
         """
         key = (int(batch), int(extent))
         old = self.points.pop(key, None)
-        self.points[key] = float(value) if old is None else 0.5 * old + 0.5 * float(value)
+        n = 0 if old is None else min(self.counts.get(key, 1), self.span - 1)
+        self.points[key] = float(value) if old is None else (n * old + float(value)) / (n + 1)
+        self.counts[key] = n + 1
         while len(self.points) > MAX_SHAPES:
-            self.points.popitem(last=False)
+            self.counts.pop(self.points.popitem(last=False)[0], None)
 
     def __bool__(self) -> bool:
         return bool(self.points)
@@ -89,12 +98,15 @@ class Fit:
         return intercept + slope * (tokens - float(center))
 
     def state_dict(self) -> dict:
-        return {"kind": self.kind, "points": [[b, s, y] for (b, s), y in self.points.items()]}
+        return {"kind": self.kind, "span": self.span,
+                "points": [[b, s, y, self.counts.get((b, s), 1)] for (b, s), y in self.points.items()]}
 
     @classmethod
     def from_state(cls, state: dict) -> "Fit":
-        fit = cls(state["kind"])
-        fit.points = OrderedDict(((int(b), int(s)), float(y)) for b, s, y in state["points"])
+        fit = cls(state["kind"], int(state.get("span", 2)))
+        rows = [(int(b), int(s), float(y), int(rest[0]) if rest else 1) for b, s, y, *rest in state["points"]]
+        fit.points = OrderedDict(((b, s), y) for b, s, y, _ in rows)
+        fit.counts = {(b, s): n for b, s, _, n in rows}
         return fit
 
 

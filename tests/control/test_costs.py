@@ -52,6 +52,26 @@ def test_the_shape_cache_forgets_the_least_recently_used_shape():
     assert Fit.from_state(fit.state_dict()).points == fit.points  # order kept through a resume
 
 
+def test_a_time_is_the_mean_of_its_last_readings_and_bytes_follow_a_change_at_once():
+    time = Fit(span=4)
+    for reading in (10.0, 14.0, 12.0, 8.0):  # the plain mean of the first four
+        time.add(1, 100, reading)
+    assert time.predict(1, 100) == pytest.approx(11.0)
+    time.add(1, 100, 15.0)  # then each new one weighs a quarter
+    assert time.predict(1, 100) == pytest.approx(0.75 * 11.0 + 0.25 * 15.0)
+    resumed = Fit.from_state(time.state_dict())
+    resumed.add(1, 100, 15.0)
+    time.add(1, 100, 15.0)
+    assert resumed.predict(1, 100) == time.predict(1, 100)  # the count survives a resume
+    held = Fit()  # bytes: the default span of 2
+    held.add(1, 100, 1000.0)
+    held.add(1, 100, 1000.0)
+    held.add(1, 100, 2000.0)
+    assert held.predict(1, 100) == pytest.approx(1500.0)
+    model = CostModel(["Layer"], load_policy(None), cuda=False)
+    assert model.latent[0]["none_s"].span > model.latent[0]["activations"].span == 2
+
+
 def test_the_plan_cache_forgets_the_least_recently_used_bucket():
     model = tiny(n_layers=2)
     with adaptmem.manage(model, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31)) as mem:
