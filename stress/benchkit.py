@@ -152,7 +152,8 @@ def make_runner(method: str, base: torch.nn.Module, batch: dict, speed: float | 
     dev.track(model)
     runner = Runner(method, model, dev, clock, batch)
     if method == "checkpoint_all":
-        if hasattr(model, "gradient_checkpointing_enable"):  # the model's own: what users pick today
+        if hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable"):
+            # the model's own (by either name transformers has given it): what users pick today
             from adaptmem.integrations.transformers import switch_own_checkpointing
 
             switch_own_checkpointing(model, True)
