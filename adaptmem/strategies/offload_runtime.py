@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from torch.utils._pytree import tree_flatten
 
 from adaptmem.devices.tiers import current_link
 from adaptmem.strategies.cuda_offload import CudaTier
@@ -32,6 +36,21 @@ class OffloadRuntime:
         group = PackGroup(prev=last if last is not None and not last.began else None)
         self._last_group = group
         return group
+
+    def prefetch_when_reached(self, output: Any) -> None:
+        """A block that offloads nothing has run after one that did: when backward reaches
+        this block (its output's gradient is ready), the offloaded block's copies start back,
+        so they travel while this block's gradients run, as an offloaded block starts the one
+        before it. Without it they would start only when their own block's backward asks for
+        them, and it would wait out the whole transfer."""
+        last = self._last_group
+        if last is None or torch.compiler.is_compiling():
+            return
+        self._last_group = None
+        leaves, _ = tree_flatten(output)
+        reached = next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if reached is not None and not last.began:
+            reached.register_hook(_Prefetch(last))
 
     def offload(self, t: torch.Tensor, group: PackGroup | None, options: OffloadOptions) -> HostCopy:
         limit = self.window(options, t.untyped_storage().nbytes())
@@ -71,3 +90,17 @@ class OffloadRuntime:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(PinnedPool(**state["pool"]))
+
+
+class _Prefetch:
+    """A gradient hook that starts an offloaded block's copies back and leaves the gradient as it is."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: PackGroup) -> None:
+        self.group = group
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        group, self.group = self.group, None  # once: a tensor used twice gets two gradients
+        if group is not None and not group.began:
+            group.prefetch()

@@ -70,6 +70,8 @@ class _BlockForward:
             runtime.tell(observer, "block_start", handle, args, kwargs)  # may set handle.mode (planning)
         call = handle.make_call(forward, args, kwargs)
         output = STRATEGIES[call.mode](call)
+        if not call.mode & Mode.OFFLOAD:
+            call.offload_runtime.prefetch_when_reached(output)
         handle.finished(call)
         if observer is not None:
             runtime.tell(observer, "block_end", handle, call, output)

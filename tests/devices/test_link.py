@@ -160,3 +160,24 @@ def test_the_manager_times_steps_on_the_links_clock():
     start = probe.mark()
     dev.link.sleep(0.25)
     assert start == 5.0 and probe.seconds(start, probe.mark()) == 0.25
+
+
+@pytest.mark.parametrize("after", [Mode.NONE, Mode.SELECTIVE, Mode.CHECKPOINT])
+def test_a_block_that_offloads_nothing_starts_the_offloaded_block_before_it_back(after):
+    """Plan O, O, X, X: backward reaches block 2 first; the copies of block 1 must start back
+    then, while block 2's gradients run, not only once block 1's own backward asks for them."""
+    model = tiny(dim=128)
+    batch = tiny_batch(model, batch=2, seq=64)
+    expected = step(model, batch)
+    handles = adaptmem.instrument(model)
+    for h, mode in zip(handles, (Mode.OFFLOAD, Mode.OFFLOAD, after, after)):
+        h.mode = mode
+    events = []
+    model.blocks[2].register_full_backward_hook(lambda *_: events.append("block 2 done"))
+    dev = SimulatedDevice(link_bytes_per_s=256 * MiB)
+    fetch = dev.link.fetch
+    dev.link.fetch = lambda nbytes, after=0.0: (events.append("fetch"), fetch(nbytes, after))[1]
+    dev.track(model)
+    with dev:
+        assert_same(step(model, batch), expected)
+    assert "fetch" in events and events.index("fetch") < events.index("block 2 done")
