@@ -107,6 +107,19 @@ def test_gradients_stay_exact_with_slow_side_streams(slow_side_streams, window, 
             assert same(grads_of(model, batch, churn=True), reference)
 
 
+@pytest.mark.parametrize("after", [Mode.NONE, Mode.SELECTIVE, Mode.CHECKPOINT])
+def test_a_block_that_offloads_nothing_prefetches_the_one_before_it_exactly(slow_side_streams, after):
+    """Plan O, O, X, X: block 1's copies back are started from a gradient hook as backward
+    reaches block 2, on the side stream, while block 2's gradients run; block 1 must still read
+    them only once written."""
+    model, batch, reference = offloaded(4 * MiB, True)
+    for h, mode in zip(adaptmem.get_handles(model), (Mode.OFFLOAD, Mode.OFFLOAD, after, after)):
+        h.mode = mode
+    with deterministic():
+        for _ in range(2):
+            assert same(grads_of(model, batch, churn=True), reference)
+
+
 def test_without_the_window_the_copies_read_reused_memory(slow_side_streams, monkeypatch):
     """The guard removed: the device tensor is let go of before its copy ran (what freeing it without
     record_stream, or without a wait, does). The copy then reads memory compute overwrote."""
