@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from torch.utils._pytree import tree_flatten
 
 from adaptmem.devices.tiers import current_link
