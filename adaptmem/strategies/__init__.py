@@ -9,7 +9,8 @@ A strategy runs one block call in training, ``STRATEGIES[mode](call) -> output``
   recompute.py  CHECKPOINT, SELECTIVE, CHECKPOINT|OFFLOAD
   offload.py    OffloadOptions, HostCopy, the host tier, prefetch order (PackGroup)
   cuda_offload.py  the CUDA tier: side streams, events, the window of copies in flight
-  offload_runtime.py  OffloadRuntime: the host tier or a CUDA tier per device
+  offload_runtime.py  OffloadRuntime: the host tier or a CUDA tier per device; the prefetch a block that
+                      offloads nothing starts for the offloaded one before it
   pinned.py     the reusable pinned-buffer pool of the CUDA tier
   compress.py   int8 / fp8 / bf16 codecs, boolean bit-packing
 """

@@ -6,7 +6,9 @@ of such copies are in flight at once (past it, the next pack waits for the
 oldest), so the memory they hold is bounded and counted as allocated. During
 backward, the tensor needed now is fetched first; then the block backward
 reaches next (the one before it in forward order) is prefetched, so its copies
-overlap with this block's gradient kernels.
+overlap with this block's gradient kernels. A block that offloads nothing does
+the same for an offloaded block right before it, from a hook on its output's
+gradient (`OffloadRuntime.prefetch_when_reached`).
 
 On CUDA the copies run on side streams into pinned buffers
 (`adaptmem.strategies.cuda_offload`). On the CPU the host tier is a plain copy
