@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from adaptmem.devices.tiers import current_link
 from adaptmem.strategies.cuda_offload import CudaTier
 from adaptmem.strategies.offload import HostCopy, HostTier, OffloadOptions, PackGroup
+from adaptmem.strategies.payloads import backward_entry
 from adaptmem.strategies.pinned import PinnedPool
 
 
@@ -46,8 +46,7 @@ class OffloadRuntime:
         if last is None or torch.compiler.is_compiling():
             return
         self._last_group = None
-        leaves, _ = tree_flatten(output)
-        reached = next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        reached = backward_entry(output)
         if reached is not None and not last.began:
             reached.register_hook(_Prefetch(last))
 

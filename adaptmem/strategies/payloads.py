@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 
 class Payload:
@@ -44,3 +45,10 @@ def restore(packed: Any) -> torch.Tensor:
 
 def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def backward_entry(output: Any) -> torch.Tensor | None:
+    """The first tensor of a block's output that requires grad: a hook on it runs as backward
+    reaches the block. None when no output needs a gradient."""
+    leaves, _ = tree_flatten(output)
+    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)

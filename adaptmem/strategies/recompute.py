@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -26,7 +25,7 @@ from torch.utils.checkpoint import (
 
 from adaptmem.strategies.call import BlockCall, main_input
 from adaptmem.strategies.packing import Packer
-from adaptmem.strategies.payloads import restore
+from adaptmem.strategies.payloads import backward_entry, restore
 
 _aten = torch.ops.aten
 _SAVE_NAMES = (  # weight matmuls, convolutions, fused attention: never activation x activation matmuls
@@ -130,11 +129,9 @@ class _BackwardCounter:
 
 
 def _refuse_second_backward(output: Any) -> None:
-    leaves, _ = tree_flatten(output)
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(_BackwardCounter())
-            return
+    entry = backward_entry(output)
+    if entry is not None:
+        entry.register_hook(_BackwardCounter())
 
 
 def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
