@@ -46,8 +46,7 @@ class OffloadRuntime:
         if last is None or torch.compiler.is_compiling():
             return
         self._last_group = None
-        reached = backward_entry(output)
-        if reached is not None and not last.began:
+        if not last.began and (reached := backward_entry(output)) is not None:
             reached.register_hook(_Prefetch(last))
 
     def offload(self, t: torch.Tensor, group: PackGroup | None, options: OffloadOptions) -> HostCopy:
