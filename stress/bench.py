@@ -8,7 +8,7 @@ Methods, each on its own copy of the model and its own stand-in device:
   unmanaged       every block keeps its activations
   checkpoint_all  the model's own gradient_checkpointing_enable() (Llama), else every block CHECKPOINT
   offload_all     every block OFFLOAD over the same link (as torchtune's OffloadActivations would)
-  oracle          the fastest fixed per-block plan that fits the budget, found by running candidates
+  oracle          the fastest fixed per-block plan that fits the budget: candidates run in rotated rounds
   adaptmem        adaptmem.manage at budgets 30/50/70% of the way from checkpoint_all's peak to unmanaged's
 
 Link speeds are set from the model: `hidden` moves all of offload_all's bytes in 5% of an
@@ -37,11 +37,10 @@ from pathlib import Path
 
 import torch
 
-from adaptmem import Mode
 from adaptmem.config.units import format_bytes
 from stress.bench_controller import controller_fraction
 from stress.benchkit import (ORACLE_MODES, ModeFigures, batch_for, build, fastest_step, find_oracle,
-                             keep_host_memory, make_runner)
+                             keep_host_memory, make_runner, plan_label, rotated_seconds)
 
 LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / unmanaged step
 FRACTIONS = (0.3, 0.5, 0.7)
@@ -78,18 +77,19 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps) -> list[
         r.step()
         r.measure_peak()
     un, ck = fixed["unmanaged"].peaks[-1], fixed["checkpoint_all"].peaks[-1]
-    figures = {}
-    for mode in ORACLE_MODES:  # every block in one mode: the oracle's per-block figures
-        r = make_runner("plan", base, data, speed, plan=(mode,) * blocks)
-        r.step()
-        figures[mode] = ModeFigures(r.measure_peak(), fastest_step(r, steps))
+    alone = []  # every block in one mode: the oracle's per-block figures
+    for mode in ORACLE_MODES:
+        alone.append(make_runner("plan", base, data, speed, plan=(mode,) * blocks))
+        alone[-1].step()
+        alone[-1].measure_peak()
+    figures = {m: ModeFigures(r.peaks[-1], s) for m, r, s in zip(ORACLE_MODES, alone, rotated_seconds(alone, steps))}
     runners = list(fixed.values())
     for frac in FRACTIONS:
         budget = int(ck + frac * (un - ck))
         oracle, tried = find_oracle(figures, blocks, budget, lambda plan: make_runner(
             "plan", base, data, speed, plan=plan, budget=(frac, budget)), steps)
-        log(f"  oracle at {frac:.0%}: tried " + ", ".join(f"{p} {q / budget:.2f}x budget {s * 1e3:.0f} ms"
-                                                         for p, q, s in tried))
+        log(f"  oracle at {frac:.0%}: tried " + ", ".join(
+            f"{p} {q / budget:.2f}x budget " + (f"{s * 1e3:.0f} ms" if s is not None else "(over)") for p, q, s in tried))
         managed = make_runner("adaptmem", base, data, speed, budget=(frac, budget), capacity=2 * un)
         for _ in range(6):  # calibration and settling
             managed.step()
@@ -113,8 +113,7 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps) -> list[
                      "link_bytes_per_s": int(speed), "peak_bytes": max(r.peaks), "budget_bytes": r.budget_bytes,
                      "step_s": statistics.median(r.times), "ratio": ratio, "spread": spread,
                      "times": [round(t, 5) for t in r.times],
-                     "plan": "".join(m.label[0] if m is not (Mode.CHECKPOINT | Mode.OFFLOAD) else "K"
-                                     for m in (r.plan or ())) or None})
+                     "plan": plan_label(r.plan) if r.plan else None})
     for row, r in zip(rows, runners):
         if r.method == "adaptmem":
             theirs = next(o for o in runners if o.method == "oracle" and o.budget_frac == r.budget_frac)

@@ -76,3 +76,45 @@ def test_the_offload_profile_counts_copy_time_beside_compute_on_other_streams():
     assert s["d2h"]["copies"] == 2 and s["d2h"]["bytes"] == 1010
     assert s["d2h"]["overlapped"] == 5 / 14
     assert s["h2d"]["overlapped"] == 5 / 10 and s["h2d"]["gbps"] == 500 / 10e-6 / 1e9
+
+
+class _Scripted:
+    """A stand-in runner: a fixed step time, 1.3 times longer while a neighbour loads the machine,
+    which it does except in the quiet steps of the shared clock."""
+
+    clock = 0
+
+    def __init__(self, plan, seconds, peak, quiet):
+        self.plan, self.seconds, self.peak, self.quiet, self.method, self.peaks = plan, seconds, peak, quiet, "plan", []
+
+    def step(self):
+        _Scripted.clock += 1
+        return self.seconds * (1.0 if _Scripted.clock in self.quiet else 1.3)
+
+    def measure_peak(self, steps=1):
+        self.step()
+        self.peaks.append(self.peak)
+        return self.peak
+
+
+def test_the_oracle_is_picked_in_rotated_rounds_so_a_quiet_spell_picks_nothing():
+    from stress.benchkit import find_oracle, plan_label
+
+    N, O, C = Mode.NONE, Mode.OFFLOAD, Mode.CHECKPOINT
+    figures = {N: ModeFigures(peak=1000, seconds=1.0), C: ModeFigures(peak=200, seconds=1.4),
+               O: ModeFigures(peak=200, seconds=1.2)}
+    truth = {"OOOONNNN": 1.10, "OOOOONNN": 1.12, "COOONNNN": 1.15}
+    quiet = set(range(9, 13))  # four quiet steps: the second plan's timed steps, were each timed alone in turn
+    made = []
+
+    def run(plan):
+        r = _Scripted(plan, truth[plan_label(plan)], 1000 - 100 * plan.count(O) - 100 * plan.count(C), quiet)
+        made.append(r)
+        return r
+
+    _Scripted.clock = 0
+    best, tried = find_oracle(figures, blocks=8, budget=600, run=run, steps=4)
+    assert best.plan == (O,) * 4 + (N,) * 4 and best.method == "oracle"
+    assert [t[0] for t in tried] == ["OOOONNNN", "OOOOONNN", "COOONNNN"]
+    assert tried[0][2] < tried[1][2] < tried[2][2]
+    assert all(m.peaks and max(m.peaks) <= 600 for m in made)
