@@ -78,6 +78,8 @@ class CostModel:
         self.tail = Fit("base")
         self.elem_size = 4
         self.steps_learned = 0
+        self.provisional = False  # the last step learned held a first offload, whose time was not learned
+        self._offloaded: set[tuple[int, Mode]] = set()  # (block, mode) with OFFLOAD that has run in this process
         self._pool_key: tuple | None = None  # (batch, extent, steps_learned) the pooled overheads are for
         self._pool: dict = {}
         self._groups: list[tuple[int, ...]] = []
@@ -96,6 +98,7 @@ class CostModel:
             return
         b, s = sample.batch, sample.extent
         start0 = sample.blocks[0].start
+        self.provisional = False
         self.elem_size = sample.blocks[0].elem_size or self.elem_size
         prefix = 0
         for blk in sample.blocks:
@@ -133,7 +136,12 @@ class CostModel:
             lat["backward_temp"].add(b, s, max(0, blk.bwd_peak - blk.recompute_bytes))
         if not mode & (Mode.OFFLOAD | Mode.COMPRESS):
             lat["forward_s"].add(b, s, blk.fwd_seconds)
-        if complete:
+        if complete and mode & Mode.OFFLOAD and (blk.index, mode) not in self._offloaded:
+            # the first offload of a block allocates its host memory (pinned, on CUDA: milliseconds a
+            # buffer); the time it took is not the mode's, and the next step is measured again
+            self._offloaded.add((blk.index, mode))
+            self.provisional = True
+        elif complete:
             total = blk.fwd_seconds + blk.bwd_seconds
             if mode is Mode.NONE:
                 lat["none_s"].add(b, s, total)

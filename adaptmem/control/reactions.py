@@ -113,7 +113,8 @@ class Reactions:
         this bucket was."""
         last = self._measured.get(record.key)  # (plan, step, input planned for) of its last step measured
         if last is None or last[0] != record.modes or last[2] != record.seen \
-                or self.steps + 1 - last[1] >= self.policy.measure_every or self.costs.steps_learned < 3:
+                or self.steps + 1 - last[1] >= self.policy.measure_every or self.costs.steps_learned < 3 \
+                or self.costs.provisional:
             if len(self._measured) >= MAX_CACHED_PLANS:
                 self._measured.clear()
             self._measured[record.key] = (record.modes, self.steps + 1, record.seen)

@@ -142,6 +142,24 @@ def test_lengths_that_take_turns_are_light_once_each_is_measured():
     when every step's length differs from the one before (the long-sequence job's batches)."""
     model, dev, probe, budget, policy = managed(every=1000)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
-        steps = run(mem, model, probe, [128, 192] * 8)
+        steps = run(mem, model, probe, [128, 192] * 10)
     measured = [r["measured"] for r, _, _ in steps]
     assert measured[:2] == ["blocks", "blocks"] and measured[-6:].count("peak") >= 4, measured
+
+
+def test_the_step_after_a_blocks_first_offload_is_measured_again():
+    """A block's first offload times the allocation of its host memory, not the mode, so it is not
+    learned: the next step is measured block by block, though its plan is the same."""
+    model, dev, probe, budget, policy = managed(every=1000, modes=("NONE", "CHECKPOINT", "OFFLOAD"))
+    with dev, adaptmem.manage(model, budget=2 * budget, device=probe, policy=policy) as mem:
+        steps = run(mem, model, probe, [128] * 5)
+        assert all("OFFLOAD" not in r["plan"] for r, _, _ in steps) and steps[-1][0]["measured"] == "peak"
+        mem.set_budget(budget)
+        steps = run(mem, model, probe, [128] * 4)
+    records = [r for r, _, _ in steps]
+    first = next(i for i, r in enumerate(records) if "OFFLOAD" in r["plan"])
+    assert records[first]["measured"] == "blocks"
+    assert records[first + 1]["plan"] == records[first]["plan"] and records[first + 1]["measured"] == "blocks"
+    assert records[-1]["measured"] == "peak"
+    offloaded = [i for i, m in enumerate(records[first]["plan"]) if m == "OFFLOAD"]
+    assert all(mem.costs.direct[i][adaptmem.Mode.OFFLOAD]["seconds"] for i in offloaded)
