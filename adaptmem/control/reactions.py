@@ -109,8 +109,8 @@ class Reactions:
     def _worth_measuring(self, record: PlanRecord) -> bool:
         """Measure this step block by block: something is to be learned (a shape bucket not yet
         measured, or measured under another plan or for a smaller input; a prediction that missed,
-        an escalation or OOM; the cost model still young) or `measure_every` steps have passed since
-        this bucket was."""
+        an escalation or OOM; the cost model still young; a first offload whose time was not
+        learned) or `measure_every` steps have passed since this bucket was."""
         last = self._measured.get(record.key)  # (plan, step, input planned for) of its last step measured
         if last is None or last[0] != record.modes or last[2] != record.seen \
                 or self.steps + 1 - last[1] >= self.policy.measure_every or self.costs.steps_learned < 3 \
