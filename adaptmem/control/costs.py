@@ -78,7 +78,7 @@ class CostModel:
         self.tail = Fit("base")
         self.elem_size = 4
         self.steps_learned = 0
-        self.provisional = False  # the last step learned held a first offload, whose time was not learned
+        self.provisional = False  # the last step learned held a first offload, whose time stands only until the next
         self._offloaded: set[tuple[int, Mode]] = set()  # (block, mode) with OFFLOAD that has run in this process
         self._pool_key: tuple | None = None  # (batch, extent, steps_learned) the pooled overheads are for
         self._pool: dict = {}
@@ -136,19 +136,20 @@ class CostModel:
             lat["backward_temp"].add(b, s, max(0, blk.bwd_peak - blk.recompute_bytes))
         if not mode & (Mode.OFFLOAD | Mode.COMPRESS):
             lat["forward_s"].add(b, s, blk.fwd_seconds)
-        if complete and mode & Mode.OFFLOAD and (blk.index, mode) not in self._offloaded:
-            # the first offload of a block allocates its host memory (pinned, on CUDA: milliseconds a
-            # buffer); the time it took is not the mode's, and the next step is measured again
-            self._offloaded.add((blk.index, mode))
-            self.provisional = True
-        elif complete:
+        if complete:
+            # a block's first offload allocates the host memory its copies go to (pinned, on CUDA):
+            # its time stands only until the next reading, which replaces it; that step is measured
+            first = bool(mode & Mode.OFFLOAD) and (blk.index, mode) not in self._offloaded
+            if first:
+                self._offloaded.add((blk.index, mode))
+                self.provisional = True
             total = blk.fwd_seconds + blk.bwd_seconds
             if mode is Mode.NONE:
                 lat["none_s"].add(b, s, total)
             elif mode is Mode.CHECKPOINT:
                 lat["recompute_s"].add(b, s, blk.recompute_seconds)
                 lat["none_s"].add(b, s, max(0.0, total - blk.recompute_seconds))
-            fits["seconds"].add(b, s, total)
+            fits["seconds"].add(b, s, total, provisional=first)
 
     # -------------------------------------------------------------- predict
     def figures(self, index: int, mode: Mode, batch: int, extent: int) -> Figures:

@@ -37,9 +37,10 @@ class Fit:
         self.points: OrderedDict[tuple[int, int], float] = OrderedDict()
         self.counts: dict[tuple[int, int], int] = {}
 
-    def add(self, batch: int, extent: int, value: float) -> None:
+    def add(self, batch: int, extent: int, value: float, *, provisional: bool = False) -> None:
         """Observe `value` at this shape: the mean of the last observations of it, about `span`
-        of them (the plain mean of the first `span`, then each new one weighs 1/span).
+        of them (the plain mean of the first `span`, then each new one weighs 1/span). A
+        `provisional` value stands until the next observation, which replaces it.
 
         Bytes repeat exactly from step to step, and a short span (2) follows a change
         at once; a time is one reading of a noisy clock, and a longer span averages
@@ -50,7 +51,7 @@ class Fit:
         old = self.points.pop(key, None)
         n = 0 if old is None else min(self.counts.get(key, 1), self.span - 1)
         self.points[key] = float(value) if old is None else (n * old + float(value)) / (n + 1)
-        self.counts[key] = n + 1
+        self.counts[key] = 0 if provisional else n + 1
         while len(self.points) > MAX_SHAPES:
             self.counts.pop(self.points.popitem(last=False)[0], None)
 

@@ -246,23 +246,25 @@ def test_an_offload_keeps_its_own_blocks_time_where_it_ran_there():
     assert seconds[1] == seconds[3] == pytest.approx((0.005 + 0.04) / 2)
 
 
-def test_a_blocks_first_offload_is_not_timed_and_the_next_step_is_measured():
+def test_a_blocks_first_offload_time_stands_only_until_the_next_reading():
     """The first offload of a block allocates the host memory it copies into (pinned buffers on CUDA,
-    fresh pages on the host): that step's time is the allocation's, not the mode's. Its bytes are
-    learned, its time is not, and the cost model asks for the next step to be measured again."""
+    fresh pages on the host): that step's time is the allocation's as much as the mode's. It is used
+    (the plan has nothing better) but not averaged in: the next reading replaces it, and the cost
+    model asks for the next step to be measured so that the reading comes at once."""
     costs = CostModel(["Layer"] * 2, load_policy("balanced"), cuda=False)
     sizes = [1000] * 2
     costs.learn(_timed_step([Mode.NONE] * 2, [0.040] * 2, sizes))
     assert not costs.provisional
-    costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE], [0.300, 0.040], sizes))  # cold: 0.26 s of allocation
-    assert costs.provisional and not costs.direct[0][Mode.OFFLOAD]["seconds"]
-    assert costs.direct[0][Mode.OFFLOAD]["held"]  # bytes are learned from it
+    costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE], [0.300, 0.040], sizes))  # cold: 0.254 s of allocation
+    assert costs.provisional
+    assert costs.figures(0, Mode.OFFLOAD, 2, 1000).seconds == pytest.approx(0.26)
     costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE], [0.046, 0.040], sizes))
     assert not costs.provisional
-    assert costs.figures(0, Mode.OFFLOAD, 2, 1000).seconds == pytest.approx(0.006)
+    assert costs.figures(0, Mode.OFFLOAD, 2, 1000).seconds == pytest.approx(0.006)  # replaced, not averaged
+    costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE], [0.050, 0.040], sizes))
+    assert costs.figures(0, Mode.OFFLOAD, 2, 1000).seconds == pytest.approx(0.008)  # warm readings average
     costs.learn(_timed_step([Mode.CHECKPOINT | Mode.OFFLOAD, Mode.OFFLOAD], [0.300, 0.300], sizes))
     assert costs.provisional  # another offloading mode on block 0, and block 1's first offload
-    assert not costs.direct[1][Mode.OFFLOAD]["seconds"] and not costs.direct[0][Mode.CHECKPOINT | Mode.OFFLOAD]["seconds"]
 
 
 def test_among_equally_cheap_blocks_the_earliest_are_managed():
