@@ -37,10 +37,11 @@ from pathlib import Path
 
 import torch
 
+from adaptmem import Mode
 from adaptmem.config.units import format_bytes
 from stress.bench_controller import controller_fraction
 from stress.benchkit import (ORACLE_MODES, ModeFigures, batch_for, build, fastest_step, find_oracle,
-                             keep_host_memory, make_runner, plan_label, rotated_seconds)
+                             keep_host_memory, make_runner, plan_label, rotate, rotated_seconds)
 
 LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / unmanaged step
 FRACTIONS = (0.3, 0.5, 0.7)
@@ -95,10 +96,8 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps) -> list[
             managed.step()
         managed.measure_peak(3)
         runners += [oracle, managed]
-    for rep in range(reps):  # rotated: each method takes every position in turn
-        k = rep % len(runners)
-        for r in runners[k:] + runners[:k]:
-            r.times.append(r.step())
+    for r, times in zip(runners, rotate(runners, reps)):  # each method takes every position in turn
+        r.times += times
     for r in runners:
         if r.manager is not None:  # the peaks of the timed steps count too
             r.measure_peak(2)
@@ -119,7 +118,7 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps) -> list[
             theirs = next(o for o in runners if o.method == "oracle" and o.budget_frac == r.budget_frac)
             row["vs_oracle"], row["vs_oracle_spread"] = paired(r.times, theirs.times)
             row["vs_oracle"] = round(row["vs_oracle"], 4)
-            row["plan"] = "".join(p[0] if p != "CHECKPOINT+OFFLOAD" else "K" for p in r.manager.last_step["plan"])
+            row["plan"] = plan_label(tuple(map(Mode.parse, r.manager.last_step["plan"])))
     return rows
 
 

@@ -255,16 +255,22 @@ def find_oracle(figures: dict[Mode, ModeFigures], blocks: int, budget: int, run:
     return best, tried
 
 
-def rotated_seconds(runners: list[Runner], rounds: int) -> list[float]:
-    """Per runner, its step time in `rounds` rotated rounds (every runner steps once a round, each
-    position in turn): the median over rounds of its time over the round's mean, times the mean of
-    every time. A slow spell lands on a whole round and cancels."""
+def rotate(runners: list[Runner], rounds: int) -> list[list[float]]:
+    """Per runner, its step times in `rounds` rounds in which every runner steps once, each
+    taking every position in turn."""
     times: list[list[float]] = [[] for _ in runners]
     for k in range(rounds):
-        order = list(range(len(runners)))
-        order = order[k % len(order):] + order[:k % len(order)]
-        for i in order:
+        k %= len(runners)
+        for i in [*range(k, len(runners)), *range(k)]:
             times[i].append(runners[i].step())
+    return times
+
+
+def rotated_seconds(runners: list[Runner], rounds: int) -> list[float]:
+    """Per runner, its step time in `rounds` rotated rounds (`rotate`): the median over rounds of
+    its time over the round's mean, times the mean of every time. A slow spell lands on a whole
+    round and cancels."""
+    times = rotate(runners, rounds)
     means = [statistics.mean(round_) for round_ in zip(*times)]
     overall = statistics.mean(means)
     return [overall * statistics.median(t / m for t, m in zip(ts, means)) for ts in times]
