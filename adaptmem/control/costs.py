@@ -189,12 +189,12 @@ class CostModel:
 
     def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
         """Measured time of the mode less measured time of NONE, averaged over the blocks like this
-        one; an offload's own where it ran on this very block, since where a copy is made decides
-        how much compute it hides behind (on a link that shows, an offload on the fifth of eight
-        blocks cost four times one on the first)."""
+        one; an offload's own where it ran on this very block (in block order, `_ordered_overhead`),
+        since where a copy is made decides how much compute it hides behind (on a link that shows,
+        an offload on the fifth of eight blocks cost four times one on the first)."""
         if mode is Mode.NONE:
             return 0.0
-        overhead = self._own_overhead(index, mode, batch, extent) if mode & Mode.OFFLOAD else None
+        overhead = self._ordered_overhead(index, mode, batch, extent) if mode & Mode.OFFLOAD else None
         if overhead is None:
             overhead = self._pooled_overhead(index, mode, batch, extent)
         if overhead is None:  # no block like it has run the mode and NONE (or a checkpoint) both
@@ -213,15 +213,40 @@ class CostModel:
         by that noise. Alike means the same class with the same input size, so a stage of a
         network whose blocks share a class but not a shape is pooled only with itself.
         """
-        key = (batch, extent, self.steps_learned)
-        if self._pool_key != key:
-            self._pool_key, self._pool = key, {}
-            self._groups = self._alike_groups(batch, extent)
-        group = self._groups[index]
+        group = self._group(index, batch, extent)
         if (group, mode) not in self._pool:
             own = [o for j in group if (o := self._own_overhead(j, mode, batch, extent)) is not None]
             self._pool[group, mode] = sum(own) / len(own) if own else None
         return self._pool[group, mode]
+
+    def _ordered_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
+        """An offload's overhead on block `index`: the blocks alike with it that have run `mode`
+        keep their own times, made non-decreasing in block order; a block that has not run it
+        takes the pooled time, held between its measured neighbours' times.
+
+        A copy made at a later block has less compute after it to hide behind, going out in
+        forward and coming back in backward, so among alike blocks a later offload never
+        costs less. One reading of a block moves by as much as an offload costs; read
+        block by block, the noise scattered the offloads (`NNNOOOON`, `SNOONONN`) where the
+        first blocks' are the cheapest, and a later block looked cheaper by chance.
+
+        A block whose only reading is its first offload (provisional: it allocated its host
+        memory) counts as not measured while an alike block has a settled one: left at its
+        cold time, a plan that moved away from it never came back to read it warm.
+        """
+        group = self._group(index, batch, extent)
+        if ("ordered", group, mode) not in self._pool:
+            own = {j: o for j in group if (o := self._own_overhead(j, mode, batch, extent)) is not None}
+            settled = {j: o for j, o in own.items() if self.direct[j][mode]["seconds"].settled}
+            own = settled or own
+            self._pool["ordered", group, mode] = (dict(zip(own, _non_decreasing(list(own.values())))),
+                                                 sum(own.values()) / len(own) if own else None)
+        ordered, pooled = self._pool["ordered", group, mode]
+        if index in ordered or pooled is None:
+            return ordered.get(index)
+        below = [v for j, v in ordered.items() if j < index]
+        above = [v for j, v in ordered.items() if j > index]
+        return max(min(pooled, above[0]) if above else pooled, below[-1] if below else pooled)
 
     def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *,
                       siblings: bool = False) -> float | None:
@@ -235,6 +260,15 @@ class CostModel:
         if fits is None or not fits["seconds"] or not baseline:
             return None
         return fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
+
+    def _group(self, index: int, batch: int, extent: int) -> tuple[int, ...]:
+        """The blocks alike with `index` at this shape; the pooled figures are kept until the
+        shape or the cost model changes."""
+        key = (batch, extent, self.steps_learned)
+        if self._pool_key != key:
+            self._pool_key, self._pool = key, {}
+            self._groups = self._alike_groups(batch, extent)
+        return self._groups[index]
 
     def _alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
         """Per block, the blocks of its class whose input is within 2% of its own size."""
@@ -321,6 +355,18 @@ class CostModel:
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
         self._pool_key = None
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence to `values` in least squares (pool adjacent violators:
+    a run that falls is replaced by its mean)."""
+    runs: list[list[float]] = []  # [mean, count]
+    for v in values:
+        runs.append([v, 1])
+        while len(runs) > 1 and runs[-2][0] > runs[-1][0]:
+            (m1, n1), (m2, n2) = runs.pop(-2), runs.pop()
+            runs.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in runs for _ in range(n)]
 
 
 def _revealed_activations(blk: BlockSample) -> float | None:

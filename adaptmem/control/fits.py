@@ -58,6 +58,11 @@ class Fit:
     def __bool__(self) -> bool:
         return bool(self.points)
 
+    @property
+    def settled(self) -> bool:
+        """Some observation here is more than a provisional one."""
+        return any(n > 0 for n in self.counts.values())
+
     def predict(self, batch: int, extent: int, quadratic: float = 0.0) -> float:
         if not self.points:
             return 0.0

@@ -243,7 +243,43 @@ def test_an_offload_keeps_its_own_blocks_time_where_it_ran_there():
         costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE, Mode.OFFLOAD, Mode.NONE], [0.045, 0.040, 0.080, 0.040], sizes))
     seconds = [costs.figures(i, Mode.OFFLOAD, 2, 1000).seconds for i in range(4)]
     assert seconds[0] == pytest.approx(0.005) and seconds[2] == pytest.approx(0.04)  # their own
-    assert seconds[1] == seconds[3] == pytest.approx((0.005 + 0.04) / 2)
+    assert seconds[1] == pytest.approx((0.005 + 0.04) / 2)  # pooled, between its neighbours
+    assert seconds[3] == pytest.approx(0.04)  # pooled would be cheaper than block 2's: a later copy is not
+
+
+def test_among_alike_blocks_a_later_offload_never_costs_less():
+    """A copy made later has less compute after it to hide behind. One block's reading moves by as
+    much as an offload costs, so readings that fall along the blocks are pooled (their mean), and
+    the planner offloads the first blocks, not the ones that read cheap by chance."""
+    from adaptmem.control.planner import plan
+
+    costs = CostModel(["Layer"] * 8, load_policy("balanced"), cuda=False)
+    sizes = [1000] * 8
+    costs.learn(_timed_step([Mode.NONE] * 8, [0.040] * 8, sizes))
+    O, N = Mode.OFFLOAD, Mode.NONE
+    for _ in range(2):  # noisy readings: the later offloads read cheaper than the first ones
+        costs.learn(_timed_step([O, O, N, N, N, O, O, N], [0.050, 0.049, 0.04, 0.04, 0.04, 0.045, 0.046, 0.04], sizes))
+    seconds = [costs.figures(i, O, 2, 1000).seconds for i in range(8)]
+    assert seconds == sorted(seconds)
+    assert seconds[0] == seconds[1] == seconds[5] == seconds[6] == pytest.approx(0.0075)  # all pooled
+    assert seconds[2] == seconds[7] == pytest.approx(0.0075)
+    options = costs.options(2, 1000, (N, O))
+    everything = sum(row[0].saved for row in options)
+    result = plan(options, capacity=everything - 3.5 * (options[0][0].saved - options[0][1].saved))
+    k = result.modes.count(O)
+    assert result.feasible and 0 < k < 8 and result.modes == (O,) * k + (N,) * (8 - k)
+
+    costs.learn(_timed_step([O, O, N, N, N, O, O, N], [0.044, 0.046, 0.04, 0.04, 0.04, 0.058, 0.060, 0.04], sizes))
+    seconds = [costs.figures(i, O, 2, 1000).seconds for i in range(8)]
+    own = [costs._own_overhead(i, O, 2, 1000) for i in (0, 1, 5, 6)]
+    assert own == sorted(own) and [seconds[i] for i in (0, 1, 5, 6)] == pytest.approx(own)  # in order: their own
+    assert own[1] <= seconds[3] <= own[2]  # between its measured neighbours
+
+    # block 2's first offload is cold; while alike blocks have warm readings it counts as not yet read
+    costs.learn(_timed_step([O, O, O, N, N, O, O, N], [0.044, 0.046, 0.300, 0.04, 0.04, 0.058, 0.060, 0.04], sizes))
+    assert costs.provisional and costs._own_overhead(2, O, 2, 1000) > 0.25
+    own = [costs._own_overhead(i, O, 2, 1000) for i in (0, 1, 5, 6)]
+    assert own[1] <= costs.figures(2, O, 2, 1000).seconds <= own[2]
 
 
 def test_a_blocks_first_offload_time_stands_only_until_the_next_reading():
