@@ -150,6 +150,8 @@ class CostModel:
                 lat["recompute_s"].add(b, s, blk.recompute_seconds)
                 lat["none_s"].add(b, s, max(0.0, total - blk.recompute_seconds))
             fits["seconds"].add(b, s, total, provisional=first)
+            if blk.recompute_seconds > 0:
+                fits.setdefault("recompute_s", _fit("recompute_s")).add(b, s, blk.recompute_seconds)
 
     # -------------------------------------------------------------- predict
     def figures(self, index: int, mode: Mode, batch: int, extent: int) -> Figures:
@@ -201,7 +203,22 @@ class CostModel:
             overhead = self._own_overhead(index, mode, batch, extent, siblings=True)
         if overhead is None:
             return derived.seconds
-        return max(0.0, overhead) + self._penalty(mode, self._latents(index, batch, extent))
+        return max(0.0, overhead, self._recompute_floor(index, mode, batch, extent)) \
+            + self._penalty(mode, self._latents(index, batch, extent))
+
+    def _recompute_floor(self, index: int, mode: Mode, batch: int, extent: int) -> float:
+        """What a recomputing mode costs at least: its recompute's own time, read within one step
+        (the mean over the alike blocks that have run it).
+
+        Its overhead otherwise is a difference of two readings from different steps, the mode's
+        and NONE's; a slow spell during NONE's made SELECTIVE look free (its overhead floored at
+        zero), and with every block in SELECTIVE no NONE reading came again to mend it.
+        """
+        group = self._group(index, batch, extent)
+        if ("floor", group, mode) not in self._pool:
+            times = [f.predict(batch, extent) for j in group if (f := self.direct[j].get(mode, {}).get("recompute_s"))]
+            self._pool["floor", group, mode] = sum(times) / len(times) if times else 0.0
+        return self._pool["floor", group, mode]
 
     def _pooled_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
         """The mean, over the blocks alike with `index` that have run `mode`, of each one's time

@@ -197,9 +197,10 @@ def test_state_round_trip_and_mismatch(harness):
         wrong.load_state_dict(harness.costs.state_dict())
 
 
-def _timed_step(modes, seconds, sizes, batch=2, extent=1000):
-    """A step whose block i ran modes[i] for seconds[i] (forward and backward together); an
-    offloaded block keeps its input on the device and sends the rest of its activations away."""
+def _timed_step(modes, seconds, sizes, batch=2, extent=1000, recompute=0.0):
+    """A step whose block i ran modes[i] for seconds[i] (forward and backward together), of which
+    `recompute` recomputing in backward where its mode recomputes; an offloaded block keeps its
+    input on the device and sends the rest of its activations away."""
     from adaptmem.control.recorder import BlockSample, StepSample
 
     blocks, at = [], 0
@@ -207,7 +208,8 @@ def _timed_step(modes, seconds, sizes, batch=2, extent=1000):
         held = size if mode is Mode.OFFLOAD else 4 * size
         blocks.append(BlockSample(index=i, mode=mode, input_bytes=size, start=at, end=at + held,
                                   fwd_top=at + held + size, held=held, output_bytes=size, bwd_start=at + held,
-                                  bwd_top=at + held + 2 * size, fwd_seconds=took / 3, bwd_seconds=2 * took / 3))
+                                  bwd_top=at + held + 2 * size, fwd_seconds=took / 3, bwd_seconds=2 * took / 3,
+                                  recompute_seconds=recompute if mode & (Mode.CHECKPOINT | Mode.SELECTIVE) else 0.0))
         at += held
     return StepSample(batch=batch, extent=extent, blocks=blocks, completed=True, seconds=sum(seconds))
 
@@ -231,6 +233,23 @@ def test_a_modes_time_is_pooled_over_blocks_alike_and_only_those():
     assert seconds[0] == seconds[1] == seconds[2] == seconds[3] == pytest.approx((own(0) + own(1) + own(3)) / 3)
     assert len({round(own(i), 6) for i in (0, 1, 3)}) == 3  # the blocks did differ
     assert seconds[4] == pytest.approx(own(4)) and seconds[4] != pytest.approx(seconds[0])
+
+
+def test_a_recomputing_mode_costs_at_least_its_recompute_read_in_the_same_step():
+    """A mode's overhead is its time less NONE's, read in different steps: read during a slow
+    spell, NONE makes SELECTIVE look free, and once every block is in SELECTIVE no NONE reading
+    comes to mend it. Its recompute, timed within its own step, is a floor."""
+    costs = CostModel(["Layer"] * 4, load_policy("balanced"), cuda=False)
+    sizes = [1000] * 4
+    costs.learn(_timed_step([Mode.NONE] * 4, [0.060] * 4, sizes))  # a slow spell
+    costs.learn(_timed_step([Mode.SELECTIVE] * 2 + [Mode.NONE] * 2, [0.050] * 2 + [0.040] * 2, sizes,
+                            recompute=0.006))
+    assert costs._own_overhead(0, Mode.SELECTIVE, 2, 1000) < 0  # the difference alone: free
+    assert costs.figures(0, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.006)
+    assert costs.figures(3, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.006)  # alike: pooled
+    costs.learn(_timed_step([Mode.CHECKPOINT] * 4, [0.070] * 4, sizes, recompute=0.025))
+    assert costs.figures(0, Mode.CHECKPOINT, 2, 1000).seconds == pytest.approx(0.025)  # above the difference (0.015)
+    assert costs.figures(0, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.006)  # each mode its own
 
 
 def test_an_offload_keeps_its_own_blocks_time_where_it_ran_there():
