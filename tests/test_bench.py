@@ -45,11 +45,21 @@ def test_targets_and_render_name_what_was_missed():
          "peak_bytes": 88, "ratio": 1.1, "spread": 0.0, "plan": "CCNN"},
         {"model": "m", "seq": 8, "link": "l", "method": "adaptmem", "budget_frac": 0.7, "budget_bytes": 90,
          "peak_bytes": 91, "ratio": 1.3, "spread": 0.1, "vs_oracle": 1.18, "vs_oracle_spread": 0.02, "plan": "SSNN"},
+        {"model": "m", "seq": 8, "link": "l", "method": "oracle", "budget_frac": 0.5, "budget_bytes": 80,
+         "peak_bytes": 76, "ratio": 1.2, "spread": 0.0, "plan": "CCCN"},
+        {"model": "m", "seq": 8, "link": "l", "method": "adaptmem", "budget_frac": 0.5, "budget_bytes": 80,
+         "peak_bytes": 70, "ratio": 1.3, "spread": 0.1, "vs_oracle": 1.08, "vs_oracle_spread": 0.02, "plan": "CCCC"},
     ]
     checks = dict(targets(rows, fraction=0.004, planner=3.0))
+    fill = "peak >= 93% of the budget wherever a plan that fills more (the oracle's) is faster beyond the spread"
     assert checks == {"peak <= budget everywhere": False, "adaptmem <= 1.05x the oracle everywhere": False,
-                      "m 8 l 70%: overhead <= half of checkpoint_all's": False,
+                      "m 8 l 70%: overhead <= half of checkpoint_all's": False, fill: False,
                       "controller <= 1% of a step": True, "planner <= 5 ms for 100 x 6": True}
+    for ratio, spread, peak in ((0.99, 0.02, 70),  # unused budget, but the fuller plan was not faster
+                                (1.04, 0.05, 70),  # faster within the spread: as fast as can be told
+                                (1.08, 0.02, 75)):  # faster, but 94% of the budget is used
+        rows[-1].update(vs_oracle=ratio, vs_oracle_spread=spread, peak_bytes=peak)
+        assert dict(targets(rows, fraction=0.004, planner=3.0))[fill]
     text = render({"rows": rows, "controller_fraction": 0.004, "planner_ms_100x6": 3.0, "machine": "x",
                    "command": "python -m stress.bench", "seconds": 1, "targets": checks})
     assert "| m | 8 | l | adaptmem | 70% |" in text and "**missed**: peak <= budget everywhere" in text
