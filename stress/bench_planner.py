@@ -4,8 +4,11 @@
     python stress/bench_planner.py --blocks 200 --modes 7 --repeats 50
 
 Instances are transformer-like (every block alike, with jitter), sized so that
-the budget binds. Times are medians of --repeats runs in this process, in the
-thread's CPU time (one torch thread), so other load on the machine shows less.
+the budget binds. Times are the fastest of --repeats runs in this process, in
+the thread's CPU time (one torch thread): the planner is deterministic, so what
+varies between runs is only what the shared machine adds (cache, a busy sibling
+core), which in one quiet process moved the median of 11 runs between 2.5 and
+5.5 ms; the fastest run is the planner's own cost, as `timeit` reports it.
 It also checks, on 8 blocks x 6 modes, that the planner's objective equals a
 brute-force search's.
 """
@@ -15,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
-import statistics
 import sys
 import time
 
@@ -46,7 +48,7 @@ def timed(options, capacity, repeats: int) -> tuple[float, bool]:
         start = time.thread_time()  # CPU time: other tenants' load does not show
         result = plan(options, capacity, final=200e6)
         times.append(time.thread_time() - start)
-    return statistics.median(times), result.feasible
+    return min(times), result.feasible
 
 
 def exactness(trials: int = 20) -> int:
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     options, capacity = instance(rng, args.blocks, args.modes)
     seconds, feasible = timed(options, capacity, args.repeats)
     print(f"planner, {args.blocks} blocks x {args.modes} modes: {seconds * 1e3:.2f} ms "
-          f"(median of {args.repeats}; feasible={feasible})")
+          f"(fastest of {args.repeats}; feasible={feasible})")
     print("sweep (blocks x 6 modes):")
     for blocks in (8, 32, 64, 100, 200):
         s, _ = timed(*instance(rng, blocks, 6), repeats=max(5, args.repeats // 3))
