@@ -78,7 +78,7 @@ class PlanBook:
         self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory
         self.tried: set[tuple[Mode, ...]] = set()  # plans that ran out of memory in this step
         self.attempt = 0
-        self._warned: set[Key] = set()
+        self._warned: set[tuple[Key, bool]] = set()  # (bucket, its size measured) warned of a shortfall
 
     def bucket(self, batch: int, extent: int) -> Key:
         r = self.policy.bucket_ratio
@@ -197,14 +197,17 @@ class PlanBook:
                 break
             worst = max(range(len(chosen)), key=lambda i: chosen[i].host)
             options[worst] = [o for o in options[worst] if o.host == 0] or options[worst]
-        if warn and not result.feasible and key not in self._warned:
-            self._warned.add(key)
+        measured = self.costs.measured(batch, extent)
+        if warn and not result.feasible and (key, measured) not in self._warned:
+            self._warned.add((key, measured))  # a size first extrapolated warns again once measured
             log.warning(
                 "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
-                "%d input elements each: the tightest plan is predicted at %s, %s over. Running it; lower the batch "
-                "or input size, or raise the budget.",
+                "%d input elements each: the tightest plan is predicted at %s, %s over. Running it; %s",
                 format_bytes(target), 100 * self.decider.headroom, format_bytes(budget), batch, extent,
                 format_bytes(start + result.peak), format_bytes(result.shortfall),
+                "lower the batch or input size, or raise the budget." if measured else
+                "this size has not run yet, so its figures are extrapolated from other sizes (with a margin) "
+                "and this step measures them; if it runs out of memory, run_step retries it tighter.",
             )
         return result.modes, start + result.peak, result.feasible, result.shortfall
 

@@ -59,6 +59,38 @@ def test_when_no_plan_fits_a_buckets_top_the_input_itself_is_planned_for_without
     assert not [r for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
 
 
+def test_a_shortfall_predicted_for_a_size_not_run_yet_says_it_is_extrapolated(caplog):
+    """The first time a size comes, its figures are extrapolated with a margin: a shortfall
+    predicted then says so (the step measures it, and run_step retries an OOM) rather than asking
+    for a smaller batch; once the size has run, a shortfall asks for one, warned once more."""
+    model = tiny(dim=64, n_layers=4, vocab_size=256)
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
+        for _ in range(2):
+            with mem.step():
+                model(**tiny_batch(model, batch=2, seq=64)).loss.backward()
+            model.zero_grad(set_to_none=True)
+        book = mem.plans
+        key = book.bucket(2, 160 * 64)
+        assert not book.costs.measured(2, 160 * 64)
+        tightest = book.predict(tuple(Mode.CHECKPOINT for _ in range(book.n)), 2, 160 * 64, 0)
+        with caplog.at_level("WARNING", logger="adaptmem"):
+            book.make(key, 0, int(tightest / 2), fixed={}, reason="new", extent=160 * 64)
+            book.make(key, 0, int(tightest / 2), fixed={}, reason="new", extent=160 * 64)  # warned once
+        (first,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+        assert "has not run yet" in first and "extrapolated" in first and "lower the batch" not in first
+        with mem.step():
+            model(**tiny_batch(model, batch=2, seq=160)).loss.backward()
+        model.zero_grad(set_to_none=True)
+        assert book.costs.measured(2, 160 * 64)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="adaptmem"):
+            book.make(key, 0, int(tightest / 2), fixed={}, reason="new", extent=160 * 64)
+        (second,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+        assert "lower the batch or input size, or raise the budget" in second
+
+
 def fill(n_layers: int, fraction: float, steps: int = 30):
     """Steps of one shape under a budget `fraction` of the way from every block CHECKPOINT to
     unmanaged, with NONE and CHECKPOINT only: the fuller a plan, the fewer recomputes, the cheaper.
