@@ -110,6 +110,7 @@ class MemoryManager(Reactions):
         self._step_pred: float | None = None
         self._step_start = 0
         self._measured: dict = {}  # per shape bucket: (plan, step) of its last step measured block by block
+        self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
         self._unmarked_warned = False
         self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
         self._rank = self._agree.rank if self._agree is not None else 0

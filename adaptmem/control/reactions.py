@@ -237,17 +237,24 @@ class Reactions:
         if pred is not None and observed > 0:
             error = (pred - observed) / observed
             self.errors.append(error)
+        rebias = False
         if pred is not None and decision == HOLD and not (calibrating or sample.unmeasured) \
                 and observed > self._step_start:
-            if self.decider.learn_bias(pred - self._step_start, observed - self._step_start):
-                self.plans.cache.clear()  # aim again with the predictions' bias taken out
+            # aim again with the predictions' bias taken out
+            rebias = self.decider.learn_bias(pred - self._step_start, observed - self._step_start)
         missed = pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget
         if decision == ESCALATE:  # the next step has something to teach: measure it block by block
             self._measured.clear()
         elif missed:
             self._measured.pop(self._step_key, None)
-        if decision != HOLD or calibrating:
+        # a first offload's time is cold (it allocated its host memory): a replan that is not for
+        # memory waits one step, so the plan runs again and is remade from the warm reading
+        if self.costs.provisional and decision != ESCALATE and not calibrating \
+                and (decision != HOLD or missed or rebias):
+            self._replan_when_warm = True
+        elif decision != HOLD or calibrating or rebias or self._replan_when_warm:
             self.plans.cache.clear()
+            self._replan_when_warm = False
         elif missed:
             self.plans.cache.pop(self._step_key, None)
         self.plans.succeeded()

@@ -60,6 +60,24 @@ def managed(every=5, **overrides):
     return model, dev, probe, budget, policy
 
 
+def test_a_replan_after_a_first_offload_waits_for_its_warm_reading():
+    """A first offload's time is cold: a replan that step would cause (here every prediction
+    misses, with no tolerance) waits one step, so the plan runs again and is remade from the
+    warm reading, not chosen away from the offload on its allocation's time."""
+    model, dev, probe, budget, policy = managed(every=1000, modes=("NONE", "CHECKPOINT", "OFFLOAD"),
+                                                replan_tolerance=1e-9)
+    with dev, adaptmem.manage(model, budget=2 * budget, device=probe, policy=policy) as mem:
+        run(mem, model, probe, [128] * 4)
+        made, make = [], mem.plans.make
+        mem.plans.make = lambda *a, **k: made.append(mem.steps + 1) or make(*a, **k)
+        mem.set_budget(budget)
+        records = [r for r, _, _ in run(mem, model, probe, [128] * 5)]
+    first = next(i for i, r in enumerate(records) if "OFFLOAD" in r["plan"])
+    step = records[first]["step"]
+    assert records[first + 1]["plan"] == records[first]["plan"]
+    assert step + 1 not in made and step + 2 in made  # held one step, then remade
+
+
 def test_steady_steps_read_only_their_peak_and_measure_every_nth():
     model, dev, probe, budget, policy = managed(every=5)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
