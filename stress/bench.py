@@ -173,8 +173,7 @@ def targets(rows: list[dict], fraction: float, planner: float) -> list[tuple[str
     checks = [("peak <= budget everywhere", not over),
               ("adaptmem <= 1.05x the oracle everywhere", all(r["vs_oracle"] <= 1.05 for r in mine))]
     for r in (r for r in mine if r["budget_frac"] == 0.7):
-        ck = next(c for c in rows if c["method"] == "checkpoint_all" and c["model"] == r["model"]
-                  and c["seq"] == r["seq"] and c["link"] == r["link"])
+        ck = _beside(rows, "checkpoint_all", r)
         checks.append((f"{r['model']} {r['seq']} {r['link']} 70%: overhead <= half of checkpoint_all's",
                        r["ratio"] - 1 <= (ck["ratio"] - 1) / 2))
     checks.append(("peak >= 93% of the budget wherever a plan that fills more (the oracle's) is faster beyond the spread",
@@ -183,14 +182,19 @@ def targets(rows: list[dict], fraction: float, planner: float) -> list[tuple[str
     return checks
 
 
+def _beside(rows: list[dict], method: str, row: dict, *keys: str) -> dict:
+    """The row of `method` measured beside `row`: the same model, length and link (and `keys`)."""
+    return next(o for o in rows if o["method"] == method
+                and all(o[k] == row[k] for k in ("model", "seq", "link", *keys)))
+
+
 def _fuller_and_faster(row: dict, rows: list[dict]) -> bool:
     """adaptmem's `row` left more than 7% of its budget unused, and the oracle's plan for the same
     budget filled more of it and ran faster, by more than the spread of the ratio (within it, two
     plans are as fast as this benchmark can tell)."""
     if row["peak_bytes"] >= 0.93 * row["budget_bytes"]:
         return False
-    oracle = next(o for o in rows if o["method"] == "oracle" and all(
-        o[k] == row[k] for k in ("model", "seq", "link", "budget_frac")))
+    oracle = _beside(rows, "oracle", row, "budget_frac")
     return oracle["peak_bytes"] > row["peak_bytes"] and row["vs_oracle"] - row["vs_oracle_spread"] > 1.0
 
 

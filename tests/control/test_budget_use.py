@@ -13,12 +13,26 @@ from adaptmem.testing import SimulatedDevice
 from helpers import budget_between, tiny, tiny_batch
 
 
-def test_a_plan_is_made_for_the_largest_input_seen_in_its_bucket_once_that_shape_is_measured():
-    """A shape not measured yet is planned for its bucket's top (the predictions' margin); once it
-    has been measured, the bucket's plan is made again for the largest input seen, not the top."""
+def small():
+    """A 4-layer tiny transformer on a stand-in with room for any plan."""
     model = tiny(dim=64, n_layers=4, vocab_size=256)
     dev = SimulatedDevice(capacity_bytes=2**31)
     dev.track(model)
+    return model, dev
+
+
+def run_steps(mem, model, seq: int, n: int = 1) -> None:
+    """`n` marked steps of batch 2 at length `seq`."""
+    for _ in range(n):
+        with mem.step():
+            model(**tiny_batch(model, batch=2, seq=seq)).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+
+def test_a_plan_is_made_for_the_largest_input_seen_in_its_bucket_once_that_shape_is_measured():
+    """A shape not measured yet is planned for its bucket's top (the predictions' margin); once it
+    has been measured, the bucket's plan is made again for the largest input seen, not the top."""
+    model, dev = small()
     lengths = (100, 104, 96, 110, 110)
     with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
         book = mem.plans
@@ -38,14 +52,9 @@ def test_a_plan_is_made_for_the_largest_input_seen_in_its_bucket_once_that_shape
 def test_when_no_plan_fits_a_buckets_top_the_input_itself_is_planned_for_without_a_warning(caplog):
     """The top of a bucket is a margin for a shape not measured yet; where no plan fits it but one
     fits the input that came, that plan runs, and nothing warns of a shortfall the input does not have."""
-    model = tiny(dim=64, n_layers=4, vocab_size=256)
-    dev = SimulatedDevice(capacity_bytes=2**31)
-    dev.track(model)
+    model, dev = small()
     with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
-        for _ in range(3):
-            with mem.step():
-                model(**tiny_batch(model, batch=2, seq=100)).loss.backward()
-            model.zero_grad(set_to_none=True)
+        run_steps(mem, model, seq=100, n=3)
     book, seen = mem.plans, 104 * 64  # a longer input in the same bucket, not measured
     key = book.bucket(2, seen)
     assert key[1] > seen and not book.costs.measured(2, seen)
@@ -63,14 +72,9 @@ def test_a_shortfall_predicted_for_a_size_not_run_yet_says_it_is_extrapolated(ca
     """The first time a size comes, its figures are extrapolated with a margin: a shortfall
     predicted then says so (the step measures it, and run_step retries an OOM) rather than asking
     for a smaller batch; once the size has run, a shortfall asks for one, warned once more."""
-    model = tiny(dim=64, n_layers=4, vocab_size=256)
-    dev = SimulatedDevice(capacity_bytes=2**31)
-    dev.track(model)
+    model, dev = small()
     with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
-        for _ in range(2):
-            with mem.step():
-                model(**tiny_batch(model, batch=2, seq=64)).loss.backward()
-            model.zero_grad(set_to_none=True)
+        run_steps(mem, model, seq=64, n=2)
         book = mem.plans
         key = book.bucket(2, 160 * 64)
         assert not book.costs.measured(2, 160 * 64)
@@ -80,9 +84,7 @@ def test_a_shortfall_predicted_for_a_size_not_run_yet_says_it_is_extrapolated(ca
             book.make(key, 0, int(tightest / 2), fixed={}, reason="new", extent=160 * 64)  # warned once
         (first,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
         assert "has not run yet" in first and "extrapolated" in first and "lower the batch" not in first
-        with mem.step():
-            model(**tiny_batch(model, batch=2, seq=160)).loss.backward()
-        model.zero_grad(set_to_none=True)
+        run_steps(mem, model, seq=160)
         assert book.costs.measured(2, 160 * 64)
         caplog.clear()
         with caplog.at_level("WARNING", logger="adaptmem"):
