@@ -78,6 +78,10 @@ class PlanBook:
         self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory
         self.tried: set[tuple[Mode, ...]] = set()  # plans that ran out of memory in this step
         self.attempt = 0
+        # predicted peaks above the start, per (modes, batch, extent), while the cost model and the
+        # policy stay as they were: steady-state steps ask for the same plan's prediction each step
+        self._predicted: dict[tuple, float] = {}
+        self._predicted_for: tuple[int, Policy] | None = None
         self._warned: set[tuple[Key, bool]] = set()  # (bucket, its size measured) warned of a shortfall
 
     def bucket(self, batch: int, extent: int) -> Key:
@@ -157,10 +161,18 @@ class PlanBook:
         """Predicted absolute peak of `modes` for this shape, or None before calibration."""
         if not self.costs.known:
             return None
-        rows = self.costs.options(batch, extent, self.allowed, fixed=dict(enumerate(modes)))
-        chosen = [row[0] for row in rows]
-        return max(start + predicted_peak(chosen, self.costs.head_bytes(batch, extent)),
-                   start + self.costs.tail_bytes(batch, extent))
+        state = (self.costs.steps_learned, self.costs.policy)
+        if self._predicted_for is None or self._predicted_for[0] != state[0] or self._predicted_for[1] is not state[1] \
+                or len(self._predicted) >= 4 * MAX_CACHED_PLANS:
+            self._predicted, self._predicted_for = {}, state
+        key = (modes, batch, extent)
+        above = self._predicted.get(key)
+        if above is None:
+            rows = self.costs.options(batch, extent, self.allowed, fixed=dict(enumerate(modes)))
+            chosen = [row[0] for row in rows]
+            above = max(predicted_peak(chosen, self.costs.head_bytes(batch, extent)), self.costs.tail_bytes(batch, extent))
+            self._predicted[key] = above
+        return start + above
 
     def forbid(self, mode: Mode) -> bool:
         """Never plan `mode` again in this run (cached plans that use it are dropped).
@@ -243,6 +255,7 @@ class PlanBook:
 
     def load_state_dict(self, state: list) -> None:
         self.cache = OrderedDict()
+        self._predicted_for = None  # the cost model was loaded beside it
         for k, modes, start, pred, *rest in state:
             extent, seen, learned = rest or (k[1], k[1], 0)  # saved before plans kept their extent: the top
             self.cache[tuple(k)] = PlanRecord(tuple(Mode.parse(m) for m in modes), tuple(k), extent, start, pred,

@@ -181,3 +181,35 @@ def test_the_step_after_a_blocks_first_offload_is_measured_again():
     assert records[-1]["measured"] == "peak"
     offloaded = [i for i, m in enumerate(records[first]["plan"]) if m == "OFFLOAD"]
     assert all(mem.costs.direct[i][adaptmem.Mode.OFFLOAD]["seconds"] for i in offloaded)
+
+
+def test_steady_steps_reuse_their_prediction_until_the_cost_model_learns():
+    """A held plan's prediction is worked out once per state of the cost model: a step after
+    a light one (which taught nothing) reuses it, a step after one learned from works it out
+    again, and the figure reused is the one worked out afresh."""
+    model, dev, probe, budget, policy = managed(every=4)
+    with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+        run(mem, model, probe, [128] * 6)
+        worked, options, predict, inside = [], mem.costs.options, mem.plans.predict, []
+
+        def predicting(*a, **k):  # a prediction's own figures (a new plan's are counted apart)
+            inside.append(1)
+            try:
+                return predict(*a, **k)
+            finally:
+                inside.pop()
+
+        mem.costs.options = lambda *a, **k: (inside and worked.append(mem.steps + 1)) or options(*a, **k)
+        mem.plans.predict = predicting
+        steps = [r for r, _, _ in run(mem, model, probe, [128] * 9)]
+        mem.costs.options, mem.plans.predict = options, predict
+        shape = next(iter(mem.plans._predicted))  # (modes, batch, extent) of the plan held
+        reused = mem.plans.predict(*shape, 0)
+        mem.plans._predicted_for = None
+        assert mem.plans.predict(*shape, 0) == reused
+    pairs = list(zip(steps, steps[1:]))
+    after_light = [r["step"] for prev, r in pairs if prev["measured"] == "peak" and prev["plan"] == r["plan"]]
+    after_learned = [r["step"] for prev, r in pairs if prev["measured"] == "blocks"]
+    assert after_light and after_learned, [r["measured"] for r in steps]
+    assert not set(after_light) & set(worked), (after_light, worked)
+    assert set(after_learned) <= set(worked), (after_learned, worked)
