@@ -3,6 +3,7 @@
     python -m stress.bench                    # tiny + Llama, 2 lengths, 3 link speeds (~30 min on 2 cores)
     python -m stress.bench --quick            # every method at one link speed, one length (< 5 min)
     python -m stress.bench --json results.json
+    python -m stress.bench --device cuda      # on a GPU: a Llama of TinyLlama's shape (8 layers), its real link
 
 Methods, each on its own copy of the model and its own stand-in device:
   unmanaged       every block keeps its activations
@@ -21,6 +22,10 @@ the spread shown is half the min-max range of the per-round ratios.
 Peaks come from steps of their own, read through a window no manager reads. One torch thread;
 freed host memory stays mapped (`stress.benchkit.keep_host_memory`), so page faults stay out of the
 times, and large tensors sit on transparent huge pages (THP_MEM_ALLOC_ENABLE=1, set by the script).
+
+With `--device cuda` every method runs on the GPU over its real link, batch 4 x 1024 and
+2048 tokens (`--quick`: 2048), in bf16: wall time between synchronizations, peaks of
+allocated device bytes read by a meter no manager reads (`stress.benchkit_cuda`).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch
 from adaptmem import Mode
 from adaptmem.config.units import format_bytes
 from stress.bench_controller import controller_fraction
-from stress.benchkit import (ORACLE_MODES, ModeFigures, batch_for, build, fastest_step, find_oracle,
+from stress.benchkit import (ORACLE_MODES, VOCAB, ModeFigures, batch_for, build, fastest_step, find_oracle,
                              keep_host_memory, make_runner, plan_label, rotate, rotated_seconds)
 
 LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / unmanaged step
@@ -51,10 +56,17 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bench_config(name: str, seq: int, batch: int, links: list[str], reps: int, steps: int) -> list[dict]:
-    base = build(name)
-    data = batch_for(batch, seq)
+def bench_config(name: str, seq: int, batch: int, links: list[str], reps: int, steps: int,
+                 device: str = "cpu") -> list[dict]:
+    base = build(name, device)
+    data = batch_for(batch, seq, VOCAB[name], device)
     blocks = 8
+    if device == "cuda":  # one link, the real one
+        from stress.benchkit_cuda import link_bytes_per_s
+
+        rate = link_bytes_per_s()
+        log(f"[{name} batch {batch} x {seq} on {device}: pinned copies at {format_bytes(int(rate))}/s]")
+        return bench_link(name, base, data, seq, blocks, "pcie", None, reps, steps, rate=rate)
     # calibration, without a link: unmanaged time and offload_all's bytes set the link speeds
     probe = make_runner("offload_all", base, data, None)
     probe.step()
@@ -71,7 +83,7 @@ def bench_config(name: str, seq: int, batch: int, links: list[str], reps: int, s
     return rows
 
 
-def bench_link(name, base, data, seq, blocks, link, speed, reps, steps) -> list[dict]:
+def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, rate=None) -> list[dict]:
     t0 = time.perf_counter()
     fixed = {m: make_runner(m, base, data, speed) for m in ("unmanaged", "checkpoint_all", "offload_all")}
     for r in fixed.values():
@@ -109,7 +121,7 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps) -> list[
     for r in runners:
         ratio, spread = paired(r.times, base_times)
         rows.append({"model": name, "seq": seq, "method": r.method, "budget_frac": r.budget_frac, "link": link,
-                     "link_bytes_per_s": int(speed), "peak_bytes": max(r.peaks), "budget_bytes": r.budget_bytes,
+                     "link_bytes_per_s": int(rate or speed), "peak_bytes": max(r.peaks), "budget_bytes": r.budget_bytes,
                      "step_s": statistics.median(r.times), "ratio": ratio, "spread": spread,
                      "times": [round(t, 5) for t in r.times],
                      "plan": plan_label(r.plan) if r.plan else None})
@@ -203,28 +215,42 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="one length, one link speed: every method, < 5 min")
     p.add_argument("--json", type=Path, default=None, help="write the rows and figures here")
     p.add_argument("--reps", type=int, default=None, help="rotated repetitions per method (default 10)")
-    p.add_argument("--models", default="tiny,llama")
+    p.add_argument("--models", default=None, help="default tiny,llama; on cuda llama-1b")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: stand-in devices at three link speeds; cuda: the GPU and its real link")
     p.add_argument("--render", type=Path, default=None, metavar="JSON",
                    help="print the Markdown of a --json file (the README's Results section) and exit")
     args = p.parse_args(argv)
     if args.render:
         print(render(json.loads(args.render.read_text())))
         return 0
-    torch.set_num_threads(1)
+    gpu = args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    if not gpu:
+        torch.set_num_threads(1)
     keep_host_memory()
     reps = args.reps or 10
-    seqs = [256] if args.quick else [256, 512]
+    if gpu:
+        models, batch, seqs = args.models or "llama-1b", 4, [2048] if args.quick else [1024, 2048]
+    else:
+        models, batch, seqs = args.models or "tiny,llama", 2, [256] if args.quick else [256, 512]
     links = ["one-block"] if args.quick else list(LINKS)
     started = time.perf_counter()
     rows = []
-    for name in args.models.split(","):
+    for name in models.split(","):
         for seq in seqs:
-            rows += bench_config(name, seq, 2, links, reps, steps=4)
+            rows += bench_config(name, seq, batch, links, reps, steps=4, device=args.device)
+    torch.set_num_threads(1)  # the controller's figures are the stand-in's, on one thread, as on a CPU run
     controller = controller_fraction(10 if args.quick else 30)
     fraction = controller["direct"]
     planner = planner_ms()
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}"
-    command = "python -m stress.bench" + (" --quick" if args.quick else "")
+    if gpu:
+        from stress.benchkit_cuda import machine as gpu_machine
+
+        machine = gpu_machine()
+    command = "python -m stress.bench" + (" --device cuda" if gpu else "") + (" --quick" if args.quick else "")
     checks = targets(rows, fraction, planner)
     result = {"rows": rows, "controller_fraction": fraction, "planner_ms_100x6": planner, "machine": machine,
               "controller_background_fraction": controller["background"], "controller_ab_fraction": controller["ab"],

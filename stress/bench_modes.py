@@ -37,13 +37,13 @@ PRESETS = {
 }
 
 
-def build(preset: str, vocab: int, device: str, dtype: torch.dtype):
+def build(preset: str, vocab: int, device: str, dtype: torch.dtype, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=8192, use_cache=False,
-                      attention_dropout=0.0, **PRESETS[preset])
+                      attention_dropout=0.0, **{**PRESETS[preset], **overrides})
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
 

@@ -30,13 +30,19 @@ ORACLE_MODES = (Mode.NONE, Mode.SELECTIVE, Mode.CHECKPOINT, Mode.OFFLOAD, Mode.C
 
 
 # ------------------------------------------------------------------ models
-def build(name: str) -> torch.nn.Module:
-    """`tiny`: the project's small transformer; `llama`: a Hugging Face Llama from a config."""
+def build(name: str, device: str = "cpu") -> torch.nn.Module:
+    """`tiny`: the project's small transformer; `llama`: a Hugging Face Llama from a config;
+    `llama-1b`: TinyLlama-1.1B's shape with 8 of its 22 layers, for a GPU (bf16 there)."""
     torch.manual_seed(0)
+    if name == "llama-1b":
+        from stress.bench_modes import build as build_preset
+
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        return build_preset("1b", VOCAB[name], device, dtype, num_hidden_layers=8)
     if name == "tiny":
         from adaptmem.demo.tiny import TinyConfig, TinyTransformer
 
-        return TinyTransformer(TinyConfig(vocab_size=2048, dim=256, n_layers=8, n_heads=8, dropout=0.0))
+        return TinyTransformer(TinyConfig(vocab_size=2048, dim=256, n_layers=8, n_heads=8, dropout=0.0)).to(device)
     if name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
         from transformers.utils import logging as hf_logging
@@ -45,12 +51,15 @@ def build(name: str) -> torch.nn.Module:
         cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
                           attention_dropout=0.0, use_cache=False)
-        return LlamaForCausalLM(cfg)
-    raise ValueError(f"unknown model {name!r}: tiny or llama")
+        return LlamaForCausalLM(cfg).to(device)
+    raise ValueError(f"unknown model {name!r}: tiny, llama or llama-1b")
 
 
-def batch_for(batch: int, seq: int, vocab: int = 2048) -> dict:
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seq))
+VOCAB = {"tiny": 2048, "llama": 2048, "llama-1b": 32000}
+
+
+def batch_for(batch: int, seq: int, vocab: int = 2048, device: str = "cpu") -> dict:
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seq)).to(device)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -148,8 +157,16 @@ class Runner:
 
 def make_runner(method: str, base: torch.nn.Module, batch: dict, speed: float | None, *, plan=None,
                 budget: tuple[float, int] | None = None, capacity: int | None = None) -> Runner:
-    model = copy.deepcopy(base)
-    dev, clock = device_with_link(speed, capacity)
+    """`method` on a copy of `base`: on its own stand-in with a link of `speed` bytes/s, or, where
+    `base` lives on a GPU, on that device and its real link (`stress.benchkit_cuda`)."""
+    on_gpu = next(base.parameters()).is_cuda
+    if on_gpu:
+        from stress.benchkit_cuda import CudaClock, CudaStage, shared_copy
+
+        model, dev, clock = shared_copy(base), CudaStage(), CudaClock()
+    else:
+        model = copy.deepcopy(base)
+        dev, clock = device_with_link(speed, capacity)
     dev.track(model)
     runner = Runner(method, model, dev, clock, batch)
     if method == "checkpoint_all":
@@ -168,7 +185,7 @@ def make_runner(method: str, base: torch.nn.Module, batch: dict, speed: float | 
             h.mode = mode
         runner.plan = tuple(plan)
     elif method == "adaptmem":
-        runner.manager = adaptmem.manage(model, budget=budget[1], device=dev)
+        runner.manager = adaptmem.manage(model, budget=budget[1], device=None if on_gpu else dev)
     if budget is not None:
         runner.budget_frac, runner.budget_bytes = budget
     return runner

@@ -128,3 +128,45 @@ def test_the_oracle_is_picked_in_rotated_rounds_so_a_quiet_spell_picks_nothing()
     assert [t[0] for t in tried] == ["OOOONNNN", "OOOOONNN", "COOONNNN"]
     assert tried[0][2] < tried[1][2] < tried[2][2]
     assert all(m.peaks and max(m.peaks) <= 600 for m in made)
+
+
+def test_on_a_gpu_the_runners_share_the_weights_and_nothing_else():
+    from stress.benchkit import build
+    from stress.benchkit_cuda import shared_copy
+
+    base = build("tiny")
+    twin = shared_copy(base)
+    assert all(a is b for a, b in zip(base.parameters(), twin.parameters()))
+    assert [n for n, _ in base.named_parameters()] == [n for n, _ in twin.named_parameters()]
+    assert all(a is not b for a, b in zip(base.modules(), twin.modules()))
+
+
+@pytest.mark.cuda
+def test_the_gpu_meter_reads_a_peak_through_the_managers_resets_at_block_boundaries():
+    import torch
+
+    from stress.benchkit_cuda import CudaMeter
+
+    meter = CudaMeter.installed()
+    meter.start()
+    before = torch.cuda.memory_allocated()
+    spike = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del spike
+    torch.cuda.reset_peak_memory_stats()  # what a manager measuring block by block calls
+    assert torch.cuda.max_memory_allocated() < before + (64 << 20)
+    assert meter.peak() >= before + (64 << 20)
+    meter.start()
+    assert meter.peak() < before + (64 << 20)
+
+
+@pytest.mark.cuda
+def test_the_benchmark_runs_every_method_on_a_gpu_within_its_budgets():
+    from stress.bench import bench_config
+
+    rows = bench_config("tiny", 256, 2, [], reps=2, steps=2, device="cuda")
+    assert {r["method"] for r in rows} == {"unmanaged", "checkpoint_all", "offload_all", "oracle", "adaptmem"}
+    assert all(r["link"] == "pcie" and r["link_bytes_per_s"] > 1e9 for r in rows)
+    budgeted = [r for r in rows if r["budget_bytes"]]
+    assert len(budgeted) == 6 and all(r["peak_bytes"] <= r["budget_bytes"] for r in budgeted)
+    by = {r["method"]: r for r in rows if not r["budget_bytes"]}
+    assert by["checkpoint_all"]["peak_bytes"] < by["unmanaged"]["peak_bytes"]
