@@ -9,7 +9,8 @@ same plan (the script says so if it does not). Both share one copy of the weight
 Two figures:
 
   synchronized  each step timed alone, between two `torch.cuda.synchronize()`, the two
-                runners alternating; the median of the paired ratios
+                runners alternating; the median of the paired ratios, and apart from it
+                what a step measured block by block (one in `measure_every`) adds
   back to back  20 steps in a row with no synchronization between them, as a training
                 loop runs; the fastest of 3 such stretches each
 
@@ -70,11 +71,13 @@ def main(argv=None) -> int:
         managed.step()
     chosen = tuple(Mode.parse(m) for m in managed.manager.last_step["plan"])
     same = chosen == plan
-    mine, theirs = [], []
+    mine, theirs, measured = [], [], []
     for _ in range(args.steps):
         theirs.append(fixed.step())
         mine.append(managed.step())
+        measured.append(managed.manager.last_step["measured"] == "blocks")
     ratio = statistics.median(m / f for m, f in zip(mine, theirs))
+    extra = [m - f for m, f, detailed in zip(mine, theirs, measured) if detailed]
     loops = [(back_to_back(fixed), back_to_back(managed)) for _ in range(3)]
     f_loop, m_loop = min(f for f, _ in loops), min(m for _, m in loops)
     props = torch.cuda.get_device_properties(0)
@@ -83,6 +86,9 @@ def main(argv=None) -> int:
           + ("" if same else "  (not the same plan: the figures below compare different plans)"))
     print(f"synchronized: fixed {statistics.median(theirs) * 1e3:.1f} ms, managed {statistics.median(mine) * 1e3:.1f} ms,"
           f" paired median ratio {ratio:.3f}")
+    if extra:
+        print(f"a step measured block by block ({len(extra)} of {len(mine)}): {statistics.mean(extra) * 1e3:.1f} ms"
+              " longer than the fixed plan's, on average")
     print(f"back to back: fixed {f_loop * 1e3:.1f} ms, managed {m_loop * 1e3:.1f} ms, ratio {m_loop / f_loop:.3f}")
     managed.close()
     return 0 if same else 1
