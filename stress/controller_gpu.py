@@ -2,6 +2,7 @@
 
     python -m stress.controller_gpu              # a Llama of TinyLlama's shape (8 layers), batch 4 x 2048, bf16
     python -m stress.controller_gpu --seq 1024
+    python -m stress.controller_gpu --trace runs/traces   # also profile a light and a measured managed step
 
 The fixed runner checkpoints the first 6 of 8 blocks. The managed one gets a budget 5%
 above that plan's peak and may choose only NONE or CHECKPOINT, so that it settles on the
@@ -25,6 +26,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -48,11 +50,34 @@ def back_to_back(runner, steps: int = 20) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def trace_steps(runner, out: Path, row_limit: int = 20) -> dict[str, str]:
+    """Profile managed steps until one light step and one measured block by block have run:
+    a Chrome trace of each in `out` (light.json, blocks.json) and their costliest ops by
+    self CPU time, as text. On a CPU only the CPU is profiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    out.mkdir(parents=True, exist_ok=True)
+    tables: dict[str, str] = {}
+    for _ in range(4 * runner.manager.policy.measure_every):
+        with profile(activities=activities) as prof:
+            runner.step()
+        kind = "blocks" if runner.manager.last_step["measured"] == "blocks" else "light"
+        if kind not in tables:
+            prof.export_chrome_trace(str(out / f"{kind}.json"))
+            tables[kind] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+        if len(tables) == 2:
+            break
+    return tables
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=30, help="synchronized steps per runner")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="also write Chrome traces of a light and a measured managed step here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (torch.cuda.is_available() is False)")
@@ -90,6 +115,9 @@ def main(argv=None) -> int:
         print(f"a step measured block by block ({len(extra)} of {len(mine)}): {statistics.mean(extra) * 1e3:.1f} ms"
               " longer than the fixed plan's, on average")
     print(f"back to back: fixed {f_loop * 1e3:.1f} ms, managed {m_loop * 1e3:.1f} ms, ratio {m_loop / f_loop:.3f}")
+    if args.trace is not None:
+        for kind, text in trace_steps(managed, args.trace).items():
+            print(f"\n{kind} step ({args.trace / (kind + '.json')}), costliest by self CPU time:\n{text}")
     managed.close()
     return 0 if same else 1
 

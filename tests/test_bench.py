@@ -170,3 +170,27 @@ def test_the_benchmark_runs_every_method_on_a_gpu_within_its_budgets():
     assert len(budgeted) == 6 and all(r["peak_bytes"] <= r["budget_bytes"] for r in budgeted)
     by = {r["method"]: r for r in rows if not r["budget_bytes"]}
     assert by["checkpoint_all"]["peak_bytes"] < by["unmanaged"]["peak_bytes"]
+
+
+def test_the_controller_trace_profiles_one_light_and_one_measured_step(tmp_path):
+    import json
+
+    import adaptmem
+    from adaptmem.config.policy import Policy
+    from stress.benchkit import batch_for, build, make_runner
+    from stress.controller_gpu import trace_steps
+
+    runner = make_runner("unmanaged", build("tiny"), batch_for(1, 32), None)
+    runner.manager = adaptmem.manage(runner.model, budget=1 << 40, device=runner.dev,
+                                     policy=Policy(modes=("NONE", "CHECKPOINT"), measure_every=3))
+    try:
+        for _ in range(3):
+            runner.step()
+        tables = trace_steps(runner, tmp_path, row_limit=5)
+    finally:
+        runner.close()
+    assert set(tables) == {"light", "blocks"}
+    for kind in tables:
+        events = json.loads((tmp_path / f"{kind}.json").read_text())["traceEvents"]
+        assert any("aten::" in str(e.get("name", "")) for e in events)
+        assert "Self CPU" in tables[kind]
