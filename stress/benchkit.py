@@ -132,15 +132,20 @@ class Runner:
         gc.disable()
         try:
             start = self.clock()
-            with self.dev:
-                if self.manager is not None:
-                    self.manager.run_step(self._work)
-                else:
-                    self._work()
-                self.model.zero_grad(set_to_none=True)
+            self.train_step()
             return self.clock() - start
         finally:
             gc.enable()
+
+    def train_step(self) -> None:
+        """One training step as a loop runs it, untimed: managed where there is a manager,
+        gradients cleared after."""
+        with self.dev:
+            if self.manager is not None:
+                self.manager.run_step(self._work)
+            else:
+                self._work()
+            self.model.zero_grad(set_to_none=True)
 
     def measure_peak(self, steps: int = 1) -> int:
         """Peak device bytes over `steps` steps, read from the user's window (no manager reads it)."""
@@ -156,7 +161,8 @@ class Runner:
 
 
 def make_runner(method: str, base: torch.nn.Module, batch: dict, speed: float | None, *, plan=None,
-                budget: tuple[float, int] | None = None, capacity: int | None = None) -> Runner:
+                budget: tuple[float | None, int] | None = None, capacity: int | None = None,
+                policy=None) -> Runner:
     """`method` on a copy of `base`: on its own stand-in with a link of `speed` bytes/s, or, where
     `base` lives on a GPU, on that device and its real link (`stress.benchkit_cuda`)."""
     on_gpu = next(base.parameters()).is_cuda
@@ -185,7 +191,7 @@ def make_runner(method: str, base: torch.nn.Module, batch: dict, speed: float | 
             h.mode = mode
         runner.plan = tuple(plan)
     elif method == "adaptmem":
-        runner.manager = adaptmem.manage(model, budget=budget[1], device=None if on_gpu else dev)
+        runner.manager = adaptmem.manage(model, budget=budget[1], device=None if on_gpu else dev, policy=policy)
     if budget is not None:
         runner.budget_frac, runner.budget_bytes = budget
     return runner

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-import adaptmem
 from adaptmem import Mode
 from adaptmem.config.policy import Policy
 from stress.benchkit import VOCAB, batch_for, build, make_runner, plan_label
@@ -41,11 +40,7 @@ def back_to_back(runner, steps: int = 20) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        if runner.manager is not None:
-            runner.manager.run_step(runner._work)
-        else:
-            runner._work()
-        runner.model.zero_grad(set_to_none=True)
+        runner.train_step()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps
 
@@ -88,10 +83,8 @@ def main(argv=None) -> int:
     for _ in range(3):
         fixed.step()
     peak = fixed.measure_peak()
-    managed = make_runner("unmanaged", base, data, None)
-    managed.method = "adaptmem"
-    managed.manager = adaptmem.manage(managed.model, budget=int(peak / 0.95),
-                                      policy=Policy(modes=("NONE", "CHECKPOINT")))
+    managed = make_runner("adaptmem", base, data, None, budget=(None, int(peak / 0.95)),
+                          policy=Policy(modes=("NONE", "CHECKPOINT")))
     for _ in range(12):  # calibration and settling
         managed.step()
     chosen = tuple(Mode.parse(m) for m in managed.manager.last_step["plan"])

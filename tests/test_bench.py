@@ -175,14 +175,12 @@ def test_the_benchmark_runs_every_method_on_a_gpu_within_its_budgets():
 def test_the_controller_trace_profiles_one_light_and_one_measured_step(tmp_path):
     import json
 
-    import adaptmem
     from adaptmem.config.policy import Policy
     from stress.benchkit import batch_for, build, make_runner
     from stress.controller_gpu import trace_steps
 
-    runner = make_runner("unmanaged", build("tiny"), batch_for(1, 32), None)
-    runner.manager = adaptmem.manage(runner.model, budget=1 << 40, device=runner.dev,
-                                     policy=Policy(modes=("NONE", "CHECKPOINT"), measure_every=3))
+    runner = make_runner("adaptmem", build("tiny"), batch_for(1, 32), None, budget=(None, 1 << 40),
+                         policy=Policy(modes=("NONE", "CHECKPOINT"), measure_every=3))
     try:
         for _ in range(3):
             runner.step()
