@@ -158,12 +158,19 @@ def _matches_suffix(rx: re.Pattern, name: str) -> bool:
     return any(rx.fullmatch(name[i + 1 :]) for i, ch in enumerate(name) if ch == ".")
 
 
+def _regex_for(name: str) -> str:
+    """A regex that matches `name` and its numbered siblings ("layers.3" -> r"layers\.\d+")."""
+    return re.sub(r"\\\.\d+$", r"\\.\\d+", re.escape(name)) if re.search(r"\.\d+$", name) else re.escape(name)
+
+
 def _by_modules(model: nn.Module, named, modules: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     names = {id(m): n for n, m in named}
     chosen = []
     for mod in modules:
         if not isinstance(mod, nn.Module):
-            raise TypeError(f"a list of blocks holds modules, got {type(mod).__name__}")
+            hint = (" (a name): pass the modules themselves, or one regex over their names, e.g. "
+                    f"blocks={_regex_for(mod)!r}") if isinstance(mod, str) else ""
+            raise TypeError(f"a list of blocks holds modules, got {type(mod).__name__} {mod!r}{hint}")
         if id(mod) not in names:
             raise ValueError(
                 f"{type(mod).__name__} given in blocks is not a submodule of this "

@@ -1,3 +1,5 @@
+import ast
+
 import pytest
 import torch
 from torch import nn
@@ -80,6 +82,14 @@ def test_filter_function_and_module_list():
     picked = names(model, lambda m, n: n.endswith(".attn"))
     assert picked == [f"blocks.{i}.attn" for i in range(4)]
     assert names(model, [model.blocks[2], model.blocks[0]]) == ["blocks.0", "blocks.2"]
+
+
+def test_a_list_of_names_is_answered_with_a_regex_that_selects_them():
+    model = tiny()
+    with pytest.raises(TypeError, match="got str 'blocks.1'") as err:
+        find_blocks(model, ["blocks.1", "blocks.2"])
+    suggested = ast.literal_eval(str(err.value).split("blocks=")[-1])
+    assert names(model, suggested) == [f"blocks.{i}" for i in range(4)]
 
 
 def test_nothing_matched_lists_what_the_model_has():
