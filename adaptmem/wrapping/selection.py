@@ -159,7 +159,7 @@ def _matches_suffix(rx: re.Pattern, name: str) -> bool:
 
 
 def _regex_for(name: str) -> str:
-    """A regex that matches `name` and its numbered siblings ("layers.3" -> r"layers\.\d+")."""
+    r"""A regex that matches `name` and its numbered siblings ("layers.3" -> r"layers\.\d+")."""
     return re.sub(r"\\\.\d+$", r"\\.\\d+", re.escape(name)) if re.search(r"\.\d+$", name) else re.escape(name)
 
 
