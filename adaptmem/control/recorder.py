@@ -18,6 +18,10 @@ A step recorded without `detail` (the manager's steady state: shapes seen, plan
 held, predictions on target) reads the probe only at its start, at the first
 block and at its end: it yields the step's peak, not per-block figures, and is
 not learned from. The hooks still run, so overlap and double backward are seen.
+On a device that runs asynchronously (CUDA) such a step is not waited for: only a
+step measured block by block synchronizes, to read its events' times, and a
+light step's `seconds` are the host's, from its start to its end. A wait at
+every step's end would leave the device idle while the host issues the next.
 
 and, around the blocks, what the model does before them (embeddings), after
 them (head and loss, forward and backward) and in backward (gradients).
@@ -26,6 +30,7 @@ them (head and loss, forward and backward) and in backward (gradients).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -145,6 +150,7 @@ class StepRecorder:
         self._open: str = "idle"  # which segment the next peak reading belongs to
         self._bwd_current: BlockSample | None = None
         self._step_mark: Any = None
+        self._step_host = 0.0
         self.detail = True  # measure the step block by block (the manager sets it at the first block)
 
     # ---------------------------------------------------------------- steps
@@ -160,6 +166,7 @@ class StepRecorder:
             self._open = "pre"
             self._bwd_current = None
             self._step_mark = self.probe.mark()
+            self._step_host = time.perf_counter()
             return self.sample
 
     def end(self) -> StepSample | None:
@@ -168,9 +175,13 @@ class StepRecorder:
             if sample is None:
                 return None
             self._close_segment()
-            end_mark = self.probe.mark()
-            self.probe.synchronize()
-            self._finish(sample, end_mark)
+            if sample.detailed or not getattr(self.probe.inner, "asynchronous", False):
+                end_mark = self.probe.mark()
+                self.probe.synchronize()
+                self._finish(sample, end_mark)
+            else:  # a light step on an asynchronous device: not waited for
+                sample.seconds = time.perf_counter() - self._step_host
+                sample.completed = bool(sample.blocks) and all(b.bwd_start is not None for b in sample.blocks)
             sample.unmeasured = self.probe.failures > self._failures_at_begin
             self.sample = None
             self._open = "idle"

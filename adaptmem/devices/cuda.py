@@ -17,6 +17,8 @@ log = logging.getLogger("adaptmem")
 class CudaProbe:
     """One CUDA device: the caching allocator's figures, cudaMemGetInfo, and NVML when present."""
 
+    asynchronous = True  # kernels run after the host issues them: a light step is not waited for
+
     def __init__(self, device: torch.device | str | int | None = None) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaProbe needs a CUDA device; none is available")

@@ -5,6 +5,11 @@ process's tensors hold now (`allocated`) and at most since the last reset
 (`peak`), and what is taken outside them (`external`: other processes, the CUDA
 context, non-PyTorch libraries). It also marks time, so block timings on CUDA
 come from events rather than host clocks.
+
+A probe of a device that runs asynchronously says so with a class attribute
+`asynchronous = True` (optional; False when absent): the recorder then waits
+for the device (`synchronize`) only at the end of a step it measures block by
+block, never at a light one's.
 """
 
 from __future__ import annotations

@@ -213,3 +213,35 @@ def test_steady_steps_reuse_their_prediction_until_the_cost_model_learns():
     assert after_light and after_learned, [r["measured"] for r in steps]
     assert not set(after_light) & set(worked), (after_light, worked)
     assert set(after_learned) <= set(worked), (after_learned, worked)
+
+
+class AsyncProbe(CountingProbe):
+    """The stand-in's probe, speaking as a device that runs asynchronously (as CudaProbe does),
+    counting its waits for the device."""
+
+    asynchronous = True
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        super().__init__(device)
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+def test_a_light_step_on_an_asynchronous_device_is_not_waited_for():
+    """Only a step measured block by block synchronizes (to read its events' times): a wait at
+    every step's end would leave the device idle while the host issues the next step."""
+    model, dev, _, budget, policy = managed(every=4)
+    probe = AsyncProbe(dev)
+    with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+        waits, records = [], []
+        for _ in range(12):
+            probe.waits = 0
+            records.append(run(mem, model, probe, [128])[0][0])
+            waits.append(probe.waits)
+    measured = [r["measured"] for r in records]
+    assert measured.count("peak") >= 6
+    assert waits == [1 if how == "blocks" else 0 for how in measured], (waits, measured)
+    assert all(r["seconds"] > 0 for r in records)
+
