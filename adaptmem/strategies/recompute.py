@@ -150,7 +150,7 @@ class BlockRun:
     layers update their running statistics in place (without bumping the tensor
     version), so a recompute would apply the update a second time: the block's
     buffers are copied by value as a recompute begins and put back as it ends
-    (only those it changed, so a buffer autograd saved keeps its version). It
+    (without a new version, so a buffer autograd saved is not seen as changed). It
     holds the module, the forward and the listener, never the call's arguments:
     checkpoint keeps it alive until backward.
     """
@@ -198,11 +198,17 @@ def keep_buffers(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tens
 
 
 def put_back_buffers(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy back the values of the buffers that changed since `keep_buffers`."""
+    """Copy back the values the buffers had at `keep_buffers`.
+
+    Through `.data`, which has a version counter of its own: a buffer autograd
+    saved in the recompute (a scale the block multiplies by) keeps its version,
+    so backward does not refuse it as modified in place. Every buffer is copied,
+    not only those whose values changed: finding which would read them on the
+    host, a wait for the device at every recomputed block that holds a buffer.
+    """
     with torch.no_grad(), _disable_current_modes():
         for buffer, copy in state:
-            if not torch.equal(buffer, copy):
-                buffer.copy_(copy)
+            buffer.data.copy_(copy)
 
 
 def _checkpointed(call: BlockCall, context_fn: Any) -> Any:

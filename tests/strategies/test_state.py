@@ -59,3 +59,53 @@ def test_the_model_evaluates_the_same_after_training_under_checkpoint():
     batch = image_batch(seed=9)
     with torch.no_grad():
         assert torch.equal(plain(**batch).logits, managed(**batch).logits)
+
+
+class ScaledNorm(torch.nn.Module):
+    """A block whose buffer autograd saves (the scale it multiplies by), beside a BatchNorm
+    whose running statistics a recompute updates again."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
+        self.norm = torch.nn.BatchNorm1d(dim)
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.norm(x) * self.scale)
+
+
+class Scaled(torch.nn.Module):
+    """Two such blocks after a step that multiplies by the first block's scale outside any
+    block: autograd saves that buffer there, unhooked, and checks its version in backward,
+    after the block's recompute has put its buffers back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([ScaledNorm(), ScaledNorm()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.blocks[0].scale
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", [m for m in LOSSLESS_MODES if m.recomputes], ids=lambda m: m.label)
+def test_a_buffer_saved_for_backward_survives_the_recompute_putting_buffers_back(mode):
+    """The recompute's buffers are put back without a new version: a buffer that autograd
+    saved elsewhere is not refused as modified in place, and gradients and statistics are exact."""
+    def make():
+        torch.manual_seed(0)
+        return Scaled()
+
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    plain, managed = make(), make()
+    adaptmem.instrument(managed, blocks=list(managed.blocks), mode=mode)
+    for model in (plain, managed):
+        for _ in range(2):
+            model(x.clone().requires_grad_()).square().sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), managed.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(plain.named_buffers(), managed.buffers()):
+        assert torch.equal(a, b), name
