@@ -40,7 +40,7 @@ from adaptmem.control.plans import PlanBook
 from adaptmem.control.priors import priors_for
 from adaptmem.control.reactions import Reactions
 from adaptmem.control.recorder import StepRecorder
-from adaptmem.control.retry import StepGuard, StepOutOfMemoryError, oom_report
+from adaptmem.control.retry import BufferCopies, StepGuard, StepOutOfMemoryError, oom_report
 from adaptmem.control.sampler import Sampler
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.host import HostProbe
@@ -116,6 +116,7 @@ class MemoryManager(Reactions):
         self._rank = self._agree.rank if self._agree is not None else 0
         self._plan_point_passed = False
         self._syncing = False  # this step runs in DDP's no_sync(): gradients are averaged after it
+        self._buffer_copies = BufferCopies()  # run_step's host copies of the buffers, kept from step to step
         self._overlapping = False  # the current step ran a second forward before its backward
         self._overlap_warned = False
         self._own_checkpointing: frozenset[int] = frozenset()  # blocks whose model checkpoints them itself
@@ -250,7 +251,8 @@ class MemoryManager(Reactions):
     def run_step(self, fn: Callable[..., Any], *args: Any, label: Any = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a forward and backward, no optimizer step) as one
         step; after an out-of-memory error, free, tighten the plan and run it again."""
-        guard = StepGuard(self.model, self.policy.accumulation_snapshot, buffer_limit=self.policy.buffer_snapshot_limit)
+        guard = StepGuard(self.model, self.policy.accumulation_snapshot, buffer_limit=self.policy.buffer_snapshot_limit,
+                          copies=self._buffer_copies)
         attempts: list[dict] = []
         try:
             for attempt in range(self.policy.max_retries + 1):

@@ -10,7 +10,8 @@ forward and backward. `StepGuard` undoes all of it:
 
   - RNG states (CPU and every initialized CUDA device) are put back;
   - every buffer is copied to the host by value when the guard is made (up to
-    the policy's `buffer_snapshot_limit`), and put back where its values differ;
+    the policy's `buffer_snapshot_limit`), and put back where its values differ
+    (`BufferCopies`: a CUDA buffer's copy is queued, not waited for);
   - fresh gradients are dropped; an existing one is copied just before backward
     first accumulates into it (a hook on the parameter runs before
     accumulation), and one the step function replaced (`zero_grad(set_to_none=True)`)
@@ -24,6 +25,7 @@ promised, `InexactRetryError` names the cause and the setting that avoids it.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -45,6 +47,43 @@ class InexactRetryError(RuntimeError):
     """A retry could not restore the training state exactly; the message says why and what avoids it."""
 
 
+class BufferCopies:
+    """Host copies of a model's buffers, taken before each step; one per manager.
+
+    A CPU buffer is copied as it stands. A CUDA buffer is copied into a pinned
+    host tensor kept from step to step, queued on the current stream
+    (`non_blocking`) rather than waited for: a wait at every step's start would
+    leave the device idle while the host issues the step. The copy runs before
+    anything the step then queues, so it holds the values the step began with;
+    `settle` waits for it, before a retry reads it.
+    """
+
+    def __init__(self) -> None:
+        self._pinned: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def take(self, buffers: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        with torch.no_grad(), host_allocations():
+            copies = [(b, self._pinned_copy(b) if b.is_cuda else b.detach().to("cpu", copy=True)) for b in buffers]
+        if len(self._pinned) > len(buffers):  # buffers replaced or gone: their copies go too
+            self._pinned = {k: v for k, v in self._pinned.items() if v[0]() is not None}
+        return copies
+
+    def _pinned_copy(self, buffer: torch.Tensor) -> torch.Tensor:
+        kept = self._pinned.get(id(buffer))
+        host = kept[1] if kept is not None and kept[0]() is buffer else None
+        if host is None or host.shape != buffer.shape or host.dtype != buffer.dtype:
+            host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+            self._pinned[id(buffer)] = (weakref.ref(buffer), host)
+        host.copy_(buffer.detach(), non_blocking=True)
+        return host
+
+    @staticmethod
+    def settle(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Wait for the queued copies of CUDA buffers to land."""
+        for index in sorted({b.device.index for b, _ in copies if b.is_cuda}):
+            torch.cuda.synchronize(index)
+
+
 class StepGuard:
     """Remembers what a step may change (gradients, RNG, buffers) so a failed attempt can be undone.
 
@@ -52,9 +91,11 @@ class StepGuard:
         model: the managed model.
         snapshot: the policy's `accumulation_snapshot` ("device", "host" or "off").
         buffer_limit: the policy's `buffer_snapshot_limit` (bytes): buffers past it are not copied.
+        copies: where the buffers' copies are kept from step to step (the manager's); a new one if None.
     """
 
-    def __init__(self, model: torch.nn.Module, snapshot: str = "device", *, buffer_limit: int = 256 * 2**20) -> None:
+    def __init__(self, model: torch.nn.Module, snapshot: str = "device", *, buffer_limit: int = 256 * 2**20,
+                 copies: BufferCopies | None = None) -> None:
         self.snapshot = snapshot
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -63,8 +104,7 @@ class StepGuard:
         self.buffer_limit = buffer_limit
         self.buffer_copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if self.buffer_bytes <= buffer_limit:
-            with torch.no_grad(), host_allocations():
-                self.buffer_copies = [(b, b.detach().to("cpu", copy=True)) for b in buffers]
+            self.buffer_copies = (copies or BufferCopies()).take(buffers)
         params = model.parameters()
         self.params = [p for p in params if p.requires_grad]
         self.existing = {p: p.grad for p in self.params if p.grad is not None}
@@ -134,6 +174,7 @@ class StepGuard:
                 "what the failed attempt changed in them (normalization statistics, say). Raise "
                 "buffer_snapshot_limit in the policy."
             )
+        BufferCopies.settle(self.buffer_copies)
         with torch.no_grad():
             for buffer, copy in self.buffer_copies:
                 if not torch.equal(buffer, copy.to(buffer.device)):

@@ -117,3 +117,89 @@ def test_real_cuda_ooms_are_recovered_with_exact_gradients():
         assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+class NormBlock(torch.nn.Module):
+    """Linear, BatchNorm1d (running statistics: buffers a failed attempt changes), ReLU."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.BatchNorm1d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.lin(x)))
+
+
+def norm_mlp(dim=1024, depth=6):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[NormBlock(dim) for _ in range(depth)]).cuda()
+
+
+def norm_step(model, x):
+    model(x).square().mean().backward()
+
+
+def test_a_steady_step_does_not_wait_for_the_device(monkeypatch):
+    """A light step (plan held, shapes seen) queues its work and returns: no copy to pageable
+    host memory, no host read of a device tensor (torch's sync debug mode raises on either),
+    and no synchronize but at the end of a step measured block by block."""
+    model = norm_mlp()
+    x = torch.randn(4096, 1024, device="cuda")
+    policy = adaptmem.load_policy("balanced").model_copy(
+        update={"measure_every": 4, "modes": ("NONE", "CHECKPOINT")})
+    with adaptmem.manage(model, budget="90%", policy=policy) as mem:
+        for _ in range(8):  # calibration and the first plans
+            mem.run_step(norm_step, model, x)
+            model.zero_grad(set_to_none=True)
+        waits = []
+        real = torch.cuda.synchronize
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: waits.append(1) or real(*a, **k))
+        measured = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(12):
+                before = len(waits)
+                mem.run_step(norm_step, model, x)
+                model.zero_grad(set_to_none=True)
+                measured.append((mem.last_step["measured"], len(waits) - before))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum(how == "peak" for how, _ in measured) >= 6, measured
+    assert all(n == (1 if how == "blocks" else 0) for how, n in measured), measured
+
+
+def test_a_recovered_oom_puts_cuda_buffers_back_exactly():
+    """The buffers' copies are queued to pinned host memory, not waited for; a retry waits for
+    them and puts back the running statistics the failed attempt updated."""
+    x = [torch.randn(512, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(3)]
+
+    def train(managed):
+        model = norm_mlp()
+        fire = {"armed": False}
+
+        def inject(module, args):
+            if fire["armed"]:
+                fire["armed"] = False
+                raise torch.OutOfMemoryError("injected out of memory in forward")
+
+        model[3].register_forward_pre_hook(inject)
+        mem = adaptmem.manage(model, budget="90%") if managed else None
+        for i, batch in enumerate(x):
+            fire["armed"] = managed and i == 1  # after blocks 0-2 updated their statistics
+            if managed:
+                mem.run_step(norm_step, model, batch)
+            else:
+                norm_step(model, batch)
+        recovered = mem.summary()["ooms_recovered"] if managed else None
+        if managed:
+            mem.close()
+        return model, recovered
+
+    plain, _ = train(False)
+    managed, recovered = train(True)
+    assert recovered == 1
+    for (name, a), b in zip(plain.named_buffers(), managed.buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(plain.named_parameters(), managed.parameters()):
+        assert torch.equal(a.grad, b.grad), name
