@@ -48,6 +48,17 @@ class SafeReadings:
     def reset_peak(self) -> None:
         self.read("reset_peak", self.inner.reset_peak, None)
 
+    def take_peak(self) -> tuple[int, int]:
+        """(peak since the last reset, allocation now), then the peak reset: from one reading of
+        the probe's `take_peak` where it has one, else `peak`, `reset_peak` and `allocated`."""
+        take = getattr(self.inner, "take_peak", None)
+        if take is None:
+            top = self.peak()
+            self.reset_peak()
+            return top, self.allocated()
+        top, self._last = self.read("take_peak", take, (self._last, self._last))
+        return top, self._last
+
     def mark(self) -> Any:
         return self.read("mark", self.inner.mark, None)
 

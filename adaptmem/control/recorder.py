@@ -266,11 +266,9 @@ class StepRecorder:
                 return
             block = sample.blocks[-1]
             if sample.detailed:
-                top = self.probe.peak()
+                top, block.end = self._take_peak()
                 block.fwd_top = max(top, block.start)
                 sample.peak = max(sample.peak, top)  # the step's peak may be this block's forward
-                self.probe.reset_peak()
-                block.end = self._kept()
                 block._marks["fwd1"] = self.probe.mark()
             block.mode = call.mode
             block.packed = call.stats.get("packed", 0)
@@ -340,15 +338,19 @@ class StepRecorder:
         now = self.probe.allocated()
         return now - self._in_flight() if self._in_flight is not None else now
 
+    def _take_peak(self) -> tuple[int, int]:
+        """The peak since the last boundary and the allocation now (as `_kept` counts it), in one
+        reading where the probe can; the peak starts again from here."""
+        top, now = self.probe.take_peak()
+        return top, now - self._in_flight() if self._in_flight is not None else now
+
     def _close_segment(self) -> int:
         """Attribute the peak since the last boundary to the open segment; returns allocation now."""
         sample = self.sample
         if not sample.detailed:  # one reading: the step's peak
             sample.peak = max(sample.peak, self.probe.peak())
             return 0
-        top = self.probe.peak()
-        self.probe.reset_peak()
-        now = self._kept()
+        top, now = self._take_peak()
         sample.peak = max(sample.peak, top)
         if self._open == "between":  # only before the first backward boundary: the last one is the head and loss
             sample.head_top = max(sample.head_top, top)

@@ -52,6 +52,13 @@ class CudaProbe:
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def take_peak(self) -> tuple[int, int]:
+        """(peak, allocated) from one reading of the counters, then the peak reset: what a step
+        measured block by block reads at each boundary, in half the readings."""
+        c = self._counters("allocated_bytes")
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return c.get("peak", 0), c.get("current", 0)
+
     def external(self) -> int:
         """Device bytes not held by PyTorch's allocator: other processes, the context, libraries.
 

@@ -9,7 +9,9 @@ come from events rather than host clocks.
 A probe of a device that runs asynchronously says so with a class attribute
 `asynchronous = True` (optional; False when absent): the recorder then waits
 for the device (`synchronize`) only at the end of a step it measures block by
-block, never at a light one's.
+block, never at a light one's. It may also have `take_peak()`, returning
+(peak, allocated) from one reading and then resetting the peak, where two
+readings cost more than one (CUDA's counters).
 """
 
 from __future__ import annotations

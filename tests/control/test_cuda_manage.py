@@ -35,6 +35,11 @@ def test_cuda_probe_reads_the_device():
     # the same counters torch.cuda's own functions read, from one call to the allocator
     assert (probe.allocated(), probe.peak()) == (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated())
     assert probe.signals()["reserved"] == torch.cuda.memory_reserved()
+    del x
+    top, now = probe.take_peak()  # the peak with x, the allocation without it, from one reading
+    assert top >= before + 64 * MiB and now == torch.cuda.memory_allocated() < top
+    assert torch.cuda.max_memory_allocated() == now  # then the peak starts again from here
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
     assert probe.external() >= 0
     assert {"alloc_retries", "reserved", "fragmented"} <= set(probe.signals())
     start = probe.mark()

@@ -245,3 +245,32 @@ def test_a_light_step_on_an_asynchronous_device_is_not_waited_for():
     assert waits == [1 if how == "blocks" else 0 for how in measured], (waits, measured)
     assert all(r["seconds"] > 0 for r in records)
 
+
+
+class OneReadingProbe(CountingProbe):
+    """The stand-in's probe with `take_peak`: peak and allocation in one reading, as CudaProbe."""
+
+    def take_peak(self) -> tuple[int, int]:
+        self.reads += 1
+        top, now = SimulatedProbe.peak(self), SimulatedProbe.allocated(self)
+        SimulatedProbe.reset_peak(self)
+        return top, now
+
+
+def test_a_probe_that_reads_peak_and_allocation_at_once_is_read_once_per_boundary():
+    """A step measured block by block reads a probe with `take_peak` once per boundary, not
+    three times, and learns the same bytes from it."""
+    figures, reads = [], []
+    for kind in (CountingProbe, OneReadingProbe):
+        model, dev, _, budget, policy = managed(every=1000)
+        probe = kind(dev)
+        with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+            samples, end = [], mem.recorder.end
+            mem.recorder.end = lambda: samples.append(end()) or samples[-1]
+            (record, n, _), = run(mem, model, probe, [128])
+        assert record["measured"] == "blocks"
+        reads.append(n)
+        figures.append([(b.start, b.end, b.fwd_top, b.held, b.bwd_start, b.bwd_top, b.recompute_bytes)
+                        for b in samples[0].blocks] + [samples[0].peak, samples[0].head_top, samples[0].tail_top])
+    assert figures[0] == figures[1]
+    assert reads[1] <= reads[0] - 2 * 2 * 6, reads  # at least two readings fewer at two boundaries a block
