@@ -24,8 +24,9 @@ freed host memory stays mapped (`stress.benchkit.keep_host_memory`), so page fau
 times, and large tensors sit on transparent huge pages (THP_MEM_ALLOC_ENABLE=1, set by the script).
 
 With `--device cuda` every method runs on the GPU over its real link, batch 4 x 1024 and
-2048 tokens (`--quick`: 2048), in bf16: wall time between synchronizations, peaks of
-allocated device bytes read by a meter no manager reads (`stress.benchkit_cuda`).
+2048 tokens (`--quick`: 2048), in bf16: wall time between synchronizations around 3 steps
+back to back (as a loop runs them), peaks of allocated device bytes read by a meter no
+manager reads (`stress.benchkit_cuda`).
 """
 
 from __future__ import annotations

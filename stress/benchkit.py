@@ -116,6 +116,7 @@ class Runner:
     budget_bytes: int | None = None
     manager: object | None = None
     plan: tuple[Mode, ...] | None = None
+    run: int = 1  # steps one reading covers, back to back (`GPU_RUN` on a GPU)
     times: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
 
@@ -123,17 +124,18 @@ class Runner:
         self.model(**self.batch).loss.backward()
 
     def step(self) -> float:
-        """One training step (gradients cleared after); returns its virtual seconds. The garbage
-        collector runs before it, not during it: a collection of every method's objects would
-        land in whichever step it happened to interrupt. Only the young generations: a full
-        collection walks every object of the process (170 ms with transformers loaded);
-        `stress.bench` runs one after each configuration."""
+        """One training step (gradients cleared after), or `run` of them back to back; returns the
+        seconds of one (their mean). The garbage collector runs before, not during: a collection
+        of every method's objects would land in whichever step it happened to interrupt. Only the
+        young generations: a full collection walks every object of the process (170 ms with
+        transformers loaded); `stress.bench` runs one after each configuration."""
         gc.collect(1)
         gc.disable()
         try:
             start = self.clock()
-            self.train_step()
-            return self.clock() - start
+            for _ in range(self.run):
+                self.train_step()
+            return (self.clock() - start) / self.run
         finally:
             gc.enable()
 
@@ -166,15 +168,16 @@ def make_runner(method: str, base: torch.nn.Module, batch: dict, speed: float | 
     """`method` on a copy of `base`: on its own stand-in with a link of `speed` bytes/s, or, where
     `base` lives on a GPU, on that device and its real link (`stress.benchkit_cuda`)."""
     on_gpu = next(base.parameters()).is_cuda
+    run = 1
     if on_gpu:
-        from stress.benchkit_cuda import CudaClock, CudaStage, shared_copy
+        from stress.benchkit_cuda import GPU_RUN, CudaClock, CudaStage, shared_copy
 
-        model, dev, clock = shared_copy(base), CudaStage(), CudaClock()
+        model, dev, clock, run = shared_copy(base), CudaStage(), CudaClock(), GPU_RUN
     else:
         model = copy.deepcopy(base)
         dev, clock = device_with_link(speed, capacity)
     dev.track(model)
-    runner = Runner(method, model, dev, clock, batch)
+    runner = Runner(method, model, dev, clock, batch, run=run)
     if method == "checkpoint_all":
         if hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable"):
             # the model's own (by either name transformers has given it): what users pick today

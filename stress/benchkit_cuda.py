@@ -7,7 +7,11 @@ side streams), in one process. Three things change from the stand-in:
   step and clear their gradients, so one copy of the weights serves every method, and
   what is allocated between steps is the same for all of them. Peaks and budgets are
   absolute device bytes, as the manager reads them;
-- step time is wall time between two `torch.cuda.synchronize()` calls (`CudaClock`);
+- step time is wall time between two `torch.cuda.synchronize()` calls (`CudaClock`),
+  around `GPU_RUN` steps back to back, as a training loop runs them: the host issues a
+  step while the device still computes the one before, so what the host does between
+  steps (the manager's planning, say) costs only where the host is the slower of the two.
+  One step between synchronizations would charge all of it to every step;
 - a step's peak is read by `CudaMeter`. The manager resets PyTorch's peak counter at
   block boundaries to measure block by block, so `max_memory_allocated()` alone would
   read only the stretch since the last boundary. The meter folds the counter into its
@@ -20,6 +24,9 @@ import copy
 import time
 
 import torch
+
+
+GPU_RUN = 3  # steps a reading covers on a GPU, back to back
 
 
 class CudaMeter:

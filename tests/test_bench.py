@@ -192,3 +192,16 @@ def test_the_controller_trace_profiles_one_light_and_one_measured_step(tmp_path)
         events = json.loads((tmp_path / f"{kind}.json").read_text())["traceEvents"]
         assert any("aten::" in str(e.get("name", "")) for e in events)
         assert "Self CPU" in tables[kind]
+
+
+def test_a_reading_covers_run_steps_back_to_back_and_gives_the_time_of_one():
+    """On a GPU one reading covers several steps back to back (`GPU_RUN`), as a loop runs
+    them; the time given is one step's."""
+    from stress.benchkit import batch_for, build, make_runner
+
+    runner = make_runner("unmanaged", build("tiny"), batch_for(1, 32), None)
+    ran = []
+    runner.train_step = lambda: ran.append(runner.clock()) or runner.clock.sleep(0.5)
+    assert runner.run == 1 and runner.step() >= 0.5 and len(ran) == 1
+    runner.run = 3
+    assert 0.5 <= runner.step() < 1.0 and len(ran) == 4
