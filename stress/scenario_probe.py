@@ -47,6 +47,13 @@ class FlakyProbe(SimulatedProbe):
         self._maybe_fail()
         return super().external()
 
+    def take_peak(self) -> tuple[int, int]:
+        """Peak and allocation in one reading, as CudaProbe reads them at block boundaries."""
+        self._maybe_fail()
+        top, now = super().peak(), super().allocated()
+        self.reset_peak()
+        return top, now
+
 
 def grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
