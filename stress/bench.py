@@ -3,6 +3,7 @@
     python -m stress.bench                    # tiny + Llama, 2 lengths, 3 link speeds (~30 min on 2 cores)
     python -m stress.bench --quick            # every method at one link speed, one length (< 5 min)
     python -m stress.bench --json results.json
+    python -m stress.bench --compare a.json b.json   # two runs' ratios side by side
     python -m stress.bench --device cuda      # on a GPU: a Llama of TinyLlama's shape (8 layers), its real link
 
 Methods, each on its own copy of the model and its own stand-in device:
@@ -36,6 +37,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -143,6 +145,47 @@ def paired(times: list[float], against: list[float]) -> tuple[float, float]:
     return statistics.median(ratios), (max(ratios) - min(ratios)) / 2
 
 
+def ratio_error(rows: list[dict], draws: int = 400) -> float:
+    """The median, over the rows, of a step ratio's relative standard error: the spread of the
+    paired median over the row's rounds drawn again with replacement (a bootstrap, seeded)."""
+    rng = random.Random(0)
+    errors = []
+    for r in rows:
+        if r["method"] == "unmanaged" or len(r.get("times") or ()) < 3:
+            continue
+        ratios = [t / b for t, b in zip(r["times"], _beside(rows, "unmanaged", r)["times"])]
+        again = [statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws)]
+        errors.append(statistics.pstdev(again) / statistics.mean(again))
+    return statistics.median(errors) if errors else 0.0
+
+
+def compare(a: dict, b: dict, within: float = 0.03) -> str:
+    """Two runs' ratios side by side (against unmanaged, and adaptmem's against the oracle), the
+    difference of each, and how many agree `within`; beside it, the difference two runs show as
+    a rule from the rounds' noise alone (each run's `ratio_error`, combined)."""
+    def key(r):
+        return r["model"], r["seq"], r["link"], r["method"], r["budget_frac"]
+
+    theirs = {key(r): r for r in b["rows"]}
+    lines, agree, total = ["| model | seq | link | method | budget | ratio | A | B | difference |",
+                           "|---|---|---|---|---|---|---|---|---|"], 0, 0
+    for r in a["rows"]:
+        o = theirs.get(key(r))
+        for field in ("ratio", "vs_oracle"):
+            if o is None or field not in r or field not in o or (field == "ratio" and r["method"] == "unmanaged"):
+                continue
+            diff = o[field] / r[field] - 1
+            total += 1
+            agree += abs(diff) <= within
+            budget = f"{r['budget_frac']:.0%}" if r["budget_frac"] is not None else ""
+            lines.append(f"| {r['model']} | {r['seq']} | {r['link']} | {r['method']} | {budget} | {field} | "
+                         f"{r[field]:.3f} | {o[field]:.3f} | {diff:+.1%} |")
+    noise = (ratio_error(a["rows"]) ** 2 + ratio_error(b["rows"]) ** 2) ** 0.5
+    lines += ["", f"{agree} of {total} ratios agree within {within:.0%}. From the rounds' noise alone, two runs "
+              f"differ by {noise:.1%} on a ratio as a rule (one standard deviation)."]
+    return "\n".join(lines)
+
+
 def planner_ms() -> float:
     """The planner on 100 transformer-like blocks x 6 modes with a binding budget (`stress.bench_planner`)."""
     import random
@@ -172,7 +215,9 @@ def render(result: dict) -> str:
              f"controller_fraction {result['controller_fraction']:.2%} of a steady-state step in the controller's "
              f"code (host probe; {result.get('controller_background_fraction', 0):.2%} more on another core in its "
              f"background thread; side by side {result.get('controller_ab_fraction', 0):+.2%}); "
-             f"planner {result['planner_ms_100x6']:.2f} ms for 100 blocks x 6 modes", ""]
+             f"planner {result['planner_ms_100x6']:.2f} ms for 100 blocks x 6 modes; a step ratio's standard "
+             f"error over its rounds {ratio_error(result['rows']):.1%} (median; `--compare` sets two runs side by side)",
+             ""]
     checks = targets(result["rows"], result["controller_fraction"], result["planner_ms_100x6"])
     lines += [f"- {'met' if ok else '**missed**'}: {what}" for what, ok in checks]
     lines += ["", f"Machine: {result['machine']}. Command: `{result['command']}` ({result['seconds']} s)."]
@@ -221,9 +266,14 @@ def main(argv=None) -> int:
                    help="cpu: stand-in devices at three link speeds; cuda: the GPU and its real link")
     p.add_argument("--render", type=Path, default=None, metavar="JSON",
                    help="print the Markdown of a --json file (the README's Results section) and exit")
+    p.add_argument("--compare", type=Path, nargs=2, default=None, metavar=("A", "B"),
+                   help="set the ratios of two --json files side by side, with their differences, and exit")
     args = p.parse_args(argv)
     if args.render:
         print(render(json.loads(args.render.read_text())))
+        return 0
+    if args.compare:
+        print(compare(*(json.loads(f.read_text()) for f in args.compare)))
         return 0
     gpu = args.device == "cuda"
     if gpu and not torch.cuda.is_available():
@@ -264,7 +314,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if os.environ.get("THP_MEM_ALLOC_ENABLE") is None and "--render" not in sys.argv:
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") is None and not {"--render", "--compare"} & set(sys.argv):
         # torch reads it once, at its first allocation: large tensors on transparent huge pages
         # made step times 3% faster and their spread between identical copies of a model tighter
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"

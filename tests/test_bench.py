@@ -205,3 +205,22 @@ def test_a_reading_covers_run_steps_back_to_back_and_gives_the_time_of_one():
     assert runner.run == 1 and runner.step() >= 0.5 and len(ran) == 1
     runner.run = 3
     assert 0.5 <= runner.step() < 1.0 and len(ran) == 4
+
+
+def test_two_runs_are_compared_ratio_by_ratio_beside_the_noise_of_their_rounds():
+    from stress.bench import compare, ratio_error
+
+    def run(ratio, noise):
+        base = [1.0, 1.2, 0.9, 1.1, 1.0, 1.05]
+        row = {"model": "m", "seq": 8, "link": "l", "budget_frac": None, "budget_bytes": None}
+        wobble = [1 + noise * (-1) ** i * (i % 3) for i in range(len(base))]
+        return {"rows": [{**row, "method": "unmanaged", "ratio": 1.0, "times": base},
+                         {**row, "method": "checkpoint_all", "ratio": ratio,
+                          "times": [ratio * b * w for b, w in zip(base, wobble)]}]}
+
+    assert ratio_error(run(1.3, 0.0)["rows"]) == 0.0  # the same ratio every round: no noise
+    assert 0.01 < ratio_error(run(1.3, 0.1)["rows"]) < 0.2
+    text = compare(run(1.3, 0.0), run(1.35, 0.0))
+    assert "| m | 8 | l | checkpoint_all |  | ratio | 1.300 | 1.350 | +3.8% |" in text
+    assert "0 of 1 ratios agree within 3%" in text and "differ by 0.0%" in text
+    assert "1 of 1 ratios agree within 3%" in compare(run(1.3, 0.0), run(1.32, 0.0))
