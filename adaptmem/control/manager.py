@@ -108,6 +108,7 @@ class MemoryManager(Reactions):
         self._label: Any = None
         self._step_key: tuple[int, int] | None = None
         self._step_pred: float | None = None
+        self._step_feasible = True  # the step's plan was predicted to fit (else it is the tightest there is)
         self._step_start = 0
         self._measured: dict = {}  # per shape bucket: (plan, step) of its last step measured block by block
         self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
@@ -211,6 +212,7 @@ class MemoryManager(Reactions):
             self._label = label
             self._step_key = None
             self._step_pred = None
+            self._step_feasible = True
             self.recorder.begin()
 
     def end_step(self, error: BaseException | None = None) -> dict | None:

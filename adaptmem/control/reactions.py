@@ -104,6 +104,7 @@ class Reactions:
                 self.recorder.detail = self._worth_measuring(record)
                 self._step_key = record.key
                 self._step_pred = self.plans.predict(record.modes, batch, extent, start)
+                self._step_feasible = record.feasible
                 self._step_start = start
 
     def _worth_measuring(self, record: PlanRecord) -> bool:
@@ -225,6 +226,8 @@ class Reactions:
         self._alloc_retries = retries
         if self.policy.static_plan != "none" or sample.unmeasured:  # nothing to decide on: hold
             decision = HOLD
+        elif self._beyond_any_plan(observed):
+            decision = HOLD
         else:
             ratio = observed / self.budget if self.budget else 0.0
             if self._agree is not None:  # every decider moves alike: on the worst rank's ratio
@@ -273,6 +276,17 @@ class Reactions:
             plan_counts=dict(Counter(m.label for m in sample.plan.values())), seconds=round(sample.seconds, 6),
             measured="blocks" if sample.detailed else "peak",
         )
+
+    def _beyond_any_plan(self, observed: float) -> bool:
+        """The step ran the tightest plan there is, as none was predicted to fit, and its peak
+        was not calm: the decider leaves it out. No headroom makes this input fit (it was warned
+        of), and lowering it for this step's overshoot would only leave the budget unused at the
+        sizes that do fit, and, with such inputs coming back, never relax again (the calm
+        steps between them would start over at each). A wrong prediction is learned from by
+        measuring (a new size is measured; a missed prediction is measured again). Alone, not
+        with other ranks, whose deciders must move alike."""
+        return (not self._step_feasible and self._agree is None
+                and observed >= self.policy.low_watermark * self.budget)
 
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
         self.ooms += 1

@@ -156,3 +156,29 @@ def test_a_cached_plan_that_what_was_learned_says_no_longer_fits_is_made_again()
     again = book.choose(key[0], record.extent, start, budget)
     assert again.reason == "replan" and again.modes != everything
     assert book.predict(again.modes, key[0], record.extent, start) <= book.policy.max_headroom * budget
+
+
+def test_an_input_no_plan_fits_does_not_leave_the_budget_unused_for_the_inputs_that_fit(caplog):
+    """Every third batch is too long for any plan (it is warned of, and runs the tightest): its
+    overshoot does not lower the headroom, so the batches that fit keep the plan that fills the
+    budget, and the calm steps between the long ones still relax."""
+    make = lambda: tiny(dim=64, n_layers=4, vocab_size=256)  # noqa: E731
+    model = make()
+    budget = int(1.3 * budget_between(make, tiny_batch(model, 2, 128), 0.5)[0])
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    policy = load_policy("balanced").model_copy(update={"modes": ("NONE", "CHECKPOINT")})
+    with dev, adaptmem.manage(model, budget=budget, device=dev, policy=policy) as mem:
+        records = []
+        for i in range(24):
+            run_steps(mem, model, seq=512 if i % 3 == 2 else 128)
+            records.append(mem.last_step)
+    long = [r for r in records if r["seq"] == 512]
+    short = [r for r in records[3:] if r["seq"] == 128]
+    assert all(r["observed_peak_bytes"] > 2 * budget for r in long)  # beyond any plan
+    assert all(r["decision"] == "hold" for r in long)
+    fills = [r["observed_peak_bytes"] / budget for r in short]
+    assert min(fills) > 0.8, fills  # not the tightest plan at the length that fits
+    assert all(r["observed_peak_bytes"] <= budget for r in short)
+    assert "relax" in [r["decision"] for r in short]
+    assert any("no plan is predicted to fit" in r.getMessage() for r in caplog.records)
