@@ -228,6 +228,8 @@ class Reactions:
             decision = HOLD
         elif self._beyond_any_plan(observed):
             decision = HOLD
+            if self._step_pred is not None and observed > self._step_pred:
+                self.decider.bias = 1.0  # the predictions were not too high after all
         else:
             ratio = observed / self.budget if self.budget else 0.0
             if self._agree is not None:  # every decider moves alike: on the worst rank's ratio
