@@ -210,9 +210,7 @@ class MemoryManager(Reactions):
             self._overlapping = False
             self._plan_point_passed = False
             self._label = label
-            self._step_key = None
-            self._step_pred = None
-            self._step_feasible = True
+            self._step_key, self._step_pred, self._step_feasible = None, None, True
             self.recorder.begin()
 
     def end_step(self, error: BaseException | None = None) -> dict | None:
