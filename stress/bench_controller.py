@@ -8,8 +8,9 @@ Two figures, over the same steady-state steps (shapes seen, plan held; one step 
   direct  the training thread's CPU time spent in the manager's own code, over the step's:
           every call the blocks make into it (`runtime.tell`: block starts and ends,
           recompute marks, with the planning they trigger), its backward hooks, and
-          begin_step/end_step. A sum of small, exactly attributed times: stable from run
-          to run. What adds to the step.
+          `run_step` around the step function (the retry guard's copies, begin_step and
+          end_step). A sum of small, exactly attributed times: stable from run to run.
+          What adds to the step.
   background  the CPU time of its background thread (the pressure watch), over the step's:
           taken on another core, not from the step, but reported as what it costs.
   ab      a managed step against the same wrappers in the same modes with no manager
@@ -83,20 +84,22 @@ def controller_fraction(steps: int = 20, seq: int = 512, measure_every: int | No
         tell, bwd = runtime.tell, mem.recorder._bwd_boundary
         runtime.tell, mem.recorder._bwd_boundary = own.wrap(tell), own.wrap(bwd)
         sampler = _thread_clock(mem.sampler)
-        stepped, measured, background = 0.0, 0, 0.0
-        begin, end = own.wrap(mem.begin_step), own.wrap(mem.end_step)
+        stepped, measured, background, around = 0.0, 0, 0.0, 0.0
+        inside = Timed()  # the step function's own time, which run_step wraps
+        timed_work = inside.wrap(work)
         for _ in range(steps):
             s0 = sampler() if sampler else 0.0
+            worked = inside.spent
             t = time.thread_time()
-            begin()
-            work()
-            end()
-            stepped += time.thread_time() - t
+            mem.run_step(timed_work)
+            took = time.thread_time() - t
+            stepped += took
+            around += took - (inside.spent - worked)  # the guard, begin_step and end_step
             background += (sampler() - s0) if sampler else 0.0
             measured += mem.last_step["measured"] == "blocks"
             model.zero_grad(set_to_none=True)
         runtime.tell, mem.recorder._bwd_boundary = tell, bwd
-        direct = own.spent / stepped
+        direct = (own.spent + around) / stepped
         ab = _side_by_side(mem, model, work, runtime, max(6, steps // 2))
     finally:
         mem.close()

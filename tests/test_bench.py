@@ -224,3 +224,27 @@ def test_two_runs_are_compared_ratio_by_ratio_beside_the_noise_of_their_rounds()
     assert "| m | 8 | l | checkpoint_all |  | ratio | 1.300 | 1.350 | +3.8% |" in text
     assert "0 of 1 ratios agree within 3%" in text and "differ by 0.0%" in text
     assert "1 of 1 ratios agree within 3%" in compare(run(1.3, 0.0), run(1.32, 0.0))
+
+
+def test_the_controller_fraction_counts_what_run_step_does_around_the_step(monkeypatch):
+    """The retry guard made before each step is the controller's time too: a guard that burns
+    20 ms of CPU shows in the fraction, at about 20 ms over the step's time."""
+    import time
+
+    from adaptmem.control import manager
+    from stress.bench_controller import controller_fraction
+
+    plain = controller_fraction(steps=4, seq=32)
+    guard = manager.StepGuard
+
+    class SlowGuard(guard):
+        def __init__(self, *args, **kwargs):
+            end = time.thread_time() + 0.02
+            while time.thread_time() < end:
+                pass
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "StepGuard", SlowGuard)
+    slow = controller_fraction(steps=4, seq=32)
+    assert 0 < plain["direct"] < slow["direct"]
+    assert slow["direct"] - plain["direct"] > 0.5 * slow["direct"]  # the guard's 20 ms are most of it
