@@ -175,13 +175,12 @@ class StepRecorder:
             if sample is None:
                 return None
             self._close_segment()
-            if sample.detailed or not getattr(self.probe.inner, "asynchronous", False):
+            waited = sample.detailed or not getattr(self.probe.inner, "asynchronous", False)
+            end_mark = None
+            if waited:  # else a light step on an asynchronous device: not waited for
                 end_mark = self.probe.mark()
                 self.probe.synchronize()
-                self._finish(sample, end_mark)
-            else:  # a light step on an asynchronous device: not waited for
-                sample.seconds = time.perf_counter() - self._step_host
-                sample.completed = bool(sample.blocks) and all(b.bwd_start is not None for b in sample.blocks)
+            self._finish(sample, end_mark, waited)
             sample.unmeasured = self.probe.failures > self._failures_at_begin
             self.sample = None
             self._open = "idle"
@@ -335,14 +334,16 @@ class StepRecorder:
         """Allocation now, less the device bytes of offloaded copies still in flight: those land
         on the link's schedule, not the block's, so a block's `held` must not count them coming
         or going (they show, where they are, in the peaks: transients, head, backward)."""
-        now = self.probe.allocated()
-        return now - self._in_flight() if self._in_flight is not None else now
+        return self._less_in_flight(self.probe.allocated())
 
     def _take_peak(self) -> tuple[int, int]:
         """The peak since the last boundary and the allocation now (as `_kept` counts it), in one
         reading where the probe can; the peak starts again from here."""
         top, now = self.probe.take_peak()
-        return top, now - self._in_flight() if self._in_flight is not None else now
+        return top, self._less_in_flight(now)
+
+    def _less_in_flight(self, allocated: int) -> int:
+        return allocated - self._in_flight() if self._in_flight is not None else allocated
 
     def _close_segment(self) -> int:
         """Attribute the peak since the last boundary to the open segment; returns allocation now."""
@@ -364,9 +365,14 @@ class StepRecorder:
             sample.tail_top = max(sample.tail_top, top)
         return now
 
-    def _finish(self, sample: StepSample, end_mark: Any) -> None:
+    def _finish(self, sample: StepSample, end_mark: Any, waited: bool) -> None:
+        """The step's figures once it ended: timed by the probe's marks where the device was
+        waited for, else (a light step on an asynchronous device) by the host."""
         probe = self.probe
-        sample.seconds = probe.seconds(self._step_mark, end_mark)
+        if waited:
+            sample.seconds = probe.seconds(self._step_mark, end_mark)
+        else:
+            sample.seconds = time.perf_counter() - self._step_host
         blocks = sample.blocks
         if not sample.detailed:
             sample.completed = bool(blocks) and all(b.bwd_start is not None for b in blocks)
