@@ -188,8 +188,6 @@ def compare(a: dict, b: dict, within: float = 0.03) -> str:
 
 def planner_ms() -> float:
     """The planner on 100 transformer-like blocks x 6 modes with a binding budget (`stress.bench_planner`)."""
-    import random
-
     from stress.bench_planner import instance, timed
 
     options, capacity = instance(random.Random(0), 100, 6)
