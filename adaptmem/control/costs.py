@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from adaptmem.config.policy import Policy
-from adaptmem.control.fits import Fit
+from adaptmem.control.fits import Fit, non_decreasing
 from adaptmem.control.planner import Option
 from adaptmem.control.priors import (
     CUDA_PRIORS,
@@ -49,6 +49,7 @@ from adaptmem.modes import LADDER, Mode
 
 _REC = Mode.CHECKPOINT | Mode.OFFLOAD
 _CO = Mode.COMPRESS | Mode.OFFLOAD
+_RECOMPUTES = (Mode.CHECKPOINT, Mode.SELECTIVE)  # modes whose only extra work is their recompute
 _QUANTITIES = ("held", "fx", "wx", "seconds")
 _TIE_BREAK = 1e-6  # seconds per ladder rung: far below any measured cost
 _TIME_SPAN = 4  # observations a time is averaged over (`Fit.span`); bytes keep the default 2
@@ -190,12 +191,16 @@ class CostModel:
         return Latents(**{k: f.predict(batch, extent, q) for k, f in self.latent[index].items()})
 
     def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
-        """Measured time of the mode less measured time of NONE, averaged over the blocks like this
+        """CHECKPOINT's and SELECTIVE's recompute, read in their own step (`_recompute_floor`); any
+        other mode's measured time less measured time of NONE, averaged over the blocks like this
         one; an offload's own where it ran on this very block (in block order, `_ordered_overhead`),
         since where a copy is made decides how much compute it hides behind (on a link that shows,
         an offload on the fifth of eight blocks cost four times one on the first)."""
         if mode is Mode.NONE:
             return 0.0
+        floor = self._recompute_floor(index, mode, batch, extent)
+        if floor is not None and mode in _RECOMPUTES:
+            return floor  # the one thing it does that NONE does not, read in its own step
         overhead = self._ordered_overhead(index, mode, batch, extent) if mode & Mode.OFFLOAD else None
         if overhead is None:
             overhead = self._pooled_overhead(index, mode, batch, extent)
@@ -203,21 +208,24 @@ class CostModel:
             overhead = self._own_overhead(index, mode, batch, extent, siblings=True)
         if overhead is None:
             return derived.seconds
-        return max(0.0, overhead, self._recompute_floor(index, mode, batch, extent)) \
-            + self._penalty(mode, self._latents(index, batch, extent))
+        return max(0.0, overhead, floor or 0.0) + self._penalty(mode, self._latents(index, batch, extent))
 
-    def _recompute_floor(self, index: int, mode: Mode, batch: int, extent: int) -> float:
-        """What a recomputing mode costs at least: its recompute's own time, read within one step
-        (the mean over the alike blocks that have run it).
+    def _recompute_floor(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
+        """A recomputing mode's recompute, read within one step (the mean over the alike blocks
+        that have run it; None where none has): at least what it costs, and for CHECKPOINT and
+        SELECTIVE, which do nothing else that NONE does not, what it costs.
 
-        Its overhead otherwise is a difference of two readings from different steps, the mode's
-        and NONE's; a slow spell during NONE's made SELECTIVE look free (its overhead floored at
-        zero), and with every block in SELECTIVE no NONE reading came again to mend it.
+        Otherwise a mode's overhead is a difference of two readings from different steps, the
+        mode's and NONE's: a slow spell during NONE's made SELECTIVE look free, and with every
+        block in SELECTIVE no NONE reading came to mend it; block by block, the difference read
+        SELECTIVE 10 to 25 ms dearer than NONE for a 3 ms recompute, and CHECKPOINT 28 to 37 ms
+        for a 25 ms one, where side by side (every block in one mode against every block in
+        NONE) they cost 1.4 and 25 ms a block. At 20 ms SELECTIVE was not chosen again.
         """
         group = self._group(index, batch, extent)
         if ("floor", group, mode) not in self._pool:
             times = [f.predict(batch, extent) for j in group if (f := self.direct[j].get(mode, {}).get("recompute_s"))]
-            self._pool["floor", group, mode] = sum(times) / len(times) if times else 0.0
+            self._pool["floor", group, mode] = sum(times) / len(times) if times else None
         return self._pool["floor", group, mode]
 
     def _pooled_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
@@ -256,7 +264,7 @@ class CostModel:
             own = {j: o for j in group if (o := self._own_overhead(j, mode, batch, extent)) is not None}
             settled = {j: o for j, o in own.items() if self.direct[j][mode]["seconds"].settled}
             own = settled or own
-            self._pool["ordered", group, mode] = (dict(zip(own, _non_decreasing(list(own.values())))),
+            self._pool["ordered", group, mode] = (dict(zip(own, non_decreasing(list(own.values())))),
                                                  sum(own.values()) / len(own) if own else None)
         ordered, pooled = self._pool["ordered", group, mode]
         if index in ordered or pooled is None:
@@ -372,18 +380,6 @@ class CostModel:
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
         self._pool_key = None
-
-
-def _non_decreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence to `values` in least squares (pool adjacent violators:
-    a run that falls is replaced by its mean)."""
-    runs: list[list[float]] = []  # [mean, count]
-    for v in values:
-        runs.append([v, 1])
-        while len(runs) > 1 and runs[-2][0] > runs[-1][0]:
-            (m1, n1), (m2, n2) = runs.pop(-2), runs.pop()
-            runs.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in runs for _ in range(n)]
 
 
 def _revealed_activations(blk: BlockSample) -> float | None:

@@ -125,3 +125,15 @@ def _lstsq(columns: torch.Tensor, y: torch.Tensor) -> list[float]:
         first = _lstsq(columns[:, :1], y)
         return first + [0.0] * (columns.shape[1] - 1)
     return (solution.solution.squeeze(1) / norms).tolist()
+
+
+def non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence to `values` in least squares (pool adjacent violators:
+    a run that falls is replaced by its mean)."""
+    runs: list[list[float]] = []  # [mean, count]
+    for v in values:
+        runs.append([v, 1])
+        while len(runs) > 1 and runs[-2][0] > runs[-1][0]:
+            (m1, n1), (m2, n2) = runs.pop(-2), runs.pop()
+            runs.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in runs for _ in range(n)]

@@ -252,6 +252,28 @@ def test_a_recomputing_mode_costs_at_least_its_recompute_read_in_the_same_step()
     assert costs.figures(0, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.006)  # each mode its own
 
 
+def test_a_recomputing_mode_costs_its_recompute_not_a_difference_of_two_steps():
+    """CHECKPOINT and SELECTIVE do nothing NONE does not but their recompute, read within their own
+    step. Read on one block against NONE's time from other steps, SELECTIVE looked 20 ms dearer
+    for a 3 ms recompute (side by side it cost 1.4 ms), and the planner never chose it again."""
+    costs = CostModel(["Layer"] * 4, load_policy("balanced"), cuda=False)
+    sizes = [1000] * 4
+    costs.learn(_timed_step([Mode.CHECKPOINT] * 4, [0.120] * 4, sizes, recompute=0.025))
+    costs.learn(_timed_step([Mode.CHECKPOINT, Mode.SELECTIVE, Mode.NONE, Mode.NONE], [0.120, 0.118, 0.095, 0.095],
+                            sizes, recompute=0.003))
+    assert costs._own_overhead(1, Mode.SELECTIVE, 2, 1000) > 0.015  # the difference: a cold, noisy reading
+    for i in range(4):
+        assert costs.figures(i, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.003)
+    # CHECKPOINT: the mean of the alike blocks' recompute readings (block 0's second one was 3 ms)
+    recomputes = [costs.direct[j][Mode.CHECKPOINT]["recompute_s"].predict(2, 1000) for j in range(4)]
+    assert recomputes == pytest.approx([0.014, 0.025, 0.025, 0.025])
+    assert costs.figures(2, Mode.CHECKPOINT, 2, 1000).seconds == pytest.approx(sum(recomputes) / 4)
+    # an offload's time is a difference still: its copies are not a recompute
+    costs.learn(_timed_step([Mode.OFFLOAD] + [Mode.NONE] * 3, [0.130] + [0.095] * 3, sizes))
+    costs.learn(_timed_step([Mode.OFFLOAD] + [Mode.NONE] * 3, [0.130] + [0.095] * 3, sizes))
+    assert costs.figures(0, Mode.OFFLOAD, 2, 1000).seconds > 0.02
+
+
 def test_an_offload_keeps_its_own_blocks_time_where_it_ran_there():
     """Where a copy is made decides how much compute hides it: a block's own offload time is used,
     and the pooled one only for alike blocks that have not offloaded yet."""
