@@ -219,8 +219,8 @@ class CostModel:
         mode's and NONE's: a slow spell during NONE's made SELECTIVE look free, and with every
         block in SELECTIVE no NONE reading came to mend it; block by block, the difference read
         SELECTIVE 10 to 25 ms dearer than NONE for a 3 ms recompute, and CHECKPOINT 28 to 37 ms
-        for a 25 ms one, where side by side (every block in one mode against every block in
-        NONE) they cost 1.4 and 25 ms a block. At 20 ms SELECTIVE was not chosen again.
+        for a 23 to 30 ms one, where side by side (every block in one mode against every block
+        in NONE, 25 rounds) they cost 3.2 and 21 ms a block. At 20 ms SELECTIVE was not chosen again.
         """
         group = self._group(index, batch, extent)
         if ("floor", group, mode) not in self._pool:
