@@ -47,7 +47,7 @@ def find_blocks(model: nn.Module, blocks: BlockSelection = "auto") -> list[tuple
             f"{describe_model(model)} Pass one of these class names, a regex on the "
             "qualified names, a filter function, or a list of modules."
         )
-    _reject_nesting(chosen)
+    _reject_nesting(chosen, blocks)
     return chosen
 
 
@@ -182,14 +182,16 @@ def _by_modules(model: nn.Module, named, modules: Sequence[nn.Module]) -> list[t
     return sorted(unique.values(), key=lambda item: order[id(item[1])])
 
 
-def _reject_nesting(chosen: list[tuple[str, nn.Module]]) -> None:
+def _reject_nesting(chosen: list[tuple[str, nn.Module]], blocks: BlockSelection) -> None:
     for outer_name, outer in chosen:
         inner_ids = {id(m) for m in outer.modules() if m is not outer}
         for inner_name, inner in chosen:
             if id(inner) in inner_ids:
+                hint = (f" (blocks={blocks!r} is a regex on the whole name, not a glob: it matched both; for "
+                        f"one level, e.g. blocks={_regex_for(inner_name)!r})") if isinstance(blocks, str) else ""
                 raise ValueError(
                     f"block {outer_name or '<root>'!r} contains block {inner_name!r}: "
-                    "a selection must not nest; select one level (e.g. only the layers)"
+                    f"a selection must not nest; select one level (e.g. only the layers){hint}"
                 )
 
 

@@ -112,6 +112,17 @@ def test_nested_selection_is_rejected():
         find_blocks(model, [model.blocks[0], model.blocks[0].attn])
 
 
+def test_a_regex_that_nests_is_answered_with_one_for_a_single_level():
+    """A glob-minded `"blocks.*"` matches `blocks` itself and everything under it: the error
+    says it is a regex on the whole name and gives one that selects the numbered blocks."""
+    model = tiny()
+    with pytest.raises(ValueError, match="not a glob") as err:
+        find_blocks(model, "blocks.*")
+    assert "block 'blocks' contains block 'blocks.0'" in str(err.value)
+    suggested = ast.literal_eval(str(err.value).split("e.g. blocks=")[-1].rstrip(")"))
+    assert names(model, suggested) == [f"blocks.{i}" for i in range(4)]
+
+
 def test_foreign_module_and_bad_types():
     model = tiny()
     with pytest.raises(ValueError, match="is not a submodule"):
