@@ -8,7 +8,8 @@ mode, it predicts
   fx      transient above its start during its forward
   wx      transient above the start of its backward (a recomputed block
           rematerializes its activations here)
-  seconds time the mode adds to a step
+  seconds time the mode adds to a step (`adaptmem.control.timings`: its own work,
+          recompute or packing, read within its steps)
 
 plus per block `grad` (what else is alive when its backward starts: gradients
 so far, leftovers) and, per step, `head` (the model after the blocks: head and
@@ -29,10 +30,9 @@ never seen is predicted before it runs.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from adaptmem.config.policy import Policy
-from adaptmem.control.fits import Fit, non_decreasing
+from adaptmem.control.fits import Fit
 from adaptmem.control.planner import Option
 from adaptmem.control.priors import (
     CUDA_PRIORS,
@@ -45,11 +45,11 @@ from adaptmem.control.priors import (
     Priors,
 )
 from adaptmem.control.recorder import BlockSample, StepSample
+from adaptmem.control.timings import ModeTimes
 from adaptmem.modes import LADDER, Mode
 
 _REC = Mode.CHECKPOINT | Mode.OFFLOAD
 _CO = Mode.COMPRESS | Mode.OFFLOAD
-_RECOMPUTES = (Mode.CHECKPOINT, Mode.SELECTIVE)  # modes whose only extra work is their recompute
 _QUANTITIES = ("held", "fx", "wx", "seconds")
 _TIE_BREAK = 1e-6  # seconds per ladder rung: far below any measured cost
 _TIME_SPAN = 4  # observations a time is averaged over (`Fit.span`); bytes keep the default 2
@@ -60,7 +60,7 @@ def _fit(name: str) -> Fit:
     return Fit(span=_TIME_SPAN) if name == "seconds" or name.endswith("_s") else Fit()
 
 
-class CostModel:
+class CostModel(ModeTimes):
     """Per-block, per-mode costs for one instrumented model, learned step by step.
 
     `priors` default to `CUDA_PRIORS` on CUDA and `HOST_PRIORS` elsewhere.
@@ -153,6 +153,8 @@ class CostModel:
             fits["seconds"].add(b, s, total, provisional=first)
             if blk.recompute_seconds > 0:
                 fits.setdefault("recompute_s", _fit("recompute_s")).add(b, s, blk.recompute_seconds)
+            if blk.moved_seconds is not None and mode & (Mode.OFFLOAD | Mode.COMPRESS):
+                fits.setdefault("moved_s", _fit("moved_s")).add(b, s, blk.moved_seconds, provisional=first)
 
     # -------------------------------------------------------------- predict
     def figures(self, index: int, mode: Mode, batch: int, extent: int) -> Figures:
@@ -189,118 +191,6 @@ class CostModel:
     def _latents(self, index: int, batch: int, extent: int) -> Latents:
         q = self.policy.quadratic_prior
         return Latents(**{k: f.predict(batch, extent, q) for k, f in self.latent[index].items()})
-
-    def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
-        """CHECKPOINT's and SELECTIVE's recompute, read in their own step (`_recompute_floor`); any
-        other mode's measured time less measured time of NONE, averaged over the blocks like this
-        one; an offload's own where it ran on this very block (in block order, `_ordered_overhead`),
-        since where a copy is made decides how much compute it hides behind (on a link that shows,
-        an offload on the fifth of eight blocks cost four times one on the first)."""
-        if mode is Mode.NONE:
-            return 0.0
-        floor = self._recompute_floor(index, mode, batch, extent)
-        if floor is not None and mode in _RECOMPUTES:
-            return floor  # the one thing it does that NONE does not, read in its own step
-        overhead = self._ordered_overhead(index, mode, batch, extent) if mode & Mode.OFFLOAD else None
-        if overhead is None:
-            overhead = self._pooled_overhead(index, mode, batch, extent)
-        if overhead is None:  # no block like it has run the mode and NONE (or a checkpoint) both
-            overhead = self._own_overhead(index, mode, batch, extent, siblings=True)
-        if overhead is None:
-            return derived.seconds
-        return max(0.0, overhead, floor or 0.0) + self._penalty(mode, self._latents(index, batch, extent))
-
-    def _recompute_floor(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
-        """A recomputing mode's recompute, read within one step (the mean over the alike blocks
-        that have run it; None where none has): at least what it costs, and for CHECKPOINT and
-        SELECTIVE, which do nothing else that NONE does not, what it costs.
-
-        Otherwise a mode's overhead is a difference of two readings from different steps, the
-        mode's and NONE's: a slow spell during NONE's made SELECTIVE look free, and with every
-        block in SELECTIVE no NONE reading came to mend it; block by block, the difference read
-        SELECTIVE 10 to 25 ms dearer than NONE for a 3 ms recompute, and CHECKPOINT 28 to 37 ms
-        for a 23 to 30 ms one, where side by side (every block in one mode against every block
-        in NONE, 25 rounds) they cost 3.2 and 21 ms a block. At 20 ms SELECTIVE was not chosen again.
-        """
-        group = self._group(index, batch, extent)
-        if ("floor", group, mode) not in self._pool:
-            times = [f.predict(batch, extent) for j in group if (f := self.direct[j].get(mode, {}).get("recompute_s"))]
-            self._pool["floor", group, mode] = sum(times) / len(times) if times else None
-        return self._pool["floor", group, mode]
-
-    def _pooled_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
-        """The mean, over the blocks alike with `index` that have run `mode`, of each one's time
-        in it less its own time without it.
-
-        One block's timing is one sample of a noisy clock, and the blocks at either end carry
-        what runs beside them (the embedding's backward, the head's): block by block, a
-        checkpoint on identical layers read from 6 to 26 ms, and the planner chose its blocks
-        by that noise. Alike means the same class with the same input size, so a stage of a
-        network whose blocks share a class but not a shape is pooled only with itself.
-        """
-        group = self._group(index, batch, extent)
-        if (group, mode) not in self._pool:
-            own = [o for j in group if (o := self._own_overhead(j, mode, batch, extent)) is not None]
-            self._pool[group, mode] = sum(own) / len(own) if own else None
-        return self._pool[group, mode]
-
-    def _ordered_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
-        """An offload's overhead on block `index`: the blocks alike with it that have run `mode`
-        keep their own times, made non-decreasing in block order; a block that has not run it
-        takes the pooled time, held between its measured neighbours' times.
-
-        A copy made at a later block has less compute after it to hide behind, going out in
-        forward and coming back in backward, so among alike blocks a later offload never
-        costs less. One reading of a block moves by as much as an offload costs; read
-        block by block, the noise scattered the offloads (`NNNOOOON`, `SNOONONN`) where the
-        first blocks' are the cheapest, and a later block looked cheaper by chance.
-
-        A block whose only reading is its first offload (provisional: it allocated its host
-        memory) counts as not measured while an alike block has a settled one: left at its
-        cold time, a plan that moved away from it never came back to read it warm.
-        """
-        group = self._group(index, batch, extent)
-        if ("ordered", group, mode) not in self._pool:
-            own = {j: o for j in group if (o := self._own_overhead(j, mode, batch, extent)) is not None}
-            settled = {j: o for j, o in own.items() if self.direct[j][mode]["seconds"].settled}
-            own = settled or own
-            self._pool["ordered", group, mode] = (dict(zip(own, non_decreasing(list(own.values())))),
-                                                 sum(own.values()) / len(own) if own else None)
-        ordered, pooled = self._pool["ordered", group, mode]
-        if index in ordered or pooled is None:
-            return ordered.get(index)
-        below = [v for j, v in ordered.items() if j < index]
-        above = [v for j, v in ordered.items() if j > index]
-        return max(min(pooled, above[0]) if above else pooled, below[-1] if below else pooled)
-
-    def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *,
-                      siblings: bool = False) -> float | None:
-        """Block `index`'s measured time in `mode` less its time without it (with `siblings`, a
-        figure it lacks is taken from the first block of its class that has one)."""
-        def fits_of(m: Mode) -> dict[str, Fit] | None:
-            return self.direct[index].get(m) or (self._sibling(index, m) if siblings else None)
-
-        fits, none = fits_of(mode), fits_of(Mode.NONE)
-        baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]
-        if fits is None or not fits["seconds"] or not baseline:
-            return None
-        return fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
-
-    def _group(self, index: int, batch: int, extent: int) -> tuple[int, ...]:
-        """The blocks alike with `index` at this shape; the pooled figures are kept until the
-        shape or the cost model changes."""
-        key = (batch, extent, self.steps_learned)
-        if self._pool_key != key:
-            self._pool_key, self._pool = key, {}
-            self._groups = self._alike_groups(batch, extent)
-        return self._groups[index]
-
-    def _alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
-        """Per block, the blocks of its class whose input is within 2% of its own size."""
-        sizes = [lat["input_bytes"].predict(batch, extent) for lat in self.latent]
-        return [tuple(j for j, (c, x) in enumerate(zip(self.classes, sizes))
-                      if c == cls and abs(x - size) <= 0.02 * max(x, size, 1.0))
-                for cls, size in zip(self.classes, sizes)]
 
     def _sibling(self, index: int, mode: Mode) -> dict[str, Fit] | None:
         cls = self.classes[index]

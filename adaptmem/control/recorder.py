@@ -68,6 +68,7 @@ class BlockSample:
     fwd_seconds: float = 0.0
     bwd_seconds: float | None = None
     recompute_seconds: float = 0.0
+    moved_seconds: float | None = None  # in its pack and unpack hooks (OFFLOAD, COMPRESS): copies, waits, codecs
     _marks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -273,6 +274,8 @@ class StepRecorder:
             block.packed = call.stats.get("packed", 0)
             block.kept = call.stats.get("kept", 0)
             block.host = call.stats.get("host", 0)
+            if sample.detailed and "pack_s" in call.stats:  # its unpack time is known once its backward ran
+                block._marks["stats"] = call.stats
             outs = tensors_in(output)
             if sample.detailed:
                 block.output_bytes = sum(t.numel() * t.element_size() for t in outs)
@@ -391,5 +394,7 @@ class StepRecorder:
                     block.bwd_top = sample.tail_top or sample.peak
             if "rc0" in marks and "rc1" in marks:
                 block.recompute_seconds = probe.seconds(marks["rc0"][1], marks["rc1"])
+            if "stats" in marks and "bwd0" in marks:
+                block.moved_seconds = marks["stats"]["pack_s"] + marks["stats"]["unpack_s"]
             block._marks = {}
         sample.completed = bool(blocks) and all(b.bwd_start is not None for b in blocks)

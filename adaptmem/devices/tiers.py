@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _state = threading.local()
@@ -46,3 +47,10 @@ def using_link(link: Any) -> Iterator[None]:
 def current_link() -> Any:
     """The link offloaded copies travel over in this thread, or None for instant copies."""
     return getattr(_state, "link", None)
+
+
+def link_clock() -> Callable[[], float]:
+    """The clock a stand-in's link waits are on (a benchmark's virtual clock), else the host's:
+    the clock a `SimulatedProbe` marks steps with, so times read on it add up with the step's."""
+    link = current_link()
+    return link.clock if link is not None else time.perf_counter

@@ -28,7 +28,6 @@ from adaptmem.strategies.compress import CompressOptions
 from adaptmem.strategies.offload import OffloadOptions
 from adaptmem.strategies.offload_runtime import OffloadRuntime
 from adaptmem.strategies.packing import Packer
-from adaptmem.strategies.payloads import restore
 from adaptmem.strategies.recompute import (
     SelectiveBackwardError,
     run_checkpoint,
@@ -51,7 +50,7 @@ def _run_packed(call: BlockCall, *, compress: bool, offload: bool) -> Any:
         runtime=call.offload_runtime,
         stats=call.stats,
     )
-    with torch.autograd.graph.saved_tensors_hooks(packer, restore):
+    with torch.autograd.graph.saved_tensors_hooks(packer, packer.unpack):
         return call.forward(*call.args, **call.kwargs)
 
 

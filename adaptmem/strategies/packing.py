@@ -1,8 +1,13 @@
-"""The pack hook shared by OFFLOAD and COMPRESS (and CHECKPOINT|OFFLOAD's block input).
+"""The pack and unpack hooks shared by OFFLOAD and COMPRESS (and CHECKPOINT|OFFLOAD's block input).
 
 PyTorch applies only the innermost `saved_tensors_hooks` pair, so a combined
 mode is one pack function (`Packer`), never nested contexts. Parameters and
 buffers that autograd saves pass through untouched.
+
+The time spent in both hooks (encoding, copies, waits for the link, decoding) is
+what these modes do that NONE does not: it is added up per block call in the
+call's `stats` ("pack_s", "unpack_s") for the cost model, on the clock the
+stand-in's probe times steps with (`adaptmem.devices.tiers.link_clock`).
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from adaptmem.devices.tiers import link_clock
 from adaptmem.strategies.compress import CompressOptions, encode
 from adaptmem.strategies.offload import OffloadOptions
 from adaptmem.strategies.offload_runtime import OffloadRuntime
-from adaptmem.strategies.payloads import nbytes_of
+from adaptmem.strategies.payloads import nbytes_of, restore
 
 
 class Packer:
@@ -55,10 +61,33 @@ class Packer:
         self._stats = stats if stats is not None else {}
         for key in ("packed", "kept", "host"):
             self._stats.setdefault(key, 0)
+        for key in ("pack_s", "unpack_s"):
+            self._stats.setdefault(key, 0.0)
 
     def __call__(self, t: torch.Tensor) -> Any:
         if self._is_state(t) or (self._grad_only and not t.requires_grad and _storage(t) != self._main):
             return t.detach()
+        if torch.compiler.is_compiling():  # no clock inside a compiled graph
+            return self._pack(t)
+        clock = link_clock()
+        start = clock()
+        try:
+            return self._pack(t)
+        finally:
+            self._stats["pack_s"] += clock() - start
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The unpack hook: `payloads.restore`, timed."""
+        if isinstance(packed, torch.Tensor) or torch.compiler.is_compiling():
+            return restore(packed)
+        clock = link_clock()
+        start = clock()
+        try:
+            return restore(packed)
+        finally:
+            self._stats["unpack_s"] += clock() - start
+
+    def _pack(self, t: torch.Tensor) -> Any:
         size = nbytes_of(t)
         self._stats["packed"] += size
         payload = None

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (
 
 from adaptmem.strategies.call import BlockCall, main_input
 from adaptmem.strategies.packing import Packer
-from adaptmem.strategies.payloads import backward_entry, restore
+from adaptmem.strategies.payloads import backward_entry
 
 _aten = torch.ops.aten
 _SAVE_NAMES = (  # weight matmuls, convolutions, fused attention: never activation x activation matmuls
@@ -138,7 +138,7 @@ def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
     """DeepSpeed's cpu_checkpointing: checkpoint, and keep the block input on the host."""
     packer = Packer(call.module, offload=call.offload, runtime=call.offload_runtime,
                     grad_only=True, main=main_input(call.args, call.kwargs), stats=call.stats)
-    with torch.autograd.graph.saved_tensors_hooks(packer, restore):
+    with torch.autograd.graph.saved_tensors_hooks(packer, packer.unpack):
         return _checkpointed(call, None)
 
 

@@ -181,3 +181,32 @@ def test_a_block_that_offloads_nothing_starts_the_offloaded_block_before_it_back
     with dev:
         assert_same(step(model, batch), expected)
     assert "fetch" in events and events.index("fetch") < events.index("block 2 done")
+
+
+def test_an_offloaded_blocks_hooks_are_timed_within_its_step_link_waits_included():
+    """What OFFLOAD does that NONE does not happens in its pack and unpack hooks: the copies and
+    the waits for the link. On a clock that only the link's waits move, an offloaded block's
+    `moved_seconds` add up to every wait of the step; a block in NONE has none."""
+    from adaptmem.control.recorder import StepRecorder
+    from adaptmem.devices.simulated import SimulatedProbe
+    from adaptmem.wrapping import get_instrumentation
+
+    model = tiny(dim=128, n_layers=4)
+    handles = adaptmem.instrument(model)
+    for h, mode in zip(handles, [Mode.OFFLOAD, Mode.NONE, Mode.OFFLOAD, Mode.NONE]):
+        h.mode = mode
+    dev = SimulatedDevice(link_bytes_per_s=20 * MiB)
+    clock = Clock()
+    dev.link.clock, dev.link.sleep = clock, clock.sleep
+    dev.track(model)
+    recorder = StepRecorder(SimulatedProbe(dev))
+    get_instrumentation(model).runtime.observer = recorder
+    with dev:
+        recorder.begin()
+        model(**tiny_batch(model, batch=4, seq=128)).loss.backward()
+        sample = recorder.end()
+    moved = [b.moved_seconds for b in sample.blocks]
+    assert moved[1] is None and moved[3] is None
+    assert moved[0] > 0 and moved[2] > 0 and sum(clock.slept) > 0
+    assert moved[0] + moved[2] == pytest.approx(sum(clock.slept))
+    assert sample.seconds == pytest.approx(sum(clock.slept))  # nothing else took time on this clock

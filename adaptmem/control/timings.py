@@ -1,0 +1,176 @@
+"""What a mode adds to a step's time: the time half of the cost model (`CostModel` inherits it).
+
+A mode's cost is what it does that NONE does not, read within the step it ran in:
+
+  CHECKPOINT, SELECTIVE   their recompute in backward (`recompute_s`)
+  OFFLOAD, COMPRESS       their pack and unpack hooks (`moved_s`): encoding, host copies,
+                          waits for the link (a full window of copies, a copy back not yet
+                          arrived), decoding
+  CHECKPOINT|OFFLOAD      both
+
+Each is the mean over the blocks alike (same class, same input size) that have run
+the mode; an offload's keeps its own block's reading, in block order, since a copy
+made later has less compute after it to hide behind.
+
+Where a mode's own reading is missing (no alike block has run it; on CUDA, where
+copies and codecs run asynchronously and the host cannot time them without waiting),
+its cost is a difference: its blocks' time less their time in NONE, read in other
+steps. Block by block that difference is biased and noisy: it read SELECTIVE 10 to
+25 ms dearer than NONE for a 3 ms recompute, and an offload anywhere from -26 to
++22 ms a block where side by side it cost 5 to 10 ms.
+"""
+
+from __future__ import annotations
+
+from adaptmem.control.fits import Fit, non_decreasing
+from adaptmem.control.priors import Figures
+from adaptmem.modes import Mode
+
+RECOMPUTES = (Mode.CHECKPOINT, Mode.SELECTIVE)  # modes whose only extra work is their recompute
+MOVES = Mode.OFFLOAD | Mode.COMPRESS  # modes whose extra work is in their pack and unpack hooks
+
+
+class ModeTimes:
+    """The time part of `CostModel`, which provides `direct` (per block, per mode, its fits),
+    `latent`, `classes`, `cuda`, `steps_learned`, `_latents`, `_penalty` and `_sibling`."""
+
+    direct: list[dict[Mode, dict[str, Fit]]]
+    latent: list[dict[str, Fit]]
+    classes: list[str]
+    cuda: bool
+    steps_learned: int
+    _pool_key: tuple | None
+    _pool: dict
+    _groups: list[tuple[int, ...]]
+
+    def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
+        """What `mode` adds to a step on block `index`: its own work read within its steps (its
+        recompute, `_recompute_floor`; its packing, `_moved`) where some alike block has run it;
+        else its measured time less NONE's, averaged over the alike blocks (an offload's own where
+        it ran on this very block, in block order, `_ordered`); else the derived figure."""
+        if mode is Mode.NONE:
+            return 0.0
+        floor = self._recompute_floor(index, mode, batch, extent)
+        if floor is not None and mode in RECOMPUTES:
+            return floor  # the one thing it does that NONE does not, read in its own step
+        penalty = self._penalty(mode, self._latents(index, batch, extent)) if mode & Mode.COMPRESS else 0.0
+        moved = self._moved(index, mode, batch, extent)
+        if moved is not None and (floor is not None or not mode & Mode.CHECKPOINT):
+            return (floor or 0.0) + moved + penalty
+        overhead = self._ordered(index, mode, batch, extent, "seconds") if mode & Mode.OFFLOAD else None
+        if overhead is None:
+            overhead = self._pooled_overhead(index, mode, batch, extent)
+        if overhead is None:  # no block like it has run the mode and NONE (or a checkpoint) both
+            overhead = self._own_overhead(index, mode, batch, extent, siblings=True)
+        if overhead is None:
+            return derived.seconds
+        return max(0.0, overhead, floor or 0.0) + penalty
+
+    def _recompute_floor(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
+        """A recomputing mode's recompute, read within one step (the mean over the alike blocks
+        that have run it; None where none has): at least what it costs, and for CHECKPOINT and
+        SELECTIVE, which do nothing else that NONE does not, what it costs.
+
+        Read as a difference from NONE's time in other steps instead, a slow spell during NONE's
+        made SELECTIVE look free, and with every block in SELECTIVE no NONE reading came to mend
+        it; block by block the difference read SELECTIVE 10 to 25 ms dearer than NONE for a 3 ms
+        recompute, and CHECKPOINT 28 to 37 ms for a 23 to 30 ms one, where side by side (every
+        block in one mode against every block in NONE, 25 rounds) they cost 3.2 and 21 ms a block.
+        """
+        group = self._group(index, batch, extent)
+        if ("floor", group, mode) not in self._pool:
+            times = [f.predict(batch, extent) for j in group if (f := self.direct[j].get(mode, {}).get("recompute_s"))]
+            self._pool["floor", group, mode] = sum(times) / len(times) if times else None
+        return self._pool["floor", group, mode]
+
+    def _moved(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
+        """The time `mode`'s pack and unpack hooks took on block `index` (an offload's in block
+        order, `_ordered`; a compression's the mean over the alike blocks); None where no alike
+        block has a reading, and on CUDA, whose copies the host does not wait for."""
+        if self.cuda or not mode & MOVES:
+            return None
+        if mode & Mode.OFFLOAD:
+            return self._ordered(index, mode, batch, extent, "moved_s")
+        group = self._group(index, batch, extent)
+        own = [f.predict(batch, extent) for j in group if (f := self.direct[j].get(mode, {}).get("moved_s"))]
+        return sum(own) / len(own) if own else None
+
+    def _pooled_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
+        """The mean, over the blocks alike with `index` that have run `mode`, of each one's time
+        in it less its own time without it.
+
+        One block's timing is one sample of a noisy clock, and the blocks at either end carry
+        what runs beside them (the embedding's backward, the head's): block by block, a
+        checkpoint on identical layers read from 6 to 26 ms, and the planner chose its blocks
+        by that noise. Alike means the same class with the same input size, so a stage of a
+        network whose blocks share a class but not a shape is pooled only with itself.
+        """
+        group = self._group(index, batch, extent)
+        if (group, mode) not in self._pool:
+            own = [o for j in group if (o := self._own_overhead(j, mode, batch, extent)) is not None]
+            self._pool[group, mode] = sum(own) / len(own) if own else None
+        return self._pool[group, mode]
+
+    def _ordered(self, index: int, mode: Mode, batch: int, extent: int, quantity: str) -> float | None:
+        """An offload's time on block `index`: `moved_s`, its hooks' own time, or `seconds`, its
+        time less NONE's. The blocks alike with it that have run `mode` keep their own readings,
+        made non-decreasing in block order; a block that has not run it takes their mean, held
+        between its measured neighbours' readings.
+
+        A copy made at a later block has less compute after it to hide behind, going out in
+        forward and coming back in backward, so among alike blocks a later offload never
+        costs less. One reading of a block moves by as much as an offload costs; read
+        block by block, the noise scattered the offloads (`NNNOOOON`, `SNOONONN`) where the
+        first blocks' are the cheapest, and a later block looked cheaper by chance.
+
+        A block whose only reading is its first offload (provisional: it allocated its host
+        memory) counts as not measured while an alike block has a settled one: left at its
+        cold time, a plan that moved away from it never came back to read it warm.
+        """
+        group = self._group(index, batch, extent)
+        if ("ordered", group, mode, quantity) not in self._pool:
+            own: dict[int, float] = {}
+            for j in group:
+                fit = self.direct[j].get(mode, {}).get(quantity)
+                if fit and (reading := self._own_overhead(j, mode, batch, extent) if quantity == "seconds"
+                            else fit.predict(batch, extent)) is not None:
+                    own[j] = reading
+            settled = {j: o for j, o in own.items() if self.direct[j][mode][quantity].settled}
+            own = settled or own
+            self._pool["ordered", group, mode, quantity] = (dict(zip(own, non_decreasing(list(own.values())))),
+                                                           sum(own.values()) / len(own) if own else None)
+        ordered, pooled = self._pool["ordered", group, mode, quantity]
+        if index in ordered or pooled is None:
+            return ordered.get(index)
+        below = [v for j, v in ordered.items() if j < index]
+        above = [v for j, v in ordered.items() if j > index]
+        return max(min(pooled, above[0]) if above else pooled, below[-1] if below else pooled)
+
+    def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *,
+                      siblings: bool = False) -> float | None:
+        """Block `index`'s measured time in `mode` less its time without it (with `siblings`, a
+        figure it lacks is taken from the first block of its class that has one)."""
+        def fits_of(m: Mode) -> dict[str, Fit] | None:
+            return self.direct[index].get(m) or (self._sibling(index, m) if siblings else None)
+
+        fits, none = fits_of(mode), fits_of(Mode.NONE)
+        baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]
+        if fits is None or not fits["seconds"] or not baseline:
+            return None
+        return fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
+
+    def _group(self, index: int, batch: int, extent: int) -> tuple[int, ...]:
+        """The blocks alike with `index` at this shape; the pooled figures are kept until the
+        shape or the cost model changes."""
+        key = (batch, extent, self.steps_learned)
+        if self._pool_key != key:
+            self._pool_key, self._pool = key, {}
+            self._groups = self._alike_groups(batch, extent)
+        return self._groups[index]
+
+    def _alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
+        """Per block, the blocks of its class whose input is within 2% of its own size."""
+        sizes = [lat["input_bytes"].predict(batch, extent) for lat in self.latent]
+        return [tuple(j for j, (c, x) in enumerate(zip(self.classes, sizes))
+                      if c == cls and abs(x - size) <= 0.02 * max(x, size, 1.0))
+                for cls, size in zip(self.classes, sizes)]
