@@ -7,6 +7,7 @@
   fits.py        Fit: one quantity as a function of the batch shape (least squares)
   priors.py      Priors (named, with units and reasons) and one derivation per mode
   costs.py       CostModel: per block and mode, bytes and seconds, learned from the run
+  timings.py     ModeTimes: the seconds part, each mode's own work (recompute, packing) read in its step
   planner.py     pure: (options, capacity) -> the cheapest feasible plan, exact DP
   plans.py       PlanBook: plans per shape bucket, calibration, static plans, retry plans
   decisions.py   Decider: watermarks with hysteresis (a pure state machine)

@@ -135,8 +135,10 @@ class CostModel(ModeTimes):
             lat["backward_temp"].add(b, s, blk.bwd_peak)
         elif complete and mode is Mode.CHECKPOINT and blk.recompute_bytes is not None:
             lat["backward_temp"].add(b, s, max(0, blk.bwd_peak - blk.recompute_bytes))
-        if not mode & (Mode.OFFLOAD | Mode.COMPRESS):
+        if mode in (Mode.NONE, Mode.CHECKPOINT):  # a plain forward (SELECTIVE's runs through a dispatch mode)
             lat["forward_s"].add(b, s, blk.fwd_seconds)
+        if mode in (Mode.NONE, Mode.SELECTIVE):
+            fits.setdefault("forward_s", _fit("forward_s")).add(b, s, blk.fwd_seconds)
         if complete:
             # a block's first offload allocates the host memory its copies go to (pinned, on CUDA):
             # its time stands only until the next reading, which replaces it; that step is measured
