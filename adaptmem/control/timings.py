@@ -19,7 +19,7 @@ copies and codecs run asynchronously and the host cannot time them without waiti
 its cost is a difference: its blocks' time less their time in NONE, read in other
 steps. Block by block that difference is biased and noisy: it read SELECTIVE 10 to
 25 ms dearer than NONE for a 3 ms recompute, and an offload anywhere from -26 to
-+22 ms a block where side by side it cost 5 to 10 ms.
++22 ms a block where side by side it cost 3 to 8 ms.
 """
 
 from __future__ import annotations
@@ -79,11 +79,16 @@ class ModeTimes:
         recompute, and CHECKPOINT 28 to 37 ms for a 23 to 30 ms one, where side by side (every
         block in one mode against every block in NONE, 25 rounds) they cost 3.2 and 21 ms a block.
         """
+        return self._mean_reading(index, mode, batch, extent, "recompute_s")
+
+    def _mean_reading(self, index: int, mode: Mode, batch: int, extent: int, quantity: str) -> float | None:
+        """The mean of `quantity`, read within `mode`'s steps, over the blocks alike with `index`
+        that have a reading of it; None where none has."""
         group = self._group(index, batch, extent)
-        if ("floor", group, mode) not in self._pool:
-            times = [f.predict(batch, extent) for j in group if (f := self.direct[j].get(mode, {}).get("recompute_s"))]
-            self._pool["floor", group, mode] = sum(times) / len(times) if times else None
-        return self._pool["floor", group, mode]
+        if ("mean", group, mode, quantity) not in self._pool:
+            own = [f.predict(batch, extent) for j in group if (f := self.direct[j].get(mode, {}).get(quantity))]
+            self._pool["mean", group, mode, quantity] = sum(own) / len(own) if own else None
+        return self._pool["mean", group, mode, quantity]
 
     def _forward_extra(self, index: int, mode: Mode, batch: int, extent: int) -> float:
         """What `mode`'s forward takes over a plain one on the blocks alike with `index` (the mean
@@ -115,9 +120,7 @@ class ModeTimes:
             return None
         if mode & Mode.OFFLOAD:
             return self._ordered(index, mode, batch, extent, "moved_s")
-        group = self._group(index, batch, extent)
-        own = [f.predict(batch, extent) for j in group if (f := self.direct[j].get(mode, {}).get("moved_s"))]
-        return sum(own) / len(own) if own else None
+        return self._mean_reading(index, mode, batch, extent, "moved_s")
 
     def _pooled_overhead(self, index: int, mode: Mode, batch: int, extent: int) -> float | None:
         """The mean, over the blocks alike with `index` that have run `mode`, of each one's time
