@@ -167,7 +167,7 @@ class CostModel(ModeTimes):
         from a single length, the measurement is carried to the new shape by how
         the derived figures scale, since the latents learn the shape from every mode.
         """
-        derived = self._derive(mode, self._latents(index, batch, extent))
+        derived = self._derive(mode, self._latents(index, batch, extent), self._covers(index, mode, batch, extent))
         fits = self.direct[index].get(mode) or self._sibling(index, mode)
         if fits is None or not fits["held"]:
             return derived
@@ -179,7 +179,7 @@ class CostModel(ModeTimes):
         else:
             tokens = batch * extent
             b0, e0 = min(fits["held"].points, key=lambda k: abs(k[0] * k[1] - tokens))
-            there = self._derive(mode, self._latents(index, b0, e0))
+            there = self._derive(mode, self._latents(index, b0, e0))  # its bytes: no covers needed
             linear = tokens / max(1, b0 * e0)
 
             def carry(fit: Fit, here: float, at: float) -> float:
@@ -201,9 +201,10 @@ class CostModel(ModeTimes):
                 return fits[mode]
         return None
 
-    def _derive(self, mode: Mode, lat: Latents) -> Figures:
-        """A mode's figures from the latents (`DERIVATIONS`), plus a lossy mode's penalty."""
-        assumptions = Assumptions(self.priors, self.policy.prior_margin, self._kappa())
+    def _derive(self, mode: Mode, lat: Latents, covers: tuple[float, float] = (0.0, 0.0)) -> Figures:
+        """A mode's figures from the latents (`DERIVATIONS`), with the compute an offloaded copy
+        hides behind (`covers`: out, back), plus a lossy mode's penalty."""
+        assumptions = Assumptions(self.priors, self.policy.prior_margin, self._kappa(), *covers)
         figures = DERIVATIONS[mode](lat, assumptions)
         return replace(figures, seconds=figures.seconds + self._penalty(mode, lat))
 

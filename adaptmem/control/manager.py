@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import weakref
 from collections import Counter
@@ -94,10 +93,8 @@ class MemoryManager(Reactions):
         p = self.policy
         self.recorder = StepRecorder(self.probe, get_instrumentation(model).runtime.offload.in_flight_bytes)
         cuda = isinstance(self.probe, CudaProbe)
-        windows = [h.offload_options.max_in_flight_bytes for h in self.handles]
-        in_flight = math.inf if None in windows else max(windows, default=0)  # None: a block's worth
         self.costs = CostModel([type(h.module).__name__ for h in self.handles], p, cuda=cuda,
-                               priors=priors_for(self.probe, cuda, in_flight))
+                               priors=priors_for(self.probe, cuda, [h.offload_options for h in self.handles]))
         self.decider = Decider(p)
         self._lock = threading.RLock()
         self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe, start_plan=self._user_modes,

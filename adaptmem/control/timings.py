@@ -25,7 +25,8 @@ steps. Block by block that difference is biased and noisy: it read SELECTIVE 10 
 from __future__ import annotations
 
 from adaptmem.control.fits import Fit, non_decreasing
-from adaptmem.control.priors import Figures
+from adaptmem.config.policy import Policy
+from adaptmem.control.priors import Figures, Priors
 from adaptmem.modes import Mode
 
 RECOMPUTES = (Mode.CHECKPOINT, Mode.SELECTIVE)  # modes whose only extra work is their recompute
@@ -34,12 +35,15 @@ MOVES = Mode.OFFLOAD | Mode.COMPRESS  # modes whose extra work is in their pack 
 
 class ModeTimes:
     """The time part of `CostModel`, which provides `direct` (per block, per mode, its fits),
-    `latent`, `classes`, `cuda`, `steps_learned`, `_latents`, `_penalty` and `_sibling`."""
+    `latent`, `classes`, `cuda`, `priors`, `policy`, `steps_learned`, `_latents`, `_penalty` and
+    `_sibling`."""
 
     direct: list[dict[Mode, dict[str, Fit]]]
     latent: list[dict[str, Fit]]
     classes: list[str]
     cuda: bool
+    priors: Priors
+    policy: Policy
     steps_learned: int
     _pool_key: tuple | None
     _pool: dict
@@ -185,6 +189,22 @@ class ModeTimes:
         if fits is None or not fits["seconds"] or not baseline:
             return None
         return fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
+
+    def _covers(self, index: int, mode: Mode, batch: int, extent: int) -> tuple[float, float]:
+        """The compute block `index`'s offloaded copies can hide behind, where the priors say copies
+        travel while compute goes on: going out, the forward of the blocks after it; coming back,
+        the backward of the block after it (its NONE time less its forward), which runs while
+        the prefetch brings this block's copies back. (0, 0) elsewhere."""
+        if not (mode & Mode.OFFLOAD and self.priors.covered_by_compute):
+            return 0.0, 0.0
+        self._group(index, batch, extent)
+        if ("covers", "all") not in self._pool:
+            q = self.policy.quadratic_prior
+            fwd = [lat["forward_s"].predict(batch, extent, q) for lat in self.latent]
+            bwd = [max(0.0, lat["none_s"].predict(batch, extent, q) - f) for lat, f in zip(self.latent, fwd)]
+            after = [sum(fwd[j + 1:]) for j in range(len(fwd))]
+            self._pool["covers", "all"] = list(zip(after, bwd[1:] + [0.0]))
+        return self._pool["covers", "all"][index]
 
     def _group(self, index: int, batch: int, extent: int) -> tuple[int, ...]:
         """The blocks alike with `index` at this shape; the pooled figures are kept until the

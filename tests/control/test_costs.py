@@ -123,6 +123,49 @@ def test_copies_in_flight_count_in_what_offload_holds_within_the_window():
     assert held(1e12, 64e6) == pytest.approx(kept)  # a link faster than the forward: none left
 
 
+def test_on_a_link_that_runs_beside_compute_an_offload_costs_what_its_travel_outlasts():
+    """Going out, a copy hides behind the forward of the blocks after it; coming back (prefetched),
+    behind the next block's backward. Only the host's work on the copies always shows: side by
+    side on the stand-in's link, offloading only the first block cost that work alone, and only
+    the last, twice its travel besides."""
+    lat = Latents(input_bytes=1e6, activations=7e6, forward_s=0.01, none_s=0.03)
+    linked = replace(HOST_PRIORS, link_bytes_per_s=1e9, covered_by_compute=True, copy_bytes_per_s=4e9)
+    work, travel = 2 * 8e6 / 4e9, 8e6 / 1e9
+
+    def seconds(out, back, priors=linked):
+        return DERIVATIONS[Mode.OFFLOAD](lat, Assumptions(priors, 1.25, 0.27, out, back)).seconds
+
+    assert seconds(0.05, 0.02) == pytest.approx(work)  # the first block: both ways hidden
+    assert seconds(0.005, 0.02) == pytest.approx(work + travel - 0.005)  # little forward after it
+    assert seconds(0.0, 0.0) == pytest.approx(work + 2 * travel)  # the last block
+    assert seconds(0.05, 0.02, replace(linked, back_covered=False)) == pytest.approx(work + travel)
+    flat = replace(linked, covered_by_compute=False, hidden_share=0.7)  # CUDA's: a share of each copy hides
+    assert seconds(0.05, 0.02, flat) == pytest.approx(work + 2 * travel * 0.3)
+
+
+def test_a_stand_ins_link_prices_an_offload_by_where_its_block_sits():
+    """Before any block has offloaded, the prior is cheapest for the first blocks, dearest for the
+    last, from the forward and backward the cost model has learned; the options set the window
+    and whether copies come back early."""
+    from adaptmem.control.priors import priors_for
+    from adaptmem.strategies import OffloadOptions
+
+    probe = SimulatedProbe(SimulatedDevice(2**30, link_bytes_per_s=2e5))  # a block's copy: 20 ms each way
+    priors = priors_for(probe, False, [OffloadOptions()] * 4)
+    assert priors.covered_by_compute and priors.back_covered and priors.in_flight_cap == float("inf")
+    later = priors_for(probe, False, [OffloadOptions(prefetch=False, max_in_flight_bytes=2**20)] * 4)
+    assert not later.back_covered and later.in_flight_cap == 2**20
+    assert not priors_for(SimulatedProbe(SimulatedDevice(2**30)), False).covered_by_compute
+    assert not priors_for(probe, True).covered_by_compute  # CUDA keeps its flat share
+    costs = CostModel(["Layer"] * 4, load_policy("balanced"), cuda=False, priors=priors)
+    costs.learn(_timed_step([Mode.NONE] * 4, [0.030] * 4, [1000] * 4))  # forward 10 ms, backward 20
+    moved = 1000 + 3000  # the input and the activations, as the step showed them
+    travel, work = moved / 2e5, 2 * moved / priors.copy_bytes_per_s
+    seconds = [costs.figures(i, Mode.OFFLOAD, 2, 1000).seconds for i in range(4)]
+    # out: 30, 20, 10 and 0 ms of forward after it; back: the next block's 20 ms backward, none for the last
+    assert seconds == pytest.approx([work, work, work + travel - 0.010, work + 2 * travel])
+
+
 class Harness:
     """A model, a stand-in device, a recorder and a cost model, wired as the manager wires them."""
 
