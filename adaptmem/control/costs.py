@@ -64,9 +64,11 @@ class CostModel(ModeTimes):
     """Per-block, per-mode costs for one instrumented model, learned step by step.
 
     `priors` default to `CUDA_PRIORS` on CUDA and `HOST_PRIORS` elsewhere.
+    `weight_grad_bytes`: per block, its trainable weights' gradient bytes.
     """
 
-    def __init__(self, classes: list[str], policy: Policy, *, cuda: bool, priors: Priors | None = None) -> None:
+    def __init__(self, classes: list[str], policy: Policy, *, cuda: bool, priors: Priors | None = None,
+                 weight_grad_bytes: list[int] | None = None) -> None:
         self.classes = classes
         self.policy = policy
         self.cuda = cuda
@@ -75,6 +77,12 @@ class CostModel(ModeTimes):
         self.direct: list[dict[Mode, dict[str, Fit]]] = [{} for _ in range(n)]
         self.latent: list[dict[str, Fit]] = [{k: _fit(k) for k in LATENT_NAMES} for _ in range(n)]
         self.grad: list[Fit] = [Fit("base") for _ in range(n)]
+        # before a block's backward, the gradients of the later blocks' weights exist whatever
+        # the shape: extrapolated from one shape, they would grow with the tokens
+        later = 0
+        for i in reversed(range(n)):
+            self.grad[i].constant = float(later)
+            later += (weight_grad_bytes or [0] * n)[i]
         self.head = Fit("base")
         self.tail = Fit("base")
         self.elem_size = 4
@@ -267,7 +275,10 @@ class CostModel(ModeTimes):
                        for d in state["direct"]]
         self.latent = [{k: Fit.from_state(lat[k]) if k in lat else _fit(k) for k in LATENT_NAMES}
                        for lat in state["latent"]]
+        constants = [f.constant for f in self.grad]
         self.grad = [Fit.from_state(f) for f in state["grad"]]
+        for fit, constant in zip(self.grad, constants):  # the model's own, whatever the state says
+            fit.constant = constant
         self.head = Fit.from_state(state["head"])
         self.tail = Fit.from_state(state["tail"])
         self.elem_size = int(state["elem_size"])

@@ -94,7 +94,9 @@ class MemoryManager(Reactions):
         self.recorder = StepRecorder(self.probe, get_instrumentation(model).runtime.offload.in_flight_bytes)
         cuda = isinstance(self.probe, CudaProbe)
         self.costs = CostModel([type(h.module).__name__ for h in self.handles], p, cuda=cuda,
-                               priors=priors_for(self.probe, cuda, [h.offload_options for h in self.handles]))
+                               priors=priors_for(self.probe, cuda, [h.offload_options for h in self.handles]),
+                               weight_grad_bytes=[sum(w.numel() * w.element_size() for w in h.module.parameters()
+                                                      if w.requires_grad) for h in self.handles])
         self.decider = Decider(p)
         self._lock = threading.RLock()
         self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe, start_plan=self._user_modes,

@@ -42,6 +42,17 @@ def test_base_fit_is_constant_downwards_and_linear_once_two_sizes_are_seen():
     assert fit.predict(1, 500) == pytest.approx(9000.0)
 
 
+def test_a_base_fits_constant_part_is_not_scaled_from_one_shape():
+    fit = Fit("base")
+    fit.constant = 3000.0  # the gradients of the weights whose backward has run
+    fit.add(1, 100, 5000.0)
+    assert fit.predict(1, 300) == pytest.approx(3000 + 2000 * 3)
+    assert fit.predict(1, 50) == 5000.0
+    assert Fit.from_state(fit.state_dict()).predict(1, 300) == fit.predict(1, 300)
+    costs = CostModel(["Layer"] * 3, load_policy("balanced"), cuda=False, weight_grad_bytes=[10, 20, 30])
+    assert [f.constant for f in costs.grad] == [50, 30, 0]  # the later blocks' weights
+
+
 def test_the_shape_cache_forgets_the_least_recently_used_shape():
     fit = Fit("act")
     for seq in range(1, MAX_SHAPES + 1):
