@@ -77,12 +77,14 @@ class CostModel(ModeTimes):
         self.direct: list[dict[Mode, dict[str, Fit]]] = [{} for _ in range(n)]
         self.latent: list[dict[str, Fit]] = [{k: _fit(k) for k in LATENT_NAMES} for _ in range(n)]
         self.grad: list[Fit] = [Fit("base") for _ in range(n)]
-        # before a block's backward, the gradients of the later blocks' weights exist whatever
-        # the shape: extrapolated from one shape, they would grow with the tokens
-        later = 0
-        for i in reversed(range(n)):
-            self.grad[i].constant = float(later)
-            later += (weight_grad_bytes or [0] * n)[i]
+        # before a block's backward, the gradients of the later blocks' weights have been allocated
+        # whatever the shape (unless they were there before the step): extrapolated from one shape,
+        # they would grow with the tokens
+        weights, self._grad_constants = weight_grad_bytes or [0] * n, [0.0] * n
+        for i in reversed(range(n - 1)):
+            self._grad_constants[i] = self._grad_constants[i + 1] + weights[i + 1]
+        for fit, constant in zip(self.grad, self._grad_constants):
+            fit.constant = constant
         self.head = Fit("base")
         self.tail = Fit("base")
         self.elem_size = 4
@@ -109,6 +111,8 @@ class CostModel(ModeTimes):
         start0 = sample.blocks[0].start
         self.provisional = False
         self.elem_size = sample.blocks[0].elem_size or self.elem_size
+        for fit, constant in zip(self.grad, self._grad_constants):  # gradients kept from before: none allocated
+            fit.constant = 0.0 if sample.grads_resident else constant
         prefix = 0
         for blk in sample.blocks:
             if blk.index >= len(self.direct) or blk.held is None:
@@ -275,10 +279,7 @@ class CostModel(ModeTimes):
                        for d in state["direct"]]
         self.latent = [{k: Fit.from_state(lat[k]) if k in lat else _fit(k) for k in LATENT_NAMES}
                        for lat in state["latent"]]
-        constants = [f.constant for f in self.grad]
         self.grad = [Fit.from_state(f) for f in state["grad"]]
-        for fit, constant in zip(self.grad, constants):  # the model's own, whatever the state says
-            fit.constant = constant
         self.head = Fit.from_state(state["head"])
         self.tail = Fit.from_state(state["tail"])
         self.elem_size = int(state["elem_size"])

@@ -102,6 +102,7 @@ class StepSample:
     tail_hooked: bool = False  # the first block's input needs a gradient, which marks the blocks' backward end
     unmeasured: bool = False  # a probe reading failed during the step: its figures are not to be learned
     detailed: bool = True  # measured block by block (False: only its start and peak, not learned from)
+    grads_resident: bool = False  # the weights' gradients were allocated before the step (accumulation)
     seconds: float = 0.0
 
     @property

@@ -51,6 +51,11 @@ def test_a_base_fits_constant_part_is_not_scaled_from_one_shape():
     assert Fit.from_state(fit.state_dict()).predict(1, 300) == fit.predict(1, 300)
     costs = CostModel(["Layer"] * 3, load_policy("balanced"), cuda=False, weight_grad_bytes=[10, 20, 30])
     assert [f.constant for f in costs.grad] == [50, 30, 0]  # the later blocks' weights
+    accumulating = replace(_timed_step([Mode.NONE] * 3, [0.03] * 3, [1000] * 3), grads_resident=True)
+    costs.learn(accumulating)  # gradients kept from the step before: none is allocated in this one
+    assert [f.constant for f in costs.grad] == [0, 0, 0]
+    costs.learn(replace(accumulating, grads_resident=False))
+    assert [f.constant for f in costs.grad] == [50, 30, 0]
 
 
 def test_the_shape_cache_forgets_the_least_recently_used_shape():

@@ -499,3 +499,16 @@ def test_allocator_retries_escalate_even_under_the_watermark():
         steps = mem.events.of_type("step")
     assert [s["decision"] for s in steps] == ["hold", "hold", "hold", "escalate", "hold", "hold"]
     assert [s["alloc_retries"] for s in steps] == [0, 0, 0, 2, 2, 2]
+
+
+def test_gradients_kept_from_the_step_before_are_not_taken_as_allocated_within_it():
+    """The later blocks' weight gradients count as a constant part of what a block's backward
+    starts with only when the step allocates them; accumulating, they were there before it."""
+    model = tiny(dim=64, n_layers=3, vocab_size=128)
+    batch = tiny_batch(model, batch=2, seq=16)
+    with adaptmem.manage(model, budget=64 * MiB, device=SimulatedDevice(capacity_bytes=256 * MiB)) as mem:
+        mem.run_step(lambda: model(**batch).loss.backward())
+        layer = sum(w.numel() * w.element_size() for w in mem.handles[-1].module.parameters())
+        assert mem.costs.grad[0].constant == 2 * layer
+        mem.run_step(lambda: model(**batch).loss.backward())  # accumulates: no zero_grad between
+        assert mem.last_step["measured"] and mem.costs.grad[0].constant == 0
