@@ -11,6 +11,8 @@ boundary, then resets the peak. From these:
   fwd_peak  transient above its start during its forward
   bwd_peak  transient above the start of its backward segment
   recompute bytes a checkpointed block rematerializes in backward
+and, around the blocks, what the model does before them (embeddings), after
+them (head and loss, forward and backward) and in backward (gradients).
 
 Allocations at boundaries leave out offloaded copies still in flight (`_kept`).
 
@@ -22,9 +24,6 @@ On a device that runs asynchronously (CUDA) such a step is not waited for: only 
 step measured block by block synchronizes, to read its events' times, and a
 light step's `seconds` are the host's, from its start to its end. A wait at
 every step's end would leave the device idle while the host issues the next.
-
-and, around the blocks, what the model does before them (embeddings), after
-them (head and loss, forward and backward) and in backward (gradients).
 """
 
 from __future__ import annotations
