@@ -80,11 +80,10 @@ class CostModel(ModeTimes):
         # before a block's backward, the gradients of the later blocks' weights have been allocated
         # whatever the shape (unless they were there before the step): extrapolated from one shape,
         # they would grow with the tokens
-        weights, self._grad_constants = weight_grad_bytes or [0] * n, [0.0] * n
+        weights, self._weights_after = weight_grad_bytes or [0] * n, [0.0] * n
         for i in reversed(range(n - 1)):
-            self._grad_constants[i] = self._grad_constants[i + 1] + weights[i + 1]
-        for fit, constant in zip(self.grad, self._grad_constants):
-            fit.constant = constant
+            self._weights_after[i] = self._weights_after[i + 1] + weights[i + 1]
+        self.grads_resident = False  # in the last step learned
         self.head = Fit("base")
         self.tail = Fit("base")
         self.elem_size = 4
@@ -111,8 +110,7 @@ class CostModel(ModeTimes):
         start0 = sample.blocks[0].start
         self.provisional = False
         self.elem_size = sample.blocks[0].elem_size or self.elem_size
-        for fit, constant in zip(self.grad, self._grad_constants):  # gradients kept from before: none allocated
-            fit.constant = 0.0 if sample.grads_resident else constant
+        self.grads_resident = sample.grads_resident
         prefix = 0
         for blk in sample.blocks:
             if blk.index >= len(self.direct) or blk.held is None:
@@ -236,7 +234,7 @@ class CostModel(ModeTimes):
         fixed = fixed or {}
         out, n = [], len(self.classes)
         for i in range(n):
-            grad = self.grad[i].predict(batch, extent)
+            grad = self.grad[i].predict(batch, extent, constant=self.grad_constant(i))
             modes = (fixed[i],) if i in fixed else allowed
             row = []
             for mode in modes:
@@ -247,6 +245,11 @@ class CostModel(ModeTimes):
                 row.append(Option(mode, f.held, max(f.fx, f.held + grad + f.wx), seconds, f.host))
             out.append(row)
         return out
+
+    def grad_constant(self, index: int) -> float:
+        """The part of block `index`'s `grad` that does not grow with the shape: the gradients of the
+        later blocks' weights, allocated in the step (none where they were kept from the one before)."""
+        return 0.0 if self.grads_resident else self._weights_after[index]
 
     def head_bytes(self, batch: int, extent: int) -> float:
         return self.head.predict(batch, extent)

@@ -7,8 +7,8 @@ for images), so it grows with the sequence or the resolution.
 before that, a `quadratic` share is assumed when extrapolating to a larger one.
 `kind="base"` (gradients, the head): an intercept plus a token term; with one
 shape seen it is held constant when shapes shrink and scaled with tokens when
-they grow, all but its `constant` part (bytes known not to depend on the shape,
-such as the gradients of the weights whose backward has run).
+they grow, all but a given `constant` part (bytes known not to depend on the
+shape, such as the gradients of the weights whose backward has run).
 
 The fits are least squares by `torch.linalg.lstsq` on a handful of points;
 coefficients are kept non-negative (bytes and seconds do not shrink as a
@@ -35,7 +35,6 @@ class Fit:
             raise ValueError(f"Fit span must be at least 1 observation, got {span}")
         self.kind = kind
         self.span = span
-        self.constant = 0.0  # "base": bytes of it that do not grow with the shape
         self.points: OrderedDict[tuple[int, int], float] = OrderedDict()
         self.counts: dict[tuple[int, int], int] = {}
 
@@ -65,12 +64,14 @@ class Fit:
         """Some observation here is more than a provisional one."""
         return any(n > 0 for n in self.counts.values())
 
-    def predict(self, batch: int, extent: int, quadratic: float = 0.0) -> float:
+    def predict(self, batch: int, extent: int, quadratic: float = 0.0, constant: float = 0.0) -> float:
+        """The quantity at this shape; `quadratic`: the share assumed to grow with the extent
+        squared ("act"); `constant`: bytes of it that do not grow with the shape ("base")."""
         if not self.points:
             return 0.0
         elements = batch * extent
         if self.kind == "base":
-            return self._base(elements)
+            return self._base(elements, constant)
         # the nearest shape seen, scaled: tokens linearly, and an assumed quadratic share upwards
         (b0, e0), y0 = min(self.points.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - elements))
         scale = elements / max(1, b0 * e0)
@@ -92,11 +93,11 @@ class Fit:
             return 0.0, max(0.0, _lstsq(columns[:, 1:], y)[0])
         return max(0.0, _lstsq(columns[:, :1], y)[0]), 0.0
 
-    def _base(self, tokens: int) -> float:
+    def _base(self, tokens: int, constant: float) -> float:
         pts = [(b * s, y) for (b, s), y in self.points.items()]
         if len({t for t, _ in pts}) < 2:
             t0, y0 = max(pts)
-            fixed = min(self.constant, max(y0, 0.0))
+            fixed = min(constant, max(y0, 0.0))
             return fixed + (y0 - fixed) * max(1.0, tokens / t0) if y0 > 0 else y0
         t = torch.tensor([p[0] for p in pts], dtype=torch.float64)
         y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
@@ -107,13 +108,12 @@ class Fit:
         return intercept + slope * (tokens - float(center))
 
     def state_dict(self) -> dict:
-        return {"kind": self.kind, "span": self.span, "constant": self.constant,
+        return {"kind": self.kind, "span": self.span,
                 "points": [[b, s, y, self.counts.get((b, s), 1)] for (b, s), y in self.points.items()]}
 
     @classmethod
     def from_state(cls, state: dict) -> "Fit":
         fit = cls(state["kind"], int(state.get("span", 2)))
-        fit.constant = float(state.get("constant", 0.0))
         rows = [(int(b), int(s), float(y), int(rest[0]) if rest else 1) for b, s, y, *rest in state["points"]]
         fit.points = OrderedDict(((b, s), y) for b, s, y, _ in rows)
         fit.counts = {(b, s): n for b, s, _, n in rows}

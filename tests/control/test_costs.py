@@ -44,18 +44,18 @@ def test_base_fit_is_constant_downwards_and_linear_once_two_sizes_are_seen():
 
 def test_a_base_fits_constant_part_is_not_scaled_from_one_shape():
     fit = Fit("base")
-    fit.constant = 3000.0  # the gradients of the weights whose backward has run
+    fixed = 3000.0  # the gradients of the weights whose backward has run
     fit.add(1, 100, 5000.0)
-    assert fit.predict(1, 300) == pytest.approx(3000 + 2000 * 3)
-    assert fit.predict(1, 50) == 5000.0
-    assert Fit.from_state(fit.state_dict()).predict(1, 300) == fit.predict(1, 300)
+    assert fit.predict(1, 300, constant=fixed) == pytest.approx(3000 + 2000 * 3)
+    assert fit.predict(1, 50, constant=fixed) == 5000.0
+    assert Fit.from_state(fit.state_dict()).predict(1, 300, constant=fixed) == fit.predict(1, 300, constant=fixed)
     costs = CostModel(["Layer"] * 3, load_policy("balanced"), cuda=False, weight_grad_bytes=[10, 20, 30])
-    assert [f.constant for f in costs.grad] == [50, 30, 0]  # the later blocks' weights
+    assert [costs.grad_constant(i) for i in range(3)] == [50, 30, 0]  # the later blocks' weights
     accumulating = replace(_timed_step([Mode.NONE] * 3, [0.03] * 3, [1000] * 3), grads_resident=True)
     costs.learn(accumulating)  # gradients kept from the step before: none is allocated in this one
-    assert [f.constant for f in costs.grad] == [0, 0, 0]
+    assert [costs.grad_constant(i) for i in range(3)] == [0, 0, 0]
     costs.learn(replace(accumulating, grads_resident=False))
-    assert [f.constant for f in costs.grad] == [50, 30, 0]
+    assert [costs.grad_constant(i) for i in range(3)] == [50, 30, 0]
 
 
 def test_the_shape_cache_forgets_the_least_recently_used_shape():

@@ -509,6 +509,6 @@ def test_gradients_kept_from_the_step_before_are_not_taken_as_allocated_within_i
     with adaptmem.manage(model, budget=64 * MiB, device=SimulatedDevice(capacity_bytes=256 * MiB)) as mem:
         mem.run_step(lambda: model(**batch).loss.backward())
         layer = sum(w.numel() * w.element_size() for w in mem.handles[-1].module.parameters())
-        assert mem.costs.grad[0].constant == 2 * layer
+        assert mem.costs.grad_constant(0) == 2 * layer
         mem.run_step(lambda: model(**batch).loss.backward())  # accumulates: no zero_grad between
-        assert mem.last_step["measured"] and mem.costs.grad[0].constant == 0
+        assert mem.last_step["measured"] and mem.costs.grad_constant(0) == 0
