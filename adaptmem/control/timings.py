@@ -197,23 +197,28 @@ class ModeTimes:
         the prefetch brings this block's copies back. (0, 0) elsewhere."""
         if not (mode & Mode.OFFLOAD and self.priors.covered_by_compute):
             return 0.0, 0.0
-        self._group(index, batch, extent)
-        if ("covers", "all") not in self._pool:
+        pool = self._shape_pool(batch, extent)
+        if "covers" not in pool:
             q = self.policy.quadratic_prior
             fwd = [lat["forward_s"].predict(batch, extent, q) for lat in self.latent]
             bwd = [max(0.0, lat["none_s"].predict(batch, extent, q) - f) for lat, f in zip(self.latent, fwd)]
             after = [sum(fwd[j + 1:]) for j in range(len(fwd))]
-            self._pool["covers", "all"] = list(zip(after, bwd[1:] + [0.0]))
-        return self._pool["covers", "all"][index]
+            pool["covers"] = list(zip(after, bwd[1:] + [0.0]))
+        return pool["covers"][index]
 
     def _group(self, index: int, batch: int, extent: int) -> tuple[int, ...]:
         """The blocks alike with `index` at this shape; the pooled figures are kept until the
         shape or the cost model changes."""
+        self._shape_pool(batch, extent)
+        return self._groups[index]
+
+    def _shape_pool(self, batch: int, extent: int) -> dict:
+        """The figures pooled at this shape, emptied when the shape or the cost model changes."""
         key = (batch, extent, self.steps_learned)
         if self._pool_key != key:
             self._pool_key, self._pool = key, {}
             self._groups = self._alike_groups(batch, extent)
-        return self._groups[index]
+        return self._pool
 
     def _alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
         """Per block, the blocks of its class whose input is within 2% of its own size."""
