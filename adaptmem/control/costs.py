@@ -15,7 +15,7 @@ plus per block `grad` (what else is alive when its backward starts: gradients
 so far, leftovers) and, per step, `head` (the model after the blocks: head and
 loss) and `tail` (the backward after the blocks).
 
-Where a mode has run on a block (or on a block of the same class), its own
+Where a mode has run on a block (or on a block alike with it: the same class and input size), its own
 measurements are used. Elsewhere figures are derived (`adaptmem.control.priors`)
 from latent quantities every mode reveals some of: input bytes, output growth,
 recomputable activations (a checkpoint's recompute, an offload's packed bytes,
@@ -172,13 +172,13 @@ class CostModel(ModeTimes):
     def figures(self, index: int, mode: Mode, batch: int, extent: int) -> Figures:
         """Predicted figures of `mode` on block `index` for a batch of `batch` x `extent`.
 
-        A mode measured on this block (or a sibling) anchors the level. Its own fit
+        A mode measured on this block (or one alike with it) anchors the level. Its own fit
         is used within the range of lengths it was measured at; beyond that, or
         from a single length, the measurement is carried to the new shape by how
         the derived figures scale, since the latents learn the shape from every mode.
         """
         derived = self._derive(mode, self._latents(index, batch, extent), self._covers(index, mode, batch, extent))
-        fits = self.direct[index].get(mode) or self._sibling(index, mode)
+        fits = self.direct[index].get(mode) or self._sibling(index, mode, batch, extent)
         if fits is None or not fits["held"]:
             return derived
         extents = {s for _, s in fits["held"].points}
@@ -204,11 +204,14 @@ class CostModel(ModeTimes):
         q = self.policy.quadratic_prior
         return Latents(**{k: f.predict(batch, extent, q) for k, f in self.latent[index].items()})
 
-    def _sibling(self, index: int, mode: Mode) -> dict[str, Fit] | None:
-        cls = self.classes[index]
-        for j, fits in enumerate(self.direct):
-            if j != index and self.classes[j] == cls and mode in fits and fits[mode]["held"]:
-                return fits[mode]
+    def _sibling(self, index: int, mode: Mode, batch: int, extent: int) -> dict[str, Fit] | None:
+        """The fits of `mode` on the first block alike with `index` (`_group`: its class, its input
+        size) that has run it. A block of the same class in another stage of a network holds
+        another size: a CNN's later stage, borrowed for the first ones, put SELECTIVE on three
+        stages at 96 pixels that ran at 1.14x the budget."""
+        for j in self._group(index, batch, extent):
+            if j != index and mode in self.direct[j] and self.direct[j][mode]["held"]:
+                return self.direct[j][mode]
         return None
 
     def _derive(self, mode: Mode, lat: Latents, covers: tuple[float, float] = (0.0, 0.0)) -> Figures:

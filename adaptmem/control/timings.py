@@ -180,9 +180,9 @@ class ModeTimes:
     def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *,
                       siblings: bool = False) -> float | None:
         """Block `index`'s measured time in `mode` less its time without it (with `siblings`, a
-        figure it lacks is taken from the first block of its class that has one)."""
+        figure it lacks is taken from the first block alike with it that has one)."""
         def fits_of(m: Mode) -> dict[str, Fit] | None:
-            return self.direct[index].get(m) or (self._sibling(index, m) if siblings else None)
+            return self.direct[index].get(m) or (self._sibling(index, m, batch, extent) if siblings else None)
 
         fits, none = fits_of(mode), fits_of(Mode.NONE)
         baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]

@@ -296,6 +296,22 @@ def test_a_modes_time_is_pooled_over_blocks_alike_and_only_those():
     assert seconds[4] == pytest.approx(own(4)) and seconds[4] != pytest.approx(seconds[0])
 
 
+def test_a_mode_not_run_on_a_block_is_borrowed_only_from_a_block_alike():
+    """A block of the same class in another stage of a network (another input size) keeps other
+    bytes: borrowed for the first stages of a CNN, a later stage's SELECTIVE put three stages
+    at 96 pixels 1.14x over the budget. Blocks alike (class and size) do share."""
+    S, N = Mode.SELECTIVE, Mode.NONE
+    costs = CostModel(["Stage"] * 3, load_policy("balanced"), cuda=False)
+    sizes = [500, 1000, 1000]  # the first: another stage, half the input
+    costs.learn(_timed_step([N] * 3, [0.03] * 3, sizes))
+    costs.learn(_timed_step([S, N, N], [0.03] * 3, sizes, recompute=0.002))
+    derived = costs._derive(S, costs._latents(1, 2, 1000)).held
+    assert costs.figures(1, S, 2, 1000).held == pytest.approx(derived)
+    assert derived != pytest.approx(costs.direct[0][S]["held"].predict(2, 1000))
+    costs.learn(_timed_step([S, S, N], [0.03] * 3, sizes, recompute=0.002))
+    assert costs.figures(2, S, 2, 1000).held == pytest.approx(costs.direct[1][S]["held"].predict(2, 1000))
+
+
 def test_a_recomputing_mode_costs_at_least_its_recompute_read_in_the_same_step():
     """A mode's overhead is its time less NONE's, read in different steps: read during a slow
     spell, NONE makes SELECTIVE look free, and once every block is in SELECTIVE no NONE reading
