@@ -10,12 +10,15 @@ Methods, each on its own copy of the model and its own stand-in device:
   unmanaged       every block keeps its activations
   checkpoint_all  the model's own gradient_checkpointing_enable() (Llama), else every block CHECKPOINT
   offload_all     every block OFFLOAD over the same link (as torchtune's OffloadActivations would)
-  oracle          the fastest fixed per-block plan that fits the budget: candidates run in rotated rounds
+  oracle          the fastest fixed per-block plan that fits the budget: the predicted best and adaptmem's
+                  run in rotated rounds; their fastest and adaptmem's again in the timed rounds (`pick_oracle`)
   adaptmem        adaptmem.manage at budgets 30/50/70% of the way from checkpoint_all's peak to unmanaged's
 
-Link speeds are set from the model: `hidden` moves all of offload_all's bytes in 5% of an
-unmanaged step (the copies hide behind compute), `one-block` in 35% (about one block's
-forward and backward shows), `several` in 120% (several blocks' worth shows). Step time is
+Link speeds are set from the model: `hidden` moves all of offload_all's bytes in 5% of a
+reference step (the copies hide behind compute), `one-block` in 35% (about one block's
+forward and backward shows), `several` in 120% (several blocks' worth shows). The reference
+step is the step's FLOPs (counted) at 50 GFLOP/s, one core of the machine the README's figures
+come from: the same links in every run, whatever the machine's speed that minute. Step time is
 CPU time of the training thread plus simulated link waits (`stress.benchkit.VirtualClock`), over 10
 rotated rounds in which every method steps once. A ratio is the median over rounds of the two
 methods' times in the same round (`paired`): a slow spell of the shared machine lands on both;
@@ -48,10 +51,12 @@ import torch
 from adaptmem import Mode
 from adaptmem.config.units import format_bytes
 from stress.bench_controller import controller_fraction
-from stress.benchkit import (ORACLE_MODES, VOCAB, ModeFigures, batch_for, build, fastest_step, find_oracle,
-                             keep_host_memory, make_runner, plan_label, rotate, rotated_seconds)
+from stress.benchkit import (ORACLE_MODES, VOCAB, ModeFigures, batch_for, build, find_oracle,
+                             keep_host_memory, make_runner, paired, pick_oracle, plan_label, rotate,
+                             rotated_seconds)
 
-LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / unmanaged step
+LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / reference step
+REFERENCE_FLOPS_PER_S = 50e9  # one core of the machine the README's figures come from, training these models
 FRACTIONS = (0.3, 0.5, 0.7)
 
 
@@ -70,20 +75,36 @@ def bench_config(name: str, seq: int, batch: int, links: list[str], reps: int, s
         rate = link_bytes_per_s()
         log(f"[{name} batch {batch} x {seq} on {device}: pinned copies at {format_bytes(int(rate))}/s]")
         return bench_link(name, base, data, seq, blocks, "pcie", None, reps, steps, rate=rate)
-    # calibration, without a link: unmanaged time and offload_all's bytes set the link speeds
+    moved, speeds = link_speeds(base, data, links)
+    rows = []
+    for link, speed in speeds.items():
+        log(f"[{name} seq {seq} link {link}: {format_bytes(int(speed))}/s, offload_all moves {format_bytes(moved)}]")
+        rows += bench_link(name, base, data, seq, blocks, link, speed, reps, steps)
+        plain = _beside(rows, "unmanaged", rows[-1])["step_s"]
+        log(f"  offload_all's copies took {moved / speed / plain:.0%} of an unmanaged step on this machine")
+    return rows
+
+
+def link_speeds(base: torch.nn.Module, data: dict, links: list[str]) -> tuple[int, dict[str, float]]:
+    """The bytes offload_all moves, and each link's speed in bytes/s: what moves them in its share
+    (`LINKS`) of the reference step. Counted, not timed, so that every run (and every machine)
+    has the same links: set from a timed step, they moved by 4% from run to run."""
     probe = make_runner("offload_all", base, data, None)
     probe.step()
     probe.measure_peak()
     moved = probe.dev.host_peak_bytes
-    plain = make_runner("unmanaged", base, data, None)
-    plain.step()
-    t_step = fastest_step(plain, steps)
-    rows = []
-    for link in links:
-        speed = moved / (LINKS[link] * t_step)
-        log(f"[{name} seq {seq} link {link}: {format_bytes(int(speed))}/s, offload_all moves {format_bytes(moved)}]")
-        rows += bench_link(name, base, data, seq, blocks, link, speed, reps, steps)
-    return rows
+    reference_s = step_flops(base, data) / REFERENCE_FLOPS_PER_S
+    return moved, {link: moved / (LINKS[link] * reference_s) for link in links}
+
+
+def step_flops(model: torch.nn.Module, data: dict) -> int:
+    """The FLOPs of one training step of `model` (torch's FlopCounterMode), its gradients cleared after."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        model(**data).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
 
 
 def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, rate=None) -> list[dict]:
@@ -98,19 +119,21 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, rate=Non
         alone.append(make_runner("plan", base, data, speed, plan=(mode,) * blocks))
         alone[-1].step()
         alone[-1].measure_peak()
-    figures = {m: ModeFigures(r.peaks[-1], s) for m, r, s in zip(ORACLE_MODES, alone, rotated_seconds(alone, steps))}
-    runners = list(fixed.values())
+    figures = {m: ModeFigures(r.peaks[-1], s)
+               for m, r, s in zip(ORACLE_MODES, alone, rotated_seconds(alone, steps + 2))}
+    runners, finals = list(fixed.values()), {}
     for frac in FRACTIONS:
         budget = int(ck + frac * (un - ck))
-        oracle, tried = find_oracle(figures, blocks, budget, lambda plan: make_runner(
-            "plan", base, data, speed, plan=plan, budget=(frac, budget)), steps)
-        log(f"  oracle at {frac:.0%}: tried " + ", ".join(
-            f"{p} {q / budget:.2f}x budget " + (f"{s * 1e3:.0f} ms" if s is not None else "(over)") for p, q, s in tried))
         managed = make_runner("adaptmem", base, data, speed, budget=(frac, budget), capacity=2 * un)
         for _ in range(6):  # calibration and settling
             managed.step()
         managed.measure_peak(3)
-        runners += [oracle, managed]
+        mine = tuple(map(Mode.parse, managed.manager.last_step["plan"]))
+        finals[frac], tried = find_oracle(figures, blocks, budget, lambda plan: make_runner(
+            "plan", base, data, speed, plan=plan, budget=(frac, budget)), steps, also=(mine,))
+        log(f"  oracle at {frac:.0%}: tried " + ", ".join(
+            f"{p} {q / budget:.2f}x budget " + (f"{s * 1e3:.0f} ms" if s is not None else "(over)") for p, q, s in tried))
+        runners += [*finals[frac], managed]
     for r, times in zip(runners, rotate(runners, reps)):  # each method takes every position in turn
         r.times += times
     for r in runners:
@@ -119,6 +142,12 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, rate=Non
         r.close()
     gc.collect()
     log(f"  {len(runners)} methods x {reps} repetitions in {time.perf_counter() - t0:.0f} s")
+    for frac, plans in finals.items():  # the finalist fastest over the timed rounds is the oracle
+        oracle = pick_oracle(plans, fixed["unmanaged"].times)
+        log(f"  oracle at {frac:.0%}: " + ", ".join(
+            f"{plan_label(r.plan)} {paired(r.times, fixed['unmanaged'].times)[0]:.3f}x" for r in plans)
+            + f" over the timed rounds: {plan_label(oracle.plan)}")
+    runners = [r for r in runners if r.method != "plan"]  # the finalists not picked
     base_times = fixed["unmanaged"].times
     rows = []
     for r in runners:
@@ -135,14 +164,6 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, rate=Non
             row["vs_oracle"] = round(row["vs_oracle"], 4)
             row["plan"] = plan_label(tuple(map(Mode.parse, r.manager.last_step["plan"])))
     return rows
-
-
-def paired(times: list[float], against: list[float]) -> tuple[float, float]:
-    """The median over repetitions of the ratio of two methods' times in the same round, and half
-    the range of those ratios. Within a round the two ran minutes apart at most, so a slow spell
-    of the machine slows both and cancels; the median drops a round one of them was unlucky in."""
-    ratios = [t / b for t, b in zip(times, against)]
-    return statistics.median(ratios), (max(ratios) - min(ratios)) / 2
 
 
 def ratio_error(rows: list[dict], draws: int = 400) -> float:

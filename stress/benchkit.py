@@ -246,22 +246,22 @@ def _compositions(total: int, parts: int):
         yield tuple(bounds[i + 1] - bounds[i] - 1 for i in range(parts))
 
 
-def fastest_step(runner: Runner, steps: int) -> float:
-    """The fastest of `steps` steps: load on a shared machine only ever adds time."""
-    return min(runner.step() for _ in range(steps))
-
-
 def find_oracle(figures: dict[Mode, ModeFigures], blocks: int, budget: int, run: Callable[[tuple], Runner],
-                steps: int) -> tuple[Runner, list[tuple]]:
-    """The fastest fixed plan that fits, found by running the predicted best candidates.
+                steps: int, also: tuple[tuple[Mode, ...], ...] = (), finalists: int = 2) -> tuple[list[Runner], list]:
+    """The fixed plans that fit and go on to the timed rounds, where `pick_oracle` takes the
+    fastest: the fastest of the predicted best candidates and the plans in `also`, every plan
+    of `also` that fits (adaptmem's: the oracle is never slower than the plan of the method it
+    judges), and the next fastest up to `finalists` plans.
 
     The candidates that fit step in `steps` rotated rounds, every one once a round, and
-    the fastest is the one whose time is lowest against its round's mean, over the
-    median round (`rotated_seconds`): run one after another, a slow spell on the shared
-    machine would pick for the oracle whichever plan happened to run before it.
+    are ranked by their time against their round's mean, over the median round
+    (`rotated_seconds`): run one after another, a slow spell on the shared machine would
+    rank first whichever plan happened to run before it.
     """
+    plans = candidates(figures, blocks, budget)
+    plans += [tuple(p) for p in also if tuple(p) not in plans]
     tried, fitting = [], []
-    for plan in candidates(figures, blocks, budget):
+    for plan in plans:
         runner = run(plan)
         runner.step()  # warm-up
         peak = runner.measure_peak()
@@ -273,12 +273,29 @@ def find_oracle(figures: dict[Mode, ModeFigures], blocks: int, budget: int, run:
         best = run((Mode.CHECKPOINT,) * blocks)
         best.step()
         best.measure_peak()
-    else:
-        seconds = rotated_seconds(fitting, steps)
-        tried += [(plan_label(r.plan), max(r.peaks), s) for r, s in zip(fitting, seconds)]
-        best = fitting[min(range(len(fitting)), key=seconds.__getitem__)]
+        return [best], tried
+    seconds = rotated_seconds(fitting, steps)
+    tried += [(plan_label(r.plan), max(r.peaks), s) for r, s in zip(fitting, seconds)]
+    ranked = [r for _, r in sorted(zip(seconds, fitting), key=lambda pair: pair[0])]
+    kept = [ranked[0], *(r for r in ranked[1:] if r.plan in also)]  # the search's best and the judged plan
+    kept += [r for r in ranked if r not in kept][:max(0, finalists - len(kept))]
+    return kept, tried
+
+
+def paired(times: list[float], against: list[float]) -> tuple[float, float]:
+    """The median over repetitions of the ratio of two methods' times in the same round, and half
+    the range of those ratios. Within a round the two ran minutes apart at most, so a slow spell
+    of the machine slows both and cancels; the median drops a round one of them was unlucky in."""
+    ratios = [t / b for t, b in zip(times, against)]
+    return statistics.median(ratios), (max(ratios) - min(ratios)) / 2
+
+
+def pick_oracle(finalists: list[Runner], against: list[float]) -> Runner:
+    """Of the finalists, which stepped in the same timed rounds as the other methods, the one
+    with the lowest median ratio to `against`'s time in the same round: the oracle."""
+    best = min(finalists, key=lambda r: paired(r.times, against)[0])
     best.method = "oracle"
-    return best, tried
+    return best
 
 
 def rotate(runners: list[Runner], rounds: int) -> list[list[float]]:
