@@ -76,16 +76,20 @@ class CostModel(ModeTimes):
         n = len(classes)
         self.direct: list[dict[Mode, dict[str, Fit]]] = [{} for _ in range(n)]
         self.latent: list[dict[str, Fit]] = [{k: _fit(k) for k in LATENT_NAMES} for _ in range(n)]
+        # what a block's backward starts with beyond the saved tensors, and the peak after the last
+        # block's backward: one fit for steps that allocate the weights' gradients and one for steps
+        # that find them kept from the step before (accumulating), which differ by those gradients
         self.grad: list[Fit] = [Fit("base") for _ in range(n)]
+        self.grad_kept: list[Fit] = [Fit("base") for _ in range(n)]
+        self.tail, self.tail_kept = Fit("base"), Fit("base")
         # before a block's backward, the gradients of the later blocks' weights have been allocated
         # whatever the shape (unless they were there before the step): extrapolated from one shape,
         # they would grow with the tokens
         weights, self._weights_after = weight_grad_bytes or [0] * n, [0.0] * n
         for i in reversed(range(n - 1)):
             self._weights_after[i] = self._weights_after[i + 1] + weights[i + 1]
-        self.grads_resident = False  # in the last step learned
+        self.grads_resident = False  # in the step being planned (set at its start) or learned
         self.head = Fit("base")
-        self.tail = Fit("base")
         self.elem_size = 4
         self.steps_learned = 0
         self.provisional = False  # the last step learned held a first offload, whose time stands only until the next
@@ -118,11 +122,13 @@ class CostModel(ModeTimes):
             prefix += blk.held
             self._learn_block(blk, b, s)
             if blk.bwd_start is not None:
-                self.grad[blk.index].add(b, s, blk.bwd_start - (start0 + prefix))
+                grad = self.grad_kept if sample.grads_resident else self.grad
+                grad[blk.index].add(b, s, blk.bwd_start - (start0 + prefix))
         if sample.head_top:
             self.head.add(b, s, sample.head_top - (start0 + prefix))
         if sample.completed:
-            self.tail.add(b, s, max(sample.tail_top, sample.start) - sample.start)
+            tail = self.tail_kept if sample.grads_resident else self.tail
+            tail.add(b, s, max(sample.tail_top, sample.start) - sample.start)
         self.steps_learned += 1
 
     def _learn_block(self, blk: BlockSample, b: int, s: int) -> None:
@@ -237,7 +243,7 @@ class CostModel(ModeTimes):
         fixed = fixed or {}
         out, n = [], len(self.classes)
         for i in range(n):
-            grad = self.grad[i].predict(batch, extent, constant=self.grad_constant(i))
+            grad = self.grad_bytes(i, batch, extent)
             modes = (fixed[i],) if i in fixed else allowed
             row = []
             for mode in modes:
@@ -254,11 +260,23 @@ class CostModel(ModeTimes):
         later blocks' weights, allocated in the step (none where they were kept from the one before)."""
         return 0.0 if self.grads_resident else self._weights_after[index]
 
+    def grad_bytes(self, index: int, batch: int, extent: int) -> float:
+        """What block `index`'s backward starts with beyond the saved tensors, in a step of the
+        state planned (`grads_resident`): learned in that state, or, for a first step that finds
+        the gradients kept, what a step allocating them starts with less the later blocks' ones."""
+        kept = self.grad_kept[index]
+        if self.grads_resident and kept:
+            return kept.predict(batch, extent)
+        after = self._weights_after[index]
+        fresh = self.grad[index].predict(batch, extent, constant=after)
+        return max(0.0, fresh - after) if self.grads_resident else fresh
+
     def head_bytes(self, batch: int, extent: int) -> float:
         return self.head.predict(batch, extent)
 
     def tail_bytes(self, batch: int, extent: int) -> float:
-        return self.tail.predict(batch, extent)
+        kept = self.tail_kept if self.grads_resident and self.tail_kept else self.tail
+        return kept.predict(batch, extent)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -268,8 +286,10 @@ class CostModel(ModeTimes):
                        for d in self.direct],
             "latent": [{k: f.state_dict() for k, f in lat.items()} for lat in self.latent],
             "grad": [f.state_dict() for f in self.grad],
+            "grad_kept": [f.state_dict() for f in self.grad_kept],
             "head": self.head.state_dict(),
             "tail": self.tail.state_dict(),
+            "tail_kept": self.tail_kept.state_dict(),
             "elem_size": self.elem_size,
             "steps_learned": self.steps_learned,
         }
@@ -286,8 +306,11 @@ class CostModel(ModeTimes):
         self.latent = [{k: Fit.from_state(lat[k]) if k in lat else _fit(k) for k in LATENT_NAMES}
                        for lat in state["latent"]]
         self.grad = [Fit.from_state(f) for f in state["grad"]]
+        self.grad_kept = [Fit.from_state(f) for f in state["grad_kept"]] if "grad_kept" in state \
+            else [Fit("base") for _ in self.grad]  # saved before accumulating steps were learned apart
         self.head = Fit.from_state(state["head"])
         self.tail = Fit.from_state(state["tail"])
+        self.tail_kept = Fit.from_state(state["tail_kept"]) if "tail_kept" in state else Fit("base")
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
         self._pool_key = None

@@ -210,7 +210,8 @@ class MemoryManager(Reactions):
             self._plan_point_passed = False
             self._label = label
             self._step_key, self._step_pred, self._step_feasible = None, None, True
-            self.recorder.begin().grads_resident = any(w.grad is not None for w in self.handles[-1].module.parameters())
+            kept = any(w.grad is not None for w in self.handles[-1].module.parameters())
+            self.recorder.begin().grads_resident = self.costs.grads_resident = kept  # planned for as it is
 
     def end_step(self, error: BaseException | None = None) -> dict | None:
         """Close the step. `error`: None for a step that finished; a `torch.OutOfMemoryError`

@@ -165,7 +165,7 @@ class PlanBook:
         if self._predicted_for is None or self._predicted_for[0] != state[0] or self._predicted_for[1] is not state[1] \
                 or len(self._predicted) >= 4 * MAX_CACHED_PLANS:
             self._predicted, self._predicted_for = {}, state
-        key = (modes, batch, extent)
+        key = (modes, batch, extent, self.costs.grads_resident)
         above = self._predicted.get(key)
         if above is None:
             rows = self.costs.options(batch, extent, self.allowed, fixed=dict(enumerate(modes)))

@@ -42,6 +42,33 @@ def test_base_fit_is_constant_downwards_and_linear_once_two_sizes_are_seen():
     assert fit.predict(1, 500) == pytest.approx(9000.0)
 
 
+def test_steps_that_find_the_gradients_kept_are_learned_apart_from_steps_that_allocate_them():
+    """Accumulating, a step that finds the weights' gradients kept from the one before starts each
+    block's backward without the later blocks' ones: learned in one fit, the two kinds of step
+    would each be predicted as their mean, and alternating, every step would miss."""
+    costs = CostModel(["Layer"] * 3, load_policy("balanced"), cuda=False, weight_grad_bytes=[10, 20, 30])
+    step = _timed_step([Mode.NONE] * 3, [0.03] * 3, [1000] * 3)
+
+    def starting(extra, resident):  # each block's backward starts `extra[i]` above its saved tensors
+        return replace(step, grads_resident=resident,
+                       blocks=[replace(b, bwd_start=b.bwd_start + e) for b, e in zip(step.blocks, extra)])
+
+    def grads(resident):
+        costs.grads_resident = resident  # as the manager sets it at the start of the step it plans
+        return [costs.grad_bytes(i, 2, 1000) for i in range(3)]
+
+    costs.learn(starting([55, 35, 5], resident=False))  # 5 of activation gradients, and the later weights'
+    assert grads(False) == [55, 35, 5]
+    assert grads(True) == [5, 5, 5]  # not yet seen kept: the same, less the later blocks' weights
+    costs.learn(starting([7, 7, 7], resident=True))
+    assert grads(True) == [7, 7, 7] and grads(False) == [55, 35, 5]  # each as learned, unmixed
+    again = CostModel(["Layer"] * 3, load_policy("balanced"), cuda=False, weight_grad_bytes=[10, 20, 30])
+    again.load_state_dict(costs.state_dict())
+    for resident in (False, True):
+        again.grads_resident = resident
+        assert [again.grad_bytes(i, 2, 1000) for i in range(3)] == grads(resident)
+
+
 def test_a_base_fits_constant_part_is_not_scaled_from_one_shape():
     fit = Fit("base")
     fixed = 3000.0  # the gradients of the weights whose backward has run
