@@ -547,8 +547,8 @@ def test_an_accumulating_loop_holds_its_plan_and_measures_only_now_and_then():
                     (model(**batch).loss / 2).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        steps = mem.events.of_type("step")[-20:]
-    assert sum(s["measured"] == "blocks" for s in steps) <= 4  # every measure_every (10) steps, and a spare
+        steps = mem.events.of_type("step")[-16:]  # the last 8 optimizer steps, the plan settled
+    assert sum(s["measured"] == "blocks" for s in steps) <= 2  # every measure_every (10) steps
     assert all(abs(s["prediction_error"]) < mem.policy.replan_tolerance for s in steps)
     assert len({tuple(s["plan"]) for s in steps}) == 1
     assert all(s["observed_peak_bytes"] <= budget for s in steps)

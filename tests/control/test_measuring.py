@@ -203,7 +203,7 @@ def test_steady_steps_reuse_their_prediction_until_the_cost_model_learns():
         mem.plans.predict = predicting
         steps = [r for r, _, _ in run(mem, model, probe, [128] * 9)]
         mem.costs.options, mem.plans.predict = options, predict
-        shape = next(iter(mem.plans._predicted))  # (modes, batch, extent) of the plan held
+        shape = next(iter(mem.plans._predicted))[:3]  # (modes, batch, extent) of the plan held
         reused = mem.plans.predict(*shape, 0)
         mem.plans._predicted_for = None
         assert mem.plans.predict(*shape, 0) == reused
