@@ -275,8 +275,8 @@ class CostModel(ModeTimes):
         return self.head.predict(batch, extent)
 
     def tail_bytes(self, batch: int, extent: int) -> float:
-        kept = self.tail_kept if self.grads_resident and self.tail_kept else self.tail
-        return kept.predict(batch, extent)
+        fit = self.tail_kept if self.grads_resident and self.tail_kept else self.tail
+        return fit.predict(batch, extent)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
