@@ -105,7 +105,7 @@ class MemoryManager(Reactions):
         self._in_step = False
         self._closed = False
         self._label: Any = None
-        self._step_key: tuple[int, int] | None = None
+        self._step_key: tuple[int, int, bool] | None = None
         self._step_pred: float | None = None
         self._step_feasible = True  # the step's plan was predicted to fit (else it is the tightest there is)
         self._step_start = 0

@@ -3,7 +3,8 @@
 `PlanBook` turns (batch, input elements per sample, what is allocated now,
 budget) into one mode per block. A plan is made by the planner from the cost
 model, aimed at `headroom x budget`, and kept for its shape bucket (input sizes
-grouped geometrically), made for the largest input seen in the bucket so far: a
+grouped geometrically; a micro-step that finds the gradients of the one before
+kept, as in gradient accumulation, has buckets of its own), made for the largest input seen in the bucket so far: a
 larger one is planned for again before it runs, and a run of one shape is
 planned for that shape, not for the top of its bucket (up to `bucket_ratio`
 larger, which would leave that much of the budget unused). A shape the cost
@@ -33,7 +34,7 @@ from adaptmem.config.units import format_bytes
 
 log = logging.getLogger("adaptmem")
 
-Key = tuple[int, int]  # (batch, bucketed elements per sample of the main input)
+Key = tuple[int, int, bool]  # (batch, bucketed elements per sample of the main input, gradients kept)
 
 #: Plans kept, one per shape bucket; past it the least recently used is dropped.
 MAX_CACHED_PLANS = 64
@@ -85,9 +86,13 @@ class PlanBook:
         self._warned: set[tuple[Key, bool]] = set()  # (bucket, its size measured) warned of a shortfall
 
     def bucket(self, batch: int, extent: int) -> Key:
+        """The shape bucket, and whether the step starts with the weights' gradients kept from the
+        step before (accumulating): such a step starts higher and peaks otherwise, so each kind
+        keeps a plan of its own. Held as one, the plan made for the higher start ran the other
+        micro-steps with a third of the budget unused."""
         r = self.policy.bucket_ratio
         top = math.ceil(r ** math.ceil(math.log(max(extent, 1), r) - 1e-9) - 1e-9)
-        return batch, max(extent, top)
+        return batch, max(extent, top), self.costs.grads_resident
 
     def choose(self, batch: int, extent: int, start: int, budget: int) -> PlanRecord:
         """The plan for a forward starting now: the bucket's, unless stale or retrying."""
@@ -193,7 +198,7 @@ class PlanBook:
         self.tried.clear()
 
     # ------------------------------------------------------------------ inner
-    def _solve(self, key: Key, shape: Key, start: int, budget: int, fixed: dict[int, Mode], *, warn: bool = True):
+    def _solve(self, key: Key, shape: tuple[int, int], start: int, budget: int, fixed: dict[int, Mode], *, warn: bool = True):
         batch, extent = shape
         p = self.policy
         target = self.decider.headroom * budget
@@ -227,7 +232,7 @@ class PlanBook:
         k = self.policy.every_k if self.policy.static_plan == "every-k" else max(1, round(math.sqrt(self.n)))
         return tuple(Mode.CHECKPOINT if (i + 1) % k == 0 else Mode.NONE for i in range(self.n))
 
-    def _tighter_than_failed(self, modes: tuple[Mode, ...], shape: Key) -> tuple[Mode, ...]:
+    def _tighter_than_failed(self, modes: tuple[Mode, ...], shape: tuple[int, int]) -> tuple[Mode, ...]:
         """No looser anywhere than the failed plan, and not one tried already: else each
         block one rung up the ladder; past its top, uniform plans, tightest predicted first."""
         allowed = self.allowed
@@ -241,7 +246,7 @@ class PlanBook:
                 return candidate
         return candidates[-1]
 
-    def _uniform_by_peak(self, shape: Key) -> list[Mode]:
+    def _uniform_by_peak(self, shape: tuple[int, int]) -> list[Mode]:
         rungs = list(reversed(ladder(self.allowed)))
         if not self.costs.known:
             return rungs
@@ -258,5 +263,6 @@ class PlanBook:
         self._predicted_for = None  # the cost model was loaded beside it
         for k, modes, start, pred, *rest in state:
             extent, seen, learned = rest or (k[1], k[1], 0)  # saved before plans kept their extent: the top
-            self.cache[tuple(k)] = PlanRecord(tuple(Mode.parse(m) for m in modes), tuple(k), extent, start, pred,
-                                              "resume", learned=learned, seen=seen)
+            k = (*k, False)[:3]  # saved before plans were kept per gradient state: a fresh step's
+            self.cache[k] = PlanRecord(tuple(Mode.parse(m) for m in modes), k, extent, start, pred,
+                                       "resume", learned=learned, seen=seen)

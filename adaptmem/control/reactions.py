@@ -111,10 +111,14 @@ class Reactions:
         """Measure this step block by block: something is to be learned (a shape bucket not yet
         measured, or measured under another plan or for a smaller input; a prediction that missed,
         an escalation or OOM; the cost model still young; a first offload whose time was not
-        learned) or `measure_every` steps have passed since this bucket was."""
+        learned) or `measure_every` steps have passed since this bucket was (twice that where
+        its steps alternate with those that find the gradients kept: one in `measure_every` is
+        measured, as without accumulation)."""
         last = self._measured.get(record.key)  # (plan, step, input planned for) of its last step measured
+        batch, bucket, kept = record.key
+        period = self.policy.measure_every * (2 if (batch, bucket, not kept) in self._measured else 1)
         if last is None or last[0] != record.modes or last[2] != record.seen \
-                or self.steps + 1 - last[1] >= self.policy.measure_every or self.costs.steps_learned < 3 \
+                or self.steps + 1 - last[1] >= period or self.costs.steps_learned < 3 \
                 or self.costs.provisional:
             if len(self._measured) >= MAX_CACHED_PLANS:
                 self._measured.clear()

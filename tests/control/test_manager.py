@@ -346,11 +346,20 @@ def test_resumed_manager_starts_with_the_same_plan(tmp_path, name):
     with dev2, adaptmem.manage(resumed, budget=budget, device=dev2) as mem2:
         mem2.load_state_dict(torch.load(tmp_path / "mem.pt", weights_only=False))
         assert mem2.plan == saved_plan
+        loaded = list(mem2.plans.cache.items())
         with mem2.step():
             resumed(**make_batch(resumed)).loss.backward()
         first = mem2.events.of_type("step")[0]
         assert first["plan_counts"] == expected_next
         assert first["predicted_peak_bytes"] is not None  # no calibration step: the model was resumed
+    older = {**state, "plans": [[k[:2], *rest] for k, *rest in state["plans"]]}  # saved before per-gradient-state plans
+    resumed = copy.deepcopy(model)
+    with adaptmem.manage(resumed, budget=budget, device=SimulatedDevice(capacity_bytes=2**31)) as mem4:
+        mem4.load_state_dict(older)
+        assert list(mem4.plans.cache.items()) == loaded  # each plan was made for a step with fresh gradients
+        with mem4.step():
+            resumed(**make_batch(resumed)).loss.backward()
+        assert mem4.events.of_type("step")[0]["plan_counts"] == expected_next
     with adaptmem.manage(tiny(n_layers=2), budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31)) as mem3:
         with pytest.raises(ValueError, match="resume with the same model and block selection"):
             mem3.load_state_dict(state)
@@ -528,10 +537,12 @@ def _kept_peak(model, batch, mode=None):
     return dev.peak_bytes
 
 
-def test_an_accumulating_loop_holds_its_plan_and_measures_only_now_and_then():
+def test_an_accumulating_loop_keeps_a_plan_per_kind_of_micro_step_and_measures_only_now_and_then():
     """Two micro-batches per optimizer step: the second starts with the weights' gradients kept.
-    Each kind of step is predicted as learned, so one plan holds across both and steady steps
-    are light (predicted as the mean of both, they missed by 12% and half were measured)."""
+    Each kind of step is predicted as learned and keeps a plan of its own, so both hold and
+    steady steps are light (predicted as the mean of both, they missed by 12% and half were
+    measured), and the first micro-step fills the budget too (run on the plan made for the
+    second, it peaked at 66% of the budget)."""
     make = lambda: tiny(dim=128, n_layers=4, vocab_size=2048)  # noqa: E731  weights large beside activations
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -547,8 +558,10 @@ def test_an_accumulating_loop_holds_its_plan_and_measures_only_now_and_then():
                     (model(**batch).loss / 2).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        steps = mem.events.of_type("step")[-16:]  # the last 8 optimizer steps, the plan settled
+        steps = mem.events.of_type("step")[-16:]  # the last 8 optimizer steps, the plans settled
     assert sum(s["measured"] == "blocks" for s in steps) <= 2  # every measure_every (10) steps
     assert all(abs(s["prediction_error"]) < mem.policy.replan_tolerance for s in steps)
-    assert len({tuple(s["plan"]) for s in steps}) == 1
+    first, second = steps[0::2], steps[1::2]
+    assert len({tuple(s["plan"]) for s in first}) == 1 and len({tuple(s["plan"]) for s in second}) == 1
     assert all(s["observed_peak_bytes"] <= budget for s in steps)
+    assert min(s["observed_peak_bytes"] for s in first) >= 0.75 * budget
