@@ -24,6 +24,8 @@ as won't-fix).
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -89,9 +91,8 @@ class AdaptMemCallback(pl.Callback):
 
         def make_retrying_closure(kwargs: Any, optimizer: Any, batch_idx: int) -> Any:
             closure = make(kwargs, optimizer, batch_idx)
-            run = closure.closure
             label = {"global_step": trainer.global_step, "batch_idx": batch_idx}
-            closure.closure = lambda *a, **k: manager.run_step(run, *a, label=label, **k)
+            closure.closure = _retrying(closure, manager, label)
             return closure
 
         loop._make_closure = make_retrying_closure
@@ -142,3 +143,16 @@ class AdaptMemCallback(pl.Callback):
             self.manager.load_state_dict(state)
         else:
             self._pending_state = state
+
+
+def _retrying(closure: Any, manager: MemoryManager, label: dict) -> Callable[..., Any]:
+    """`closure.closure` run through `manager.run_step`, holding the closure weakly: set on the
+    closure, a wrapper holding its bound method would make a reference cycle, and each
+    micro-batch's closure, with the batch in its arguments (on the device), would stay alive
+    until the garbage collector's next cycle. A ViT's input batches piled up by one a step,
+    and the manager planned each step for more memory already in use."""
+    run = closure.closure
+    if getattr(run, "__self__", None) is not closure:
+        return lambda *a, **k: manager.run_step(run, *a, label=label, **k)
+    func, ref = run.__func__, weakref.ref(closure)
+    return lambda *a, **k: manager.run_step(func, ref(), *a, label=label, **k)

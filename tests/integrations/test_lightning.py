@@ -146,3 +146,36 @@ def test_the_manager_closes_on_an_exception(tmp_path):
     with pytest.raises(KeyError):
         fit(tmp_path, callback=callback, module=Boom())
     assert callback.manager.closed and not callback.manager.sampler.is_alive()
+
+
+def test_each_micro_batch_and_its_closure_are_freed_when_it_ends_not_at_the_next_collection():
+    """The retrying closure holds Lightning's closure weakly: a cycle through it kept every
+    micro-batch's inputs alive (on the device) until the garbage collector ran, and the
+    manager saw them as memory in use."""
+    import gc
+    import weakref
+
+    alive: list[weakref.ref] = []
+
+    class Watched(LitTiny):
+        def training_step(self, batch, batch_idx):
+            alive.append(weakref.ref(batch["input_ids"]))
+            return super().training_step(batch, batch_idx)
+
+    class Fresh(Batches):  # each micro-batch made anew, as a loader's collate makes it
+        def __getitem__(self, i: int) -> dict:
+            return {k: v.clone() for k, v in self.items[i].items()}
+
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[AdaptMemCallback(budget="1GiB", device=dev)])
+    gc.collect()
+    gc.disable()  # what a cycle holds stays held: only reference counts free anything
+    try:
+        with dev:
+            trainer.fit(Watched(), torch.utils.data.DataLoader(Fresh(6), batch_size=None))
+        assert len(alive) == 6
+        assert sum(r() is not None for r in alive) <= 1  # the last one, which the loop may still hold
+    finally:
+        gc.enable()
