@@ -206,23 +206,17 @@ def checkpoint(lat: Latents, a: Assumptions) -> Figures:
 
 
 def offload(lat: Latents, a: Assumptions) -> Figures:
-    """Sends input and activations to the host; they come back (prefetched on CUDA) in backward.
-
-    What the link has not cleared by the end of the block's forward is a transient, not held:
-    it drains during the next blocks' forward, and the window bounds what is in flight at any
-    time. Held by every offloaded block, a slow link's backlog was summed over all of them:
-    on a ViT at 150 MiB/s each offload was priced above keeping everything, and every plan
-    with one was passed over, also where it was the only way to fit."""
+    """Sends input and activations to the host; they come back (prefetched on CUDA) in backward."""
     move = _moved(lat)
-    held = _kept(lat) + a.priors.offload_residue_share * lat.activations
-    return Figures(a.guess * held, a.guess * (_transient(lat) + a.in_flight(move, lat.forward_s)),
+    held = _kept(lat) + a.priors.offload_residue_share * lat.activations + a.in_flight(move, lat.forward_s)
+    return Figures(a.guess * held, a.guess * _transient(lat),
                    a.guess * (move + lat.backward_temp + a.prefetched(move)), a.transfer_s(move), move)
 
 
 def checkpoint_offload(lat: Latents, a: Assumptions) -> Figures:
     """CHECKPOINT with its input on the host."""
     x = lat.input_bytes
-    return Figures(a.measured * _kept(lat), a.measured * (_transient(lat) + a.in_flight(x, lat.forward_s)),
+    return Figures(a.measured * (_kept(lat) + a.in_flight(x, lat.forward_s)), a.measured * _transient(lat),
                    a.measured * (_moved(lat) + lat.backward_temp),
                    (lat.recompute_s or lat.forward_s) + a.transfer_s(x), x)
 
@@ -237,7 +231,8 @@ def compress(lat: Latents, a: Assumptions) -> Figures:
 def compress_offload(lat: Latents, a: Assumptions) -> Figures:
     """COMPRESS, with the smaller payload on the host."""
     move, k = _moved(lat), a.kappa
-    return Figures(a.guess * _kept(lat), a.guess * (_transient(lat) + k * move + a.in_flight(k * move, lat.forward_s)),
+    held = _kept(lat) + a.in_flight(k * move, lat.forward_s)
+    return Figures(a.guess * held, a.guess * (_transient(lat) + k * move),
                    a.guess * ((1 + k) * move + lat.backward_temp + k * a.prefetched(move)),
                    a.codec_s(move) + a.transfer_s(k * move), k * move)
 
