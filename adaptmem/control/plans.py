@@ -4,10 +4,11 @@
 budget) into one mode per block. A plan is made by the planner from the cost
 model, aimed at `headroom x budget`, and kept for its shape bucket (input sizes
 grouped geometrically; a micro-step that finds the gradients of the one before
-kept, as in gradient accumulation, has buckets of its own), made for the largest input seen in the bucket so far: a
-larger one is planned for again before it runs, and a run of one shape is
-planned for that shape, not for the top of its bucket (up to `bucket_ratio`
-larger, which would leave that much of the budget unused). A shape the cost
+kept, as in gradient accumulation, has buckets of its own), made for the
+largest input seen in the bucket so far: a larger one is planned for again
+before it runs, and a run of one shape is planned for that shape, not for the
+top of its bucket (up to `bucket_ratio` larger, which would leave that much of
+the budget unused). A shape the cost
 model has not measured yet is planned for the bucket's top (its predictions are
 inter- or extrapolated, and the top is their margin), and planned for again at
 its own size once it has been measured. Before anything is known, every block
@@ -35,6 +36,7 @@ from adaptmem.config.units import format_bytes
 log = logging.getLogger("adaptmem")
 
 Key = tuple[int, int, bool]  # (batch, bucketed elements per sample of the main input, gradients kept)
+Shape = tuple[int, int]  # (batch, elements per sample) a plan is made for
 
 #: Plans kept, one per shape bucket; past it the least recently used is dropped.
 MAX_CACHED_PLANS = 64
@@ -198,7 +200,7 @@ class PlanBook:
         self.tried.clear()
 
     # ------------------------------------------------------------------ inner
-    def _solve(self, key: Key, shape: tuple[int, int], start: int, budget: int, fixed: dict[int, Mode], *, warn: bool = True):
+    def _solve(self, key: Key, shape: Shape, start: int, budget: int, fixed: dict[int, Mode], *, warn: bool = True):
         batch, extent = shape
         p = self.policy
         target = self.decider.headroom * budget
@@ -232,7 +234,7 @@ class PlanBook:
         k = self.policy.every_k if self.policy.static_plan == "every-k" else max(1, round(math.sqrt(self.n)))
         return tuple(Mode.CHECKPOINT if (i + 1) % k == 0 else Mode.NONE for i in range(self.n))
 
-    def _tighter_than_failed(self, modes: tuple[Mode, ...], shape: tuple[int, int]) -> tuple[Mode, ...]:
+    def _tighter_than_failed(self, modes: tuple[Mode, ...], shape: Shape) -> tuple[Mode, ...]:
         """No looser anywhere than the failed plan, and not one tried already: else each
         block one rung up the ladder; past its top, uniform plans, tightest predicted first."""
         allowed = self.allowed
@@ -246,7 +248,7 @@ class PlanBook:
                 return candidate
         return candidates[-1]
 
-    def _uniform_by_peak(self, shape: tuple[int, int]) -> list[Mode]:
+    def _uniform_by_peak(self, shape: Shape) -> list[Mode]:
         rungs = list(reversed(ladder(self.allowed)))
         if not self.costs.known:
             return rungs
