@@ -146,7 +146,9 @@ class ModeTimes:
         """An offload's time on block `index`: `moved_s`, its hooks' own time, or `seconds`, its
         time less NONE's. The blocks alike with it that have run `mode` keep their own readings,
         made non-decreasing in block order; a block that has not run it takes their mean, held
-        between its measured neighbours' readings.
+        between its measured neighbours' readings (a block before every measured one at most the
+        first one's: left at the mean, the first blocks were never offloaded once a later one
+        had read cheap: `NONNNN`).
 
         A copy made at a later block has less compute after it to hide behind, going out in
         forward and coming back in backward, so among alike blocks a later offload never
@@ -175,7 +177,8 @@ class ModeTimes:
             return ordered.get(index)
         below = [v for j, v in ordered.items() if j < index]
         above = [v for j, v in ordered.items() if j > index]
-        return max(min(pooled, above[0]) if above else pooled, below[-1] if below else pooled)
+        held = min(pooled, above[0]) if above else pooled  # no dearer than the next measured block
+        return max(held, below[-1]) if below else held  # nor cheaper than the one before
 
     def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *,
                       siblings: bool = False) -> float | None:

@@ -473,6 +473,29 @@ def test_among_alike_blocks_a_later_offload_never_costs_less():
     assert own[1] <= costs.figures(2, O, 2, 1000).seconds <= own[2]
 
 
+def test_a_block_before_every_measured_offload_costs_no_more_than_the_first_of_them():
+    """Where only later blocks have offloaded, an earlier block's offload is priced at most as the
+    first measured one (their mean, held between its neighbours): priced at the mean, it read dearer
+    than a later block, and a plan with one offload took block 1 and never tried block 0."""
+    from adaptmem.control.planner import plan, predicted_peak
+
+    costs = CostModel(["Layer"] * 6, load_policy("balanced"), cuda=False)
+    sizes = [1000] * 6
+    N, O = Mode.NONE, Mode.OFFLOAD
+    costs.learn(_timed_step([N] * 6, [0.040] * 6, sizes))
+    for _ in range(2):
+        costs.learn(_timed_step([N, O, N, O, N, N], [0.040, 0.044, 0.040, 0.050, 0.040, 0.040], sizes))
+    seconds = [costs.figures(i, O, 2, 1000).seconds for i in range(6)]
+    assert seconds == sorted(seconds)
+    assert seconds[0] == pytest.approx(0.004) and seconds[2] == pytest.approx(0.007)  # at most block 1's; the mean
+    assert seconds[4] == seconds[5] == pytest.approx(0.010)  # at least block 3's
+    options = costs.options(2, 1000, (N, O))
+    one = predicted_peak([options[0][1]] + [row[0] for row in options[1:]])  # the first block offloaded
+    assert one < predicted_peak([row[0] for row in options])
+    result = plan(options, capacity=one * 1.002)  # a little over: the planner rounds bytes up to its bins
+    assert result.feasible and result.modes == (O,) + (N,) * 5
+
+
 def test_a_blocks_first_offload_time_stands_only_until_the_next_reading():
     """The first offload of a block allocates the host memory it copies into (pinned buffers on CUDA,
     fresh pages on the host): that step's time is the allocation's as much as the mode's. It is used
