@@ -85,7 +85,7 @@ class PlanBook:
         # policy stay as they were: steady-state steps ask for the same plan's prediction each step
         self._predicted: dict[tuple, float] = {}
         self._predicted_for: tuple[int, Policy] | None = None
-        self._warned: set[tuple[Key, bool]] = set()  # (bucket, its size measured) warned of a shortfall
+        self._warned: set[tuple[Shape, bool]] = set()  # (bucket, its size measured) warned of a shortfall
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -217,8 +217,9 @@ class PlanBook:
             worst = max(range(len(chosen)), key=lambda i: chosen[i].host)
             options[worst] = [o for o in options[worst] if o.host == 0] or options[worst]
         measured = self.costs.measured(batch, extent)
-        if warn and not result.feasible and (key, measured) not in self._warned:
-            self._warned.add((key, measured))  # a size first extrapolated warns again once measured
+        # once per shape bucket, whatever the gradient state; a size first extrapolated warns again once measured
+        if warn and not result.feasible and (key[:2], measured) not in self._warned:
+            self._warned.add((key[:2], measured))
             log.warning(
                 "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
                 "%d input elements each: the tightest plan is predicted at %s, %s over. Running it; %s",

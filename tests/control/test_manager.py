@@ -565,3 +565,24 @@ def test_an_accumulating_loop_keeps_a_plan_per_kind_of_micro_step_and_measures_o
     assert len({tuple(s["plan"]) for s in first}) == 1 and len({tuple(s["plan"]) for s in second}) == 1
     assert all(s["observed_peak_bytes"] <= budget for s in steps)
     assert min(s["observed_peak_bytes"] for s in first) >= 0.75 * budget
+
+
+def test_a_budget_no_micro_step_fits_is_warned_of_once_not_once_per_kind_of_micro_step(caplog):
+    """Accumulating micro-steps keep a plan per gradient state, but a budget under the tightest plan
+    is one thing to fix: it is warned of once (once more where the first warning was extrapolated),
+    not for each kind of micro-step."""
+    make = lambda: tiny(dim=128, n_layers=4, vocab_size=2048)  # noqa: E731
+    model = make()
+    batches = [tiny_batch(model, batch=2, seq=64) for _ in range(2)]
+    budget = int(0.8 * _kept_peak(make(), batches[0], Mode.CHECKPOINT | Mode.OFFLOAD))
+    dev = SimulatedDevice()
+    dev.track(model)
+    with dev, adaptmem.manage(model, budget=budget, device=dev) as mem, caplog.at_level("WARNING", logger="adaptmem"):
+        for _ in range(6):
+            for batch in batches:
+                with mem.step():
+                    (model(**batch).loss / 2).backward()
+            model.zero_grad(set_to_none=True)
+        assert {key[2] for key in mem.plans.cache} == {False, True}  # a plan for each kind
+    warned = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+    assert len([w for w in warned if "lower the batch or input size" in w]) == 1
