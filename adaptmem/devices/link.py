@@ -1,8 +1,13 @@
 """A host link of finite speed for the stand-in: offloaded copies take time, as on PCIe.
 
 Copies queue in order, one queue each way (the link is full duplex), each taking
-`latency_s + nbytes / bytes_per_s`. A copy to the host keeps its device tensor
-alive (so the stand-in still counts its bytes) until the copy has arrived;
+`latency_s + nbytes / bytes_per_s`, where `nbytes` are the tensor's own elements:
+a view moves its elements, not its whole storage. A copy to the host keeps its
+device tensor alive (so the stand-in still counts its bytes) until the copy has
+arrived; the device bytes in flight count each storage once, however many of its
+views travel (q, k and v split from one projection: counted per view, the link
+moved a third more than offloading keeps, and the bytes in flight read three
+times the storage, so a block's `held` read negative and the next one's high);
 compute goes on meanwhile, up to a window of bytes in flight (`send(limit=...)`), past
 which the next copy waits for the oldest to arrive. A copy back is scheduled when backward asks for it,
 or earlier by a prefetch, and backward waits for its arrival. Time is the real
@@ -32,7 +37,8 @@ class SimulatedLink:
         self.sleep = sleep
         self._free_at = {"to_host": 0.0, "to_device": 0.0}
         self._in_flight: collections.deque[tuple[float, torch.Tensor, int]] = collections.deque()
-        self._bytes = 0  # in flight now
+        self._storages: dict[int, list[int]] = {}  # storage in flight: [copies of it in flight, its bytes]
+        self._bytes = 0  # device bytes in flight now, each storage once
         self.peak_in_flight_bytes = 0
         self.window_waits = 0  # packs that waited for the oldest copy: the window was full
         self._lock = threading.RLock()
@@ -47,15 +53,19 @@ class SimulatedLink:
         """Start copying `t` to the host; it stays allocated until the copy arrives. With
         `limit` (bytes), first wait for the oldest copies until `t` fits in the window of
         copies in flight. Returns the arrival."""
-        nbytes = t.untyped_storage().nbytes()
+        storage = t.untyped_storage()
+        key, held = storage.data_ptr(), storage.nbytes()
         self.poll()
-        while limit is not None and self._in_flight and self._bytes + nbytes > limit:
+        while limit is not None and self._in_flight and key not in self._storages and self._bytes + held > limit:
             self.window_waits += 1
             self.wait(self._in_flight[0][0])
         with self._lock:
-            arrival = self._schedule("to_host", nbytes)
-            self._in_flight.append((arrival, t, nbytes))
-            self._bytes += nbytes
+            arrival = self._schedule("to_host", t.numel() * t.element_size())
+            self._in_flight.append((arrival, t, key))
+            entry = self._storages.setdefault(key, [0, held])
+            entry[0] += 1
+            if entry[0] == 1:
+                self._bytes += held
             self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, self._bytes)
             return arrival
 
@@ -80,9 +90,12 @@ class SimulatedLink:
         now = self.clock()
         with self._lock:
             while self._in_flight and self._in_flight[0][0] <= now:
-                self._bytes -= self._in_flight.popleft()[2]
+                entry = self._storages[key := self._in_flight.popleft()[2]]
+                entry[0] -= 1
+                if not entry[0]:
+                    self._bytes -= self._storages.pop(key)[1]
 
     @property
     def in_flight_bytes(self) -> int:
-        """Device bytes whose copies to the host have not arrived yet."""
+        """Device bytes whose copies to the host have not arrived yet (each storage once)."""
         return self._bytes

@@ -44,6 +44,29 @@ def test_copies_queue_in_order_and_hold_their_device_bytes_until_they_arrive():
         SimulatedLink(0)
 
 
+def test_views_of_one_storage_move_their_own_elements_and_count_the_storage_once_in_flight():
+    """q, k and v split from one projection travel as three views of one storage: each copy moves
+    its own elements, and the device bytes in flight are the storage's, until its last view is over.
+    Counted per view, the link moved the whole storage three times, and the bytes in flight read
+    three times what the device holds, so a block's `held` read negative."""
+    clock = Clock()
+    link = SimulatedLink(1 * MiB, clock=clock, sleep=clock.sleep)
+    qkv = torch.empty(3 * MiB, dtype=torch.uint8)
+    q, k, v = qkv.split(MiB)
+    assert [link.send(t) for t in (q, k, v)] == pytest.approx([1.0, 2.0, 3.0])  # a MiB each, not 3
+    assert link.in_flight_bytes == link.peak_in_flight_bytes == 3 * MiB
+    clock.now = 2.5
+    link.poll()
+    assert link.in_flight_bytes == 3 * MiB  # v still travelling keeps the storage
+    window = SimulatedLink(1 * MiB, clock=clock, sleep=clock.sleep)
+    window.send(q, limit=3 * MiB)
+    window.send(k, limit=3 * MiB)  # its storage is in flight already: no wait
+    assert clock.slept == [] and window.window_waits == 0
+    clock.now = 10.0
+    link.poll()
+    assert link.in_flight_bytes == 0
+
+
 def test_offload_over_a_link_is_exact_and_counts_copies_in_flight():
     model = tiny(dim=128)
     batch = tiny_batch(model, batch=4, seq=128)
