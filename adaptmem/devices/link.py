@@ -36,6 +36,7 @@ class SimulatedLink:
         self.clock = clock
         self.sleep = sleep
         self._free_at = {"to_host": 0.0, "to_device": 0.0}
+        # (arrival, the tensor kept alive, its storage's key in `_storages`)
         self._in_flight: collections.deque[tuple[float, torch.Tensor, int]] = collections.deque()
         self._storages: dict[int, list[int]] = {}  # storage in flight: [copies of it in flight, its bytes]
         self._bytes = 0  # device bytes in flight now, each storage once
@@ -90,7 +91,8 @@ class SimulatedLink:
         now = self.clock()
         with self._lock:
             while self._in_flight and self._in_flight[0][0] <= now:
-                entry = self._storages[key := self._in_flight.popleft()[2]]
+                _, _, key = self._in_flight.popleft()
+                entry = self._storages[key]
                 entry[0] -= 1
                 if not entry[0]:
                     self._bytes -= self._storages.pop(key)[1]

@@ -2,15 +2,17 @@
 stacks, the first blocks' position bias passed on to the others, lengths changing from batch to
 batch on both sides, and the whole training state equal to unmanaged training bit for bit."""
 
+import contextlib
+
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
 import adaptmem  # noqa: E402
-from adaptmem.testing import SimulatedDevice  # noqa: E402
-
 from adaptmem import Mode  # noqa: E402
+from adaptmem.testing import SimulatedDevice, measure_peak  # noqa: E402
+
 from helpers import _quiet_transformers, assert_same_state, training_state  # noqa: E402
 
 LENGTHS = [(48, 16), (96, 32), (32, 16), (96, 24), (64, 32), (48, 16)]  # (input, labels) per batch
@@ -35,49 +37,36 @@ def batch(source: int, target: int, seed: int) -> dict:
 
 def peak_with_adam(mode=None) -> int:
     """The peak of a second step on the longest batch, AdamW's state held (every block in `mode`)."""
-    model, b = t5(), batch(96, 32, 0)
-    if mode is not None:
-        for handle in adaptmem.instrument(model):
-            handle.mode = mode
+    model = t5()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dev = SimulatedDevice()
-    dev.track(model)
-    with dev:
-        for _ in range(2):
-            dev.reset_peak()
-            model(**b).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return dev.peak_bytes
+    return measure_peak(model, lambda: batch(96, 32, 0), mode=mode, optimizer=opt, steps=2)
 
 
 def train(model, budget=None, capacity=None):
+    """Steps over `LENGTHS` with AdamW, managed where there is a budget; returns the training
+    state (the last step's gradients kept), each step's peak, and the manager's summary."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dev = SimulatedDevice(capacity_bytes=capacity, link_bytes_per_s=2**30)
     dev.track(model)
     peaks, summary = [], None
     torch.manual_seed(1)
-    with dev:
-        mem = adaptmem.manage(model, budget=budget, device=dev) if budget else None
-        try:
-            for i, (source, target) in enumerate(LENGTHS):
-                b = batch(source, target, i)
-                dev.reset_peak()
-                if mem is not None:
-                    mem.run_step(lambda: model(**b).loss.backward())
-                else:
-                    model(**b).loss.backward()
-                peaks.append(dev.peak_bytes)
-                opt.step()
-                if i < len(LENGTHS) - 1:
-                    opt.zero_grad(set_to_none=True)
+    managed = adaptmem.manage(model, budget=budget, device=dev) if budget else contextlib.nullcontext()
+    with dev, managed as mem:
+        for i, (source, target) in enumerate(LENGTHS):
+            b = batch(source, target, i)
+            dev.reset_peak()
             if mem is not None:
-                summary = mem.summary()
-                summary["modes_run"] = {m for e in mem.events.of_type("step") for m in e["plan"]}
-                assert len(mem.handles) == 4  # two encoder and two decoder blocks
-        finally:
-            if mem is not None:
-                mem.close()
+                mem.run_step(lambda: model(**b).loss.backward())
+            else:
+                model(**b).loss.backward()
+            peaks.append(dev.peak_bytes)
+            opt.step()
+            if i < len(LENGTHS) - 1:
+                opt.zero_grad(set_to_none=True)
+        if mem is not None:
+            summary = mem.summary()
+            summary["modes_run"] = {m for e in mem.events.of_type("step") for m in e["plan"]}
+            assert len(mem.handles) == 4  # two encoder and two decoder blocks
     return training_state(model, opt), peaks, summary
 
 
