@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from adaptmem.modes import Mode
 from adaptmem.strategies.call import BlockCall
 from adaptmem.strategies.compress import CompressOptions
@@ -50,7 +48,7 @@ def _run_packed(call: BlockCall, *, compress: bool, offload: bool) -> Any:
         runtime=call.offload_runtime,
         stats=call.stats,
     )
-    with torch.autograd.graph.saved_tensors_hooks(packer, packer.unpack):
+    with packer.installed():
         return call.forward(*call.args, **call.kwargs)
 
 

@@ -71,7 +71,7 @@ class Quantized(Payload):
             return values.view(-1)[: self.numel].view(self.shape).to(self.dtype)
 
     def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Quantized":
-        scales = fn(self.scales) if isinstance(self.scales, torch.Tensor) else self.scales
+        scales = fn(self.scales) if self.scales is not None else None  # bf16 has none
         return Quantized(self.codec, fn(self.codes), scales, self.shape, self.dtype, self.numel)
 
 

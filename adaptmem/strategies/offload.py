@@ -74,7 +74,8 @@ class HostCopy(Payload):
     on a stand-in's link). fetched: the copy back, once started.
     """
 
-    __slots__ = ("host", "tier", "group", "block", "ready", "fetched", "used", "__weakref__")
+    __slots__ = ("host", "tier", "group", "block", "ready", "fetched", "used", "users", "back", "left",
+                 "__weakref__")
 
     def __init__(self, host: torch.Tensor, tier: Any, group: "PackGroup | None" = None,
                  block: "PinnedBlock | None" = None, ready: Any = None) -> None:
@@ -85,15 +86,31 @@ class HostCopy(Payload):
         self.ready = ready
         self.fetched: Any = None
         self.used = False  # restored once: a late prefetch would fetch it for nobody
+        self.users = 1  # saves that hold this copy (a tensor several ops saved is copied once)
+        self.back: torch.Tensor | None = None  # brought back, kept for the saves yet to read it
+        self.left = 0
+
+    def share(self) -> None:
+        """One more save holds this copy."""
+        self.users += 1
 
     def restore(self) -> torch.Tensor:
         with _FETCH:  # the copy needed now goes first, then the next block's prefetch
+            if self.back is not None:  # brought back for an earlier save of the same tensor
+                back, self.left = self.back, self.left - 1
+                if self.left <= 0:
+                    self.back = None
+                return back
             fetched, self.fetched, self.used = self.fetched, None, True
             if fetched is None:
                 fetched = self.tier.fetch(self)
         if self.group is not None:
             self.group.begin_restore()
-        return self.tier.finish(self, fetched)
+        back = self.tier.finish(self, fetched)
+        if self.users > 1:
+            with _FETCH:
+                self.back, self.left = back, self.users - 1
+        return back
 
     def prefetch(self) -> None:
         with _FETCH:

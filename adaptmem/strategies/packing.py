@@ -8,10 +8,20 @@ The time spent in both hooks (encoding, copies, waits for the link, decoding) is
 what these modes do that NONE does not: it is added up per block call in the
 call's `stats` ("pack_s", "unpack_s") for the cost model, on the clock the
 stand-in's probe times steps with (`adaptmem.devices.tiers.link_clock`).
+
+A tensor several ops save (a norm's input, read by its square and its scaling)
+is packed once per block call: the later saves get the first one's payload, so
+it is copied and compressed once, as NONE would keep it once. Saves match when
+they read the same elements of the same live storage at the same version; the
+storage is held weakly, so a tensor freed and another allocated at its address
+never match.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,9 +29,9 @@ from torch import nn
 
 from adaptmem.devices.tiers import link_clock
 from adaptmem.strategies.compress import CompressOptions, encode
-from adaptmem.strategies.offload import OffloadOptions
+from adaptmem.strategies.offload import HostCopy, OffloadOptions
 from adaptmem.strategies.offload_runtime import OffloadRuntime
-from adaptmem.strategies.payloads import nbytes_of, restore
+from adaptmem.strategies.payloads import Payload, nbytes_of, restore
 
 
 class Packer:
@@ -59,6 +69,7 @@ class Packer:
         self._grad_only = grad_only
         self._main = _storage(main) if main is not None else None
         self._stats = stats if stats is not None else {}
+        self._seen: dict[tuple, tuple[weakref.ref, Any]] = {}  # this call's saves: key -> (storage, payload)
         for key in ("packed", "kept", "host"):
             self._stats.setdefault(key, 0)
         for key in ("pack_s", "unpack_s"):
@@ -67,14 +78,30 @@ class Packer:
     def __call__(self, t: torch.Tensor) -> Any:
         if self._is_state(t) or (self._grad_only and not t.requires_grad and _storage(t) != self._main):
             return t.detach()
-        if torch.compiler.is_compiling():  # no clock inside a compiled graph
+        if torch.compiler.is_compiling():  # no clock or table inside a compiled graph
             return self._pack(t)
+        key = _key(t)
+        if key is not None and (seen := self._seen.get(key)) is not None and seen[0]() is t.untyped_storage():
+            return _shared(seen[1])
         clock = link_clock()
         start = clock()
         try:
-            return self._pack(t)
+            packed = self._pack(t)
         finally:
             self._stats["pack_s"] += clock() - start
+        if key is not None:
+            self._seen[key] = (weakref.ref(t.untyped_storage()), packed)
+        return packed
+
+    @contextmanager
+    def installed(self) -> Iterator["Packer"]:
+        """The pack and unpack hooks for the block call under way; the call's saves are
+        forgotten as it ends (autograd holds the payloads from then on)."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self, self.unpack):
+                yield self
+        finally:
+            self._seen.clear()
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The unpack hook: `payloads.restore`, timed."""
@@ -116,6 +143,31 @@ class Packer:
         if self._buffers is None:
             self._buffers = {b.untyped_storage().data_ptr() for b in self._module.buffers()}
         return bool(self._buffers) and t.untyped_storage().data_ptr() in self._buffers
+
+
+def _key(t: torch.Tensor) -> tuple | None:
+    """What makes two saves the same tensor: storage, elements, dtype, version. None for
+    tensors without a storage (wrapper subclasses), which are never matched."""
+    ptr = _storage(t)
+    if ptr is None:
+        return None
+    return ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version
+
+
+def _shared(packed: Any) -> Any:
+    """A payload handed to one more save: its host copies keep the tensor they bring back
+    until every save has read it, so it comes back over the link once."""
+    if isinstance(packed, HostCopy):
+        packed.share()
+    elif isinstance(packed, Payload):
+        packed.map_tensors(_share_part)
+    return packed
+
+
+def _share_part(part: Any) -> Any:
+    if isinstance(part, HostCopy):
+        part.share()
+    return part
 
 
 def _storage(t: torch.Tensor) -> int | None:

@@ -138,7 +138,7 @@ def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
     """DeepSpeed's cpu_checkpointing: checkpoint, and keep the block input on the host."""
     packer = Packer(call.module, offload=call.offload, runtime=call.offload_runtime,
                     grad_only=True, main=main_input(call.args, call.kwargs), stats=call.stats)
-    with torch.autograd.graph.saved_tensors_hooks(packer, packer.unpack):
+    with packer.installed():
         return _checkpointed(call, None)
 
 
