@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import gc
 import itertools
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -288,6 +289,30 @@ def paired(times: list[float], against: list[float]) -> tuple[float, float]:
     of the machine slows both and cancels; the median drops a round one of them was unlucky in."""
     ratios = [t / b for t, b in zip(times, against)]
     return statistics.median(ratios), (max(ratios) - min(ratios)) / 2
+
+
+def paired_error(ratios: list[float], draws: int = 200) -> float:
+    """The standard error of the median of `ratios` (a bootstrap, seeded)."""
+    rng = random.Random(0)
+    again = [statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws)]
+    return statistics.pstdev(again)
+
+
+def settle(runner: Runner, against: Runner, line: float, most: int, batch: int = 4) -> tuple[list[float], list[float]]:
+    """The two runners' times over the timed rounds and, while their paired ratio (`paired`) lies
+    within two standard errors of `line`, over more rounds of the two alone (`batch` at a time,
+    at most `most` in all): a verdict the timed rounds' noise leaves open is measured until it is
+    not. The extra rounds are new draws, taken after the oracle was picked, so they also
+    measure the picked plan without the luck that picked it."""
+    mine, theirs = list(runner.times), list(against.times)
+    while len(mine) < len(runner.times) + most:
+        ratios = [a / b for a, b in zip(mine, theirs)]
+        if abs(statistics.median(ratios) - line) > 2 * paired_error(ratios):
+            break
+        a, b = rotate([runner, against], batch)
+        mine += a
+        theirs += b
+    return mine, theirs
 
 
 def pick_oracle(finalists: list[Runner], against: list[float]) -> Runner:

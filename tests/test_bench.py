@@ -181,7 +181,7 @@ def test_the_gpu_meter_reads_a_peak_through_the_managers_resets_at_block_boundar
 def test_the_benchmark_runs_every_method_on_a_gpu_within_its_budgets():
     from stress.bench import bench_config
 
-    rows = bench_config("tiny", 256, 2, [], reps=2, steps=2, device="cuda")
+    rows = bench_config("tiny", 256, 2, [], reps=2, steps=2, extra=2, device="cuda")
     assert {r["method"] for r in rows} == {"unmanaged", "checkpoint_all", "offload_all", "oracle", "adaptmem"}
     assert all(r["link"] == "pcie" and r["link_bytes_per_s"] > 1e9 for r in rows)
     budgeted = [r for r in rows if r["budget_bytes"]]
@@ -281,3 +281,32 @@ def test_the_links_are_set_from_counted_flops_and_bytes_so_every_run_has_the_sam
     for link, share in LINKS.items():  # offload_all's bytes move in the link's share of the reference step
         assert moved / speeds[link] == pytest.approx(share * reference_s)
     assert all(p.grad is None for p in model.parameters())  # the counted step leaves no gradients behind
+
+
+class _Steps:
+    """A runner whose steps take scripted times, in turn."""
+
+    def __init__(self, times, script):
+        self.times, self._script = list(times), iter(script)
+
+    def step(self):
+        return next(self._script)
+
+
+def test_a_verdict_the_timed_rounds_leave_open_is_measured_until_it_is_not():
+    from stress.benchkit import settle
+
+    # far from the line: the timed rounds decide, nothing more is run
+    mine, theirs = _Steps([1.01, 0.99, 1.0, 1.02], []), _Steps([1.0] * 4, [])
+    assert settle(mine, theirs, 1.05, most=8) == (mine.times, theirs.times)
+    # 1.06x with a wide scatter: within two standard errors of the line, so more rounds run; the
+    # new rounds (1.01x) settle it below the line, each pair's times kept in step
+    noisy = [1.00, 1.12, 1.06, 1.15, 0.98, 1.06]
+    mine, theirs = _Steps(noisy, [1.01] * 40), _Steps([1.0] * 6, [1.0] * 40)
+    a, b = settle(mine, theirs, 1.05, most=40, batch=4)
+    assert 6 < len(a) == len(b) < 46 and len(a) % 4 == 2
+    assert paired(a, b)[0] == pytest.approx(1.01)
+    # at most `most` rounds more, however close it stays
+    mine, theirs = _Steps([1.05, 1.04, 1.06], [1.05] * 20), _Steps([1.0] * 3, [1.0] * 20)
+    a, b = settle(mine, theirs, 1.05, most=8, batch=4)
+    assert len(a) == len(b) == 3 + 8

@@ -151,7 +151,10 @@ def _key(t: torch.Tensor) -> tuple | None:
     ptr = _storage(t)
     if ptr is None:
         return None
-    return ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version
+    try:
+        return ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version
+    except RuntimeError:  # no version counter (an inference tensor)
+        return None
 
 
 def _shared(packed: Any) -> Any:
