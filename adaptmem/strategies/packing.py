@@ -15,6 +15,12 @@ it is copied and compressed once, as NONE would keep it once. Saves match when
 they read the same elements of the same live storage at the same version; the
 storage is held weakly, so a tensor freed and another allocated at its address
 never match.
+
+An offloaded view that is not its whole storage laid out contiguously (a chunk
+of a fused projection, a transpose) goes as its storage, once for all the views
+of it the block saves, and comes back with its own strides and offset
+(`payloads.Strided`): exactly what NONE keeps. A view of a storage more than
+`_VIEW_STORAGE_LIMIT` times its size stays on the device instead.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from adaptmem.devices.tiers import link_clock
 from adaptmem.strategies.compress import CompressOptions, encode
 from adaptmem.strategies.offload import HostCopy, OffloadOptions
 from adaptmem.strategies.offload_runtime import OffloadRuntime
-from adaptmem.strategies.payloads import Payload, nbytes_of, restore
+from adaptmem.strategies.payloads import Payload, Strided, nbytes_of, restore
 
 
 class Packer:
@@ -70,6 +76,7 @@ class Packer:
         self._main = _storage(main) if main is not None else None
         self._stats = stats if stats is not None else {}
         self._seen: dict[tuple, tuple[weakref.ref, Any]] = {}  # this call's saves: key -> (storage, payload)
+        self._storages: dict[tuple, tuple[weakref.ref, HostCopy]] = {}  # storages sent for views of them
         for key in ("packed", "kept", "host"):
             self._stats.setdefault(key, 0)
         for key in ("pack_s", "unpack_s"):
@@ -102,6 +109,7 @@ class Packer:
                 yield self
         finally:
             self._seen.clear()
+            self._storages.clear()
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The unpack hook: `payloads.restore`, timed."""
@@ -129,8 +137,30 @@ class Packer:
         if size < self._offload.min_bytes:
             self._stats["kept"] += size
             return t.detach()
+        if not _whole(t):
+            return self._send_view(t, size)
         self._stats["host"] += size
         return self._send(t)
+
+    def _send_view(self, t: torch.Tensor, size: int) -> Any:
+        """A view goes as its storage (once per storage and version), and comes back as itself."""
+        storage = t.untyped_storage()
+        whole, item = storage.nbytes(), t.element_size()
+        if whole > _VIEW_STORAGE_LIMIT * size or whole % item or torch.compiler.is_compiling():
+            self._stats["kept"] += size
+            return t.detach()
+        key = (storage.data_ptr(), t._version, t.dtype)
+        seen = self._storages.get(key)
+        if seen is not None and seen[0]() is storage:
+            base = seen[1]
+            base.share()
+        else:
+            with torch.no_grad():
+                flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (whole // item,), (1,))
+            base = self._send(flat)
+            self._stats["host"] += whole
+            self._storages[key] = (weakref.ref(storage), base)
+        return Strided(base, t.shape, t.stride(), t.storage_offset())
 
     def _send(self, t: torch.Tensor) -> Any:
         return self._runtime.offload(t, self._group, self._offload)
@@ -143,6 +173,14 @@ class Packer:
         if self._buffers is None:
             self._buffers = {b.untyped_storage().data_ptr() for b in self._module.buffers()}
         return bool(self._buffers) and t.untyped_storage().data_ptr() in self._buffers
+
+
+_VIEW_STORAGE_LIMIT = 4  # a view of a storage more than this many times its bytes stays on the device
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """`t` is its storage, laid out contiguously from the start: a copy of it comes back the same."""
+    return t.is_contiguous() and t.storage_offset() == 0 and nbytes_of(t) == t.untyped_storage().nbytes()
 
 
 def _key(t: torch.Tensor) -> tuple | None:

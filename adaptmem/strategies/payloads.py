@@ -38,6 +38,27 @@ class Payload:
         return sum(sizes)
 
 
+class Strided(Payload):
+    """A view into a saved storage: the storage goes as one flat payload (`base`, shared by
+    every view of it a block saves), and the view comes back with the shape, strides and
+    offset it had. A copy of the view alone would come back contiguous, and kernels that
+    loop over other strides can round differently in the last bit."""
+
+    __slots__ = ("base", "shape", "stride", "offset")
+
+    def __init__(self, base: Any, shape: torch.Size, stride: tuple[int, ...], offset: int) -> None:
+        self.base = base
+        self.shape = shape
+        self.stride = stride
+        self.offset = offset
+
+    def restore(self) -> torch.Tensor:
+        return restore(self.base).as_strided(self.shape, self.stride, self.offset)
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Strided":
+        return Strided(fn(self.base), self.shape, self.stride, self.offset)
+
+
 def restore(packed: Any) -> torch.Tensor:
     """The unpack hook: payloads restore themselves, tensors pass through."""
     return packed.restore() if isinstance(packed, Payload) else packed

@@ -1,5 +1,8 @@
-"""A tensor several ops save is packed once per block call: one host copy, one trip over the
-link each way, one compressed payload; and saves that only look alike are never matched."""
+"""What Packer sends: a tensor several ops save is packed once per block call (one host copy,
+one trip over the link each way, one compressed payload), views go as their storage and come
+back as themselves, and saves that only look alike are never matched."""
+
+import copy
 
 import torch
 from torch import nn
@@ -135,3 +138,57 @@ def test_a_copy_several_saves_hold_is_fetched_once_and_let_go_after_the_last():
     assert copy.restore() is first and copy.restore() is first
     assert Tier.fetches == 1 and copy.back is None  # the third read let it go
     assert copy.restore() is not first and Tier.fetches == 2  # a second backward (retain_graph) fetches again
+
+
+def test_views_of_one_storage_go_as_the_storage_once_and_come_back_with_their_own_strides():
+    packer = Packer(nn.Identity(), offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime())
+    fused = torch.randn(4, 10, 2 * 343)  # a fused projection, as Phi-3's gate_up_proj
+    gate, up = fused.chunk(2, dim=-1)
+    transposed = torch.randn(6, 5).t()
+    with packer.installed():
+        packed = [packer(t) for t in (gate, up, transposed)]
+    copies = {id(p.base) for p in packed[:2]}
+    assert len(copies) == 1  # one copy of the storage for both views
+    assert packed[0].base.host.numel() == fused.numel()
+    back = [p.restore() for p in packed]
+    for original, restored in zip((gate, up, transposed), back):
+        assert torch.equal(restored, original)
+        assert (restored.stride(), restored.storage_offset()) == (original.stride(), original.storage_offset())
+    assert back[0].untyped_storage().data_ptr() == back[1].untyped_storage().data_ptr()  # as NONE keeps them
+
+
+def test_a_small_view_of_a_large_storage_stays_on_the_device_and_an_expanded_one_goes_as_its_storage():
+    packer = Packer(nn.Identity(), offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime(), stats={})
+    hidden = torch.randn(4, 64, 32)
+    last = hidden[:, -1]  # 1/64 of its storage
+    row = torch.randn(1, 32).expand(64, 32)  # 64 times its storage's elements
+    with packer.installed():
+        kept, expanded = packer(last), packer(row)
+    assert isinstance(kept, torch.Tensor) and kept.data_ptr() == last.data_ptr()
+    assert expanded.base.host.numel() == 32
+    restored = expanded.restore()
+    assert torch.equal(restored, row) and restored.stride() == (0, 1)
+
+
+def test_a_phi3_with_fused_projections_offloads_exactly():
+    """Phi-3 chunks its fused gate_up projection and transposes its heads: the views its ops save
+    come back with their strides, so the gradients are bit for bit those of NONE."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+    base = Phi3ForCausalLM(config)
+    ids = torch.randint(3, 512, (2, 64))
+    grads = []
+    for mode in (None, Mode.OFFLOAD):
+        model = copy.deepcopy(base)
+        if mode is not None:
+            adaptmem.instrument(model, mode=mode, offload=OffloadOptions(min_bytes=0))
+        dev = SimulatedDevice(link_bytes_per_s=4 * 2**30)
+        dev.track(model)
+        with dev:
+            model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
