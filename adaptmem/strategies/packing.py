@@ -16,11 +16,12 @@ they read the same elements of the same live storage at the same version; the
 storage is held weakly, so a tensor freed and another allocated at its address
 never match.
 
-An offloaded view that is not its whole storage laid out contiguously (a chunk
-of a fused projection, a transpose) goes as its storage, once for all the views
-of it the block saves, and comes back with its own strides and offset
-(`payloads.Strided`): exactly what NONE keeps. A view of a storage more than
-`_VIEW_STORAGE_LIMIT` times its size stays on the device instead.
+An offloaded tensor goes as its storage, once for every view of it the block
+saves. A view that is not its whole storage laid out contiguously (a chunk of a
+fused projection, a transpose) comes back as a view of the copy, with its own
+strides and offset (`payloads.Strided`): exactly what NONE keeps. A view of a
+storage more than `_VIEW_STORAGE_LIMIT` times its size, with no copy of its
+storage made yet, stays on the device instead.
 """
 
 from __future__ import annotations
@@ -137,30 +138,34 @@ class Packer:
         if size < self._offload.min_bytes:
             self._stats["kept"] += size
             return t.detach()
-        if not _whole(t):
-            return self._send_view(t, size)
-        self._stats["host"] += size
-        return self._send(t)
+        if torch.compiler.is_compiling() or _storage(t) is None:
+            self._stats["host"] += size
+            return self._send(t)
+        return self._send_storage(t, size)
 
-    def _send_view(self, t: torch.Tensor, size: int) -> Any:
-        """A view goes as its storage (once per storage and version), and comes back as itself."""
+    def _send_storage(self, t: torch.Tensor, size: int) -> Any:
+        """`t` goes as its storage, once per storage and version, whichever of its views a
+        block saves first. A tensor that is its storage comes back from the copy as it is;
+        any other view comes back as a view of the copy, with its own strides and offset."""
         storage = t.untyped_storage()
-        whole, item = storage.nbytes(), t.element_size()
-        if whole > _VIEW_STORAGE_LIMIT * size or whole % item or torch.compiler.is_compiling():
-            self._stats["kept"] += size
-            return t.detach()
+        whole, item, is_whole = storage.nbytes(), t.element_size(), _whole(t)
         key = (storage.data_ptr(), t._version, t.dtype)
         seen = self._storages.get(key)
         if seen is not None and seen[0]() is storage:
-            base = seen[1]
-            base.share()
+            seen[1].share()
+            return Strided(seen[1], t.shape, t.stride(), t.storage_offset())
+        if is_whole:
+            copy = self._send(t)
+        elif whole > _VIEW_STORAGE_LIMIT * size or whole % item:
+            self._stats["kept"] += size
+            return t.detach()
         else:
             with torch.no_grad():
                 flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (whole // item,), (1,))
-            base = self._send(flat)
-            self._stats["host"] += whole
-            self._storages[key] = (weakref.ref(storage), base)
-        return Strided(base, t.shape, t.stride(), t.storage_offset())
+            copy = self._send(flat)
+        self._stats["host"] += whole
+        self._storages[key] = (weakref.ref(storage), copy)
+        return copy if is_whole else Strided(copy, t.shape, t.stride(), t.storage_offset())
 
     def _send(self, t: torch.Tensor) -> Any:
         return self._runtime.offload(t, self._group, self._offload)

@@ -192,3 +192,17 @@ def test_a_phi3_with_fused_projections_offloads_exactly():
             model(input_ids=ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_a_tensor_and_a_view_of_it_share_one_copy_whichever_is_saved_first():
+    for order in ((0, 1), (1, 0)):
+        packer = Packer(nn.Identity(), offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime(), stats={})
+        whole = torch.randn(8, 2 * 343)
+        tensors = (whole, whole[:, 343:])
+        with packer.installed():
+            packed = {i: packer(tensors[i]) for i in order}
+        copies = {id(p if isinstance(p, HostCopy) else p.base) for p in packed.values()}
+        assert len(copies) == 1 and packer._stats["host"] == whole.numel() * 4
+        for i, t in enumerate(tensors):
+            back = packed[i].restore()
+            assert torch.equal(back, t) and back.stride() == t.stride() and back.storage_offset() == t.storage_offset()
