@@ -354,7 +354,9 @@ def test_resumed_manager_starts_with_the_same_plan(tmp_path, name):
         assert first["predicted_peak_bytes"] is not None  # no calibration step: the model was resumed
     older = {**state, "plans": [[k[:2], *rest] for k, *rest in state["plans"]]}  # saved before per-gradient-state plans
     resumed = copy.deepcopy(model)
-    with adaptmem.manage(resumed, budget=budget, device=SimulatedDevice(capacity_bytes=2**31)) as mem4:
+    dev4 = SimulatedDevice(capacity_bytes=2**31)  # measured as the first run was: a replan there is a replan here
+    dev4.track(resumed)
+    with dev4, adaptmem.manage(resumed, budget=budget, device=dev4) as mem4:
         mem4.load_state_dict(older)
         assert list(mem4.plans.cache.items()) == loaded  # each plan was made for a step with fresh gradients
         with mem4.step():
