@@ -53,9 +53,9 @@ import torch
 from adaptmem import Mode
 from adaptmem.config.units import format_bytes
 from stress.bench_controller import controller_fraction
-from stress.benchkit import (ORACLE_MODES, VOCAB, ModeFigures, batch_for, build, find_oracle,
-                             keep_host_memory, make_runner, paired, pick_oracle, plan_label, rotate,
-                             rotated_seconds, settle)
+from stress.benchkit import (ORACLE_MODES, VOCAB, ModeFigures, batch_for, bootstrap_medians, build,
+                             find_oracle, keep_host_memory, make_runner, paired, pick_oracle, plan_label,
+                             rotate, rotated_seconds, settle)
 
 LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / reference step
 REFERENCE_FLOPS_PER_S = 50e9  # one core of the machine the README's figures come from, training these models
@@ -184,7 +184,7 @@ def ratio_error(rows: list[dict], draws: int = 400) -> float:
         if r["method"] == "unmanaged" or len(r.get("times") or ()) < 3:
             continue
         ratios = [t / b for t, b in zip(r["times"], _beside(rows, "unmanaged", r)["times"])]
-        again = [statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws)]
+        again = bootstrap_medians(ratios, rng, draws)
         errors.append(statistics.pstdev(again) / statistics.mean(again))
     return statistics.median(errors) if errors else 0.0
 

@@ -291,11 +291,14 @@ def paired(times: list[float], against: list[float]) -> tuple[float, float]:
     return statistics.median(ratios), (max(ratios) - min(ratios)) / 2
 
 
+def bootstrap_medians(ratios: list[float], rng: random.Random, draws: int) -> list[float]:
+    """The median of `ratios` drawn again with replacement, `draws` times."""
+    return [statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws)]
+
+
 def paired_error(ratios: list[float], draws: int = 200) -> float:
     """The standard error of the median of `ratios` (a bootstrap, seeded)."""
-    rng = random.Random(0)
-    again = [statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws)]
-    return statistics.pstdev(again)
+    return statistics.pstdev(bootstrap_medians(ratios, random.Random(0), draws))
 
 
 def settle(runner: Runner, against: Runner, line: float, most: int, batch: int = 4) -> tuple[list[float], list[float]]:

@@ -88,8 +88,9 @@ class Packer:
             return t.detach()
         if torch.compiler.is_compiling():  # no clock or table inside a compiled graph
             return self._pack(t)
-        key = _key(t)
-        if key is not None and (seen := self._seen.get(key)) is not None and seen[0]() is t.untyped_storage():
+        storage = _storage_object(t)
+        key = _key(t, storage)
+        if key is not None and (seen := self._seen.get(key)) is not None and seen[0]() is storage:
             return _shared(seen[1])
         clock = link_clock()
         start = clock()
@@ -98,7 +99,7 @@ class Packer:
         finally:
             self._stats["pack_s"] += clock() - start
         if key is not None:
-            self._seen[key] = (weakref.ref(t.untyped_storage()), packed)
+            self._seen[key] = (weakref.ref(storage), packed)
         return packed
 
     @contextmanager
@@ -148,7 +149,7 @@ class Packer:
         block saves first. A tensor that is its storage comes back from the copy as it is;
         any other view comes back as a view of the copy, with its own strides and offset."""
         storage = t.untyped_storage()
-        whole, item, is_whole = storage.nbytes(), t.element_size(), _whole(t)
+        whole, item, is_whole = storage.nbytes(), t.element_size(), _whole(t, storage)
         key = (storage.data_ptr(), t._version, t.dtype)
         seen = self._storages.get(key)
         if seen is not None and seen[0]() is storage:
@@ -183,44 +184,42 @@ class Packer:
 _VIEW_STORAGE_LIMIT = 4  # a view of a storage more than this many times its bytes stays on the device
 
 
-def _whole(t: torch.Tensor) -> bool:
+def _whole(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
     """`t` is its storage, laid out contiguously from the start: a copy of it comes back the same."""
-    return t.is_contiguous() and t.storage_offset() == 0 and nbytes_of(t) == t.untyped_storage().nbytes()
+    return t.is_contiguous() and t.storage_offset() == 0 and nbytes_of(t) == storage.nbytes()
 
 
-def _key(t: torch.Tensor) -> tuple | None:
+def _key(t: torch.Tensor, storage: torch.UntypedStorage | None) -> tuple | None:
     """What makes two saves the same tensor: storage, elements, dtype, version. None for
     tensors without a storage (wrapper subclasses), which are never matched."""
-    ptr = _storage(t)
-    if ptr is None:
+    if storage is None:
         return None
     try:
-        return ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version
+        return storage.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version
     except RuntimeError:  # no version counter (an inference tensor)
         return None
 
 
 def _shared(packed: Any) -> Any:
-    """A payload handed to one more save: its host copies keep the tensor they bring back
-    until every save has read it, so it comes back over the link once."""
+    """A payload (or a part of one) handed to one more save: its host copies keep the tensor
+    they bring back until every save has read it, so it comes back over the link once."""
     if isinstance(packed, HostCopy):
         packed.share()
     elif isinstance(packed, Payload):
-        packed.map_tensors(_share_part)
+        packed.map_tensors(_shared)
     return packed
 
 
-def _share_part(part: Any) -> Any:
-    if isinstance(part, HostCopy):
-        part.share()
-    return part
+def _storage_object(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
+        return None
 
 
 def _storage(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
-        return None
+    storage = _storage_object(t)
+    return storage.data_ptr() if storage is not None else None
 
 
 def _is_cast_of_leaf(t: torch.Tensor) -> bool:
