@@ -212,13 +212,13 @@ def put_back_buffers(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def _checkpointed(call: BlockCall, context_fn: Any) -> Any:
-    kwargs = without_cache(call, call.kwargs)
+    args, kwargs = without_cache(call)
     tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     static = {k: v for k, v in kwargs.items() if k not in tensor_keys}
     options = {} if context_fn is None else {"context_fn": context_fn}  # the default is what torch.compile expects
     return checkpoint(
         BlockRun(call, tensor_keys, static),
-        *call.args,
+        *args,
         *(kwargs[k] for k in tensor_keys),
         use_reentrant=False,
         preserve_rng_state=True,
@@ -226,19 +226,45 @@ def _checkpointed(call: BlockCall, context_fn: Any) -> Any:
     )
 
 
-_CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 
 
-def without_cache(call: BlockCall, kwargs: dict) -> dict:
-    """Drop a KV cache handed to a recomputed block, as Hugging Face's own checkpointing does.
+def is_cache(value: Any) -> bool:
+    """A Hugging Face cache object (`transformers.cache_utils.Cache` or a model's own cache
+    class), found by its classes' names so that transformers need not be imported."""
+    return any(c.__name__.endswith("Cache") and c.__module__.startswith("transformers")
+               for c in type(value).__mro__)
+
+
+def without_cache(call: BlockCall) -> tuple[tuple, dict]:
+    """The call's arguments with a KV cache dropped, as Hugging Face's own checkpointing does.
 
     A cache that the block writes to would be written twice (once more by the
     recompute), giving the recomputed attention other shapes than forward had.
-    Layers that declare `_can_checkpoint_with_cache` only read it and keep it.
+    A cache is found by keyword (`past_key_values`, ...) or by its type, also where
+    a model hands it positionally (GPT-2 does). Layers that declare
+    `_can_checkpoint_with_cache` only read it and keep it.
     """
-    module = call.module
+    module, args, kwargs = call.module, call.args, call.kwargs
     if getattr(module, "_can_checkpoint_with_cache", False):
-        return kwargs
+        return args, kwargs
+    dropped = [k for k, v in kwargs.items() if v is not None and (k in _CACHE_KEYS or is_cache(v))]
+    positions = [i for i, v in enumerate(args) if is_cache(v)]
+    uses_cache = bool(kwargs.get("use_cache"))
+    if not dropped and not positions and not uses_cache:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    for key in dropped:
+        kwargs[key] = None
+    if uses_cache:
+        kwargs["use_cache"] = False
+    args = tuple(None if i in positions else a for i, a in enumerate(args))
+    call.warn_once(
+        f"cache:{type(module).__name__}",
+        f"adaptmem: {type(module).__name__} recomputes in backward, so its KV cache is not written in training "
+        "(set use_cache=False to silence this)",
+    )
+    return args, kwargs
     dropped = [k for k in _CACHE_KEYS if kwargs.get(k) is not None]
     uses_cache = bool(kwargs.get("use_cache"))
     if not dropped and not uses_cache:

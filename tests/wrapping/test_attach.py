@@ -275,3 +275,35 @@ def test_hf_cache_is_dropped_for_recomputed_blocks(caplog):
         out.loss.backward()
     assert "KV cache is not written in training" in caplog.text
     assert all(p.grad is not None for p in model.model.layers.parameters())
+
+
+def gpt2(use_cache: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                      use_cache=use_cache, bos_token_id=0, eos_token_id=0))
+
+
+@pytest.mark.parametrize("mode", [Mode.SELECTIVE, Mode.CHECKPOINT], ids=["selective", "checkpoint"])
+def test_a_cache_handed_positionally_is_dropped_for_recomputed_blocks(mode, caplog):
+    """GPT-2 hands its KV cache to each block as the second positional argument. Left in, the
+    recompute wrote it a second time and attended over twice the keys: SELECTIVE raised (its
+    recompute ran other ops than forward) and CHECKPOINT held a longer cache in backward."""
+    from adaptmem.testing import SimulatedDevice
+
+    batch = hf_batch(seq=48)
+    reference = gpt2(use_cache=True)
+    expected = step(reference, batch)
+    peaks = {}
+    for use_cache in (True, False):
+        model = gpt2(use_cache)
+        adaptmem.instrument(model, mode=mode)
+        dev = SimulatedDevice()
+        dev.track(model)
+        with caplog.at_level("WARNING", logger="adaptmem"), dev:
+            got = step(model, batch)
+        peaks[use_cache] = dev.peak_bytes
+        assert_same(got, expected)
+    assert "KV cache is not written in training" in caplog.text
+    assert peaks[True] == peaks[False]
