@@ -111,7 +111,7 @@ class MemoryManager(Reactions):
         self._step_start = 0
         self._measured: dict = {}  # per shape bucket: (plan, step) of its last step measured block by block
         self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
-        self._unmarked_warned = False
+        self._unmarked_warned = self._idle_warned = False
         self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
         self._rank = self._agree.rank if self._agree is not None else 0
         self._plan_point_passed = False
@@ -220,6 +220,7 @@ class MemoryManager(Reactions):
         if not self._in_step:
             raise RuntimeError("end_step() without an open step: call begin_step() first")
         sample = self.recorder.end()
+        self._check_device_counted(sample)
         error = self._agree_on_failure(error)
         with self._lock:
             self._in_step = False

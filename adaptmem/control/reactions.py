@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from adaptmem.config.units import format_bytes
 from adaptmem.control.decisions import ESCALATE, HOLD
 from adaptmem.control.plans import MAX_CACHED_PLANS, PlanRecord
 from adaptmem.control.recorder import InputShape, StepSample, shape_of
@@ -86,6 +87,21 @@ class Reactions:
             "`with mem.step():`, call mem.run_step(fn, batch), or drive begin_step()/end_step() "
             "from your framework's hooks (adaptmem.integrations).",
             "user's" if self._user_modes is not None else "calibration (every block checkpointed)",
+        )
+
+    def _check_device_counted(self, sample: StepSample | None) -> None:
+        """A `SimulatedDevice` counts only while entered: a step run outside it reads a peak of
+        what was there before, and every plan would be made on figures of nothing."""
+        device = getattr(self.probe, "device", None)
+        if (self._idle_warned or sample is None or not sample.blocks or not hasattr(device, "active")
+                or device.active or sample.peak > sample.start):
+            return
+        self._idle_warned = True
+        log.warning(
+            "adaptmem: the SimulatedDevice given to the manager was not entered during step %d, so it "
+            "counted none of its tensors (peak %s, what was there before) and the plans rest on "
+            "figures of nothing. Run the steps inside `with device:` (around the training loop, "
+            "trainer.fit() or trainer.train()).", self.steps + 1, format_bytes(sample.peak),
         )
 
     # ----------------------------------------------------------- planning

@@ -588,3 +588,26 @@ def test_a_budget_no_micro_step_fits_is_warned_of_once_not_once_per_kind_of_micr
         assert {key[2] for key in mem.plans.cache} == {False, True}  # a plan for each kind
     warned = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
     assert len([w for w in warned if "lower the batch or input size" in w]) == 1
+
+
+def test_a_stand_in_never_entered_during_a_step_is_warned_of_once(caplog):
+    """A SimulatedDevice counts only while entered: steps run outside it read a flat peak, and
+    a user (a Trainer run without `with dev:`) would get plans made on figures of nothing."""
+    model = tiny(dim=64, n_layers=3, vocab_size=256)
+    batch = tiny_batch(model, batch=2, seq=32)
+    for entered in (False, True):
+        caplog.clear()
+        dev = SimulatedDevice(capacity_bytes=2**30)
+        dev.track(model)
+        with caplog.at_level("WARNING", logger="adaptmem"), adaptmem.manage(model, budget="50%", device=dev) as mem:
+            for _ in range(3):
+                if entered:
+                    with dev:
+                        mem.run_step(lambda: model(**batch).loss.backward())
+                else:
+                    mem.run_step(lambda: model(**batch).loss.backward())
+                model.zero_grad(set_to_none=True)
+        warned = [r for r in caplog.records if "was not entered" in r.getMessage()]
+        assert len(warned) == (0 if entered else 1)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert (mem.summary()["peak_bytes"] > weights) == entered  # outside it, a step counts nothing new
