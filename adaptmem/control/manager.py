@@ -111,14 +111,13 @@ class MemoryManager(Reactions):
         self._step_start = 0
         self._measured: dict = {}  # per shape bucket: (plan, step) of its last step measured block by block
         self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
-        self._unmarked_warned = self._idle_warned = False
+        self._unmarked_warned = self._idle_warned = self._overlap_warned = False  # warnings given once
         self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
         self._rank = self._agree.rank if self._agree is not None else 0
         self._plan_point_passed = False
         self._syncing = False  # this step runs in DDP's no_sync(): gradients are averaged after it
         self._buffer_copies = BufferCopies()  # run_step's host copies of the buffers, kept from step to step
         self._overlapping = False  # the current step ran a second forward before its backward
-        self._overlap_warned = False
         self._own_checkpointing: frozenset[int] = frozenset()  # blocks whose model checkpoints them itself
         self.steps = self.ooms = self.ooms_recovered = self.plan_changes = self.pressure_events = 0
         self.peak_bytes = 0
