@@ -265,19 +265,3 @@ def without_cache(call: BlockCall) -> tuple[tuple, dict]:
         "(set use_cache=False to silence this)",
     )
     return args, kwargs
-    dropped = [k for k in _CACHE_KEYS if kwargs.get(k) is not None]
-    uses_cache = bool(kwargs.get("use_cache"))
-    if not dropped and not uses_cache:
-        return kwargs
-    kwargs = dict(kwargs)
-    for key in dropped:
-        kwargs[key] = None
-    if uses_cache:
-        kwargs["use_cache"] = False
-    cls = type(module).__name__
-    call.warn_once(
-        f"cache:{cls}",
-        f"adaptmem: {cls} recomputes in backward, so its KV cache is not written in training "
-        "(set use_cache=False to silence this)",
-    )
-    return kwargs
