@@ -18,7 +18,7 @@ from pathlib import Path
 
 from adaptmem.config.units import format_bytes
 from adaptmem.control.events import read_log
-from adaptmem.modes import LADDER, Mode
+from adaptmem.modes import LADDER
 
 MODE_ORDER = [m.label for m in LADDER]
 

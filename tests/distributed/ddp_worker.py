@@ -6,7 +6,6 @@ out-of-memory error injected in backward on rank 0 at step 3. Writes the final
 parameters and the step records to OUT.
 """
 
-import json
 import os
 import sys
 
