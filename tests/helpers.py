@@ -40,15 +40,16 @@ def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1):
     return LlamaForCausalLM(cfg)
 
 
-def gpt2(layers: int = 3, hidden: int = 64, dropout: float = 0.1):
-    """A Hugging Face GPT-2 built from a small config (dropout > 0 everywhere)."""
+def gpt2(layers: int = 3, hidden: int = 64, dropout: float = 0.1, use_cache: bool = False):
+    """A Hugging Face GPT-2 built from a small config (dropout > 0 everywhere); with `use_cache`
+    it hands a KV cache to each block, positionally."""
     _quiet_transformers()
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     cfg = GPT2Config(
         n_layer=layers, n_embd=hidden, n_head=4, vocab_size=512, n_positions=1024,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=use_cache,
         bos_token_id=0, eos_token_id=0,
     )
     return GPT2LMHeadModel(cfg)

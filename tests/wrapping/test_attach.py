@@ -11,7 +11,7 @@ import adaptmem
 from adaptmem import ALLOWED_MODES, Mode
 from adaptmem import strategies as strategies_mod
 
-from helpers import assert_same, llama, hf_batch, step, tiny, tiny_batch
+from helpers import assert_same, gpt2, llama, hf_batch, step, tiny, tiny_batch
 
 
 def snapshot(model):
@@ -277,14 +277,6 @@ def test_hf_cache_is_dropped_for_recomputed_blocks(caplog):
     assert all(p.grad is not None for p in model.model.layers.parameters())
 
 
-def gpt2(use_cache: bool):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                      use_cache=use_cache, bos_token_id=0, eos_token_id=0))
-
-
 @pytest.mark.parametrize("mode", [Mode.SELECTIVE, Mode.CHECKPOINT], ids=["selective", "checkpoint"])
 def test_a_cache_handed_positionally_is_dropped_for_recomputed_blocks(mode, caplog):
     """GPT-2 hands its KV cache to each block as the second positional argument. Left in, the
@@ -293,11 +285,11 @@ def test_a_cache_handed_positionally_is_dropped_for_recomputed_blocks(mode, capl
     from adaptmem.testing import SimulatedDevice
 
     batch = hf_batch(seq=48)
-    reference = gpt2(use_cache=True)
+    reference = gpt2(layers=2, use_cache=True)
     expected = step(reference, batch)
     peaks = {}
     for use_cache in (True, False):
-        model = gpt2(use_cache)
+        model = gpt2(layers=2, use_cache=use_cache)
         adaptmem.instrument(model, mode=mode)
         dev = SimulatedDevice()
         dev.track(model)
