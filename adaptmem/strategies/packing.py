@@ -19,9 +19,11 @@ never match.
 An offloaded tensor goes as its storage, once for every view of it the block
 saves. A view that is not its whole storage laid out contiguously (a chunk of a
 fused projection, a transpose) comes back as a view of the copy, with its own
-strides and offset (`payloads.Strided`): exactly what NONE keeps. A view of a
-storage more than `_VIEW_STORAGE_LIMIT` times its size, with no copy of its
-storage made yet, stays on the device instead.
+strides and offset (`payloads.Strided`): exactly what NONE keeps. Views of a
+storage more than `_VIEW_STORAGE_LIMIT` times their size, with no copy of the
+storage made yet, stay on the device (`payloads.Waiting`) until the block's
+views of it add up to that share: then the storage goes, and the views kept
+so far become views of its copy.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from adaptmem.devices.tiers import link_clock
 from adaptmem.strategies.compress import CompressOptions, encode
 from adaptmem.strategies.offload import HostCopy, OffloadOptions
 from adaptmem.strategies.offload_runtime import OffloadRuntime
-from adaptmem.strategies.payloads import Payload, Strided, nbytes_of, restore
+from adaptmem.strategies.payloads import Payload, Strided, Waiting, nbytes_of, restore
 
 
 class Packer:
@@ -78,6 +80,7 @@ class Packer:
         self._stats = stats if stats is not None else {}
         self._seen: dict[tuple, tuple[weakref.ref, Any]] = {}  # this call's saves: key -> (storage, payload)
         self._storages: dict[tuple, tuple[weakref.ref, HostCopy]] = {}  # storages sent for views of them
+        self._waiting: dict[tuple, tuple[weakref.ref, list[Waiting]]] = {}  # small views kept, per storage
         for key in ("packed", "kept", "host"):
             self._stats.setdefault(key, 0)
         for key in ("pack_s", "unpack_s"):
@@ -112,6 +115,7 @@ class Packer:
         finally:
             self._seen.clear()
             self._storages.clear()
+            self._waiting.clear()
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The unpack hook: `payloads.restore`, timed."""
@@ -155,15 +159,26 @@ class Packer:
         if seen is not None and seen[0]() is storage:
             seen[1].share()
             return Strided(seen[1], t.shape, t.stride(), t.storage_offset())
-        if is_whole:
-            copy = self._send(t)
-        elif whole > _VIEW_STORAGE_LIMIT * size or whole % item:
+        if whole % item:
             self._stats["kept"] += size
             return t.detach()
+        if is_whole:
+            copy = self._send(t)
         else:
+            waiting = self._waiting.get(key)
+            views = waiting[1] if waiting is not None and waiting[0]() is storage else []
+            if whole > _VIEW_STORAGE_LIMIT * (size + sum(v.nbytes for v in views)):
+                view = Waiting(t.detach(), size)  # a small part of a large storage: kept for now
+                self._waiting[key] = (weakref.ref(storage), [*views, view])
+                self._stats["kept"] += size
+                return view
             with torch.no_grad():
                 flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (whole // item,), (1,))
             copy = self._send(flat)
+            for view in views:  # the views kept so far go with it, and let go of the device
+                view.send(copy)
+                self._stats["kept"] -= view.nbytes
+            self._waiting.pop(key, None)
         self._stats["host"] += whole
         self._storages[key] = (weakref.ref(storage), copy)
         return copy if is_whole else Strided(copy, t.shape, t.stride(), t.storage_offset())
@@ -181,7 +196,7 @@ class Packer:
         return bool(self._buffers) and t.untyped_storage().data_ptr() in self._buffers
 
 
-_VIEW_STORAGE_LIMIT = 4  # a view of a storage more than this many times its bytes stays on the device
+_VIEW_STORAGE_LIMIT = 4  # views of a storage more than this many times their bytes stay on the device
 
 
 def _whole(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
@@ -205,6 +220,8 @@ def _shared(packed: Any) -> Any:
     they bring back until every save has read it, so it comes back over the link once."""
     if isinstance(packed, HostCopy):
         packed.share()
+    elif isinstance(packed, Waiting) and isinstance(packed.part, torch.Tensor):
+        packed.holders += 1  # its storage is not sent yet: the copy is shared when it is
     elif isinstance(packed, Payload):
         packed.map_tensors(_shared)
     return packed

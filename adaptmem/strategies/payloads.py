@@ -59,6 +59,35 @@ class Strided(Payload):
         return Strided(fn(self.base), self.shape, self.stride, self.offset)
 
 
+class Waiting(Payload):
+    """A view of a storage many times its size, kept on the device while the block's views of
+    that storage are too small a part of it to be worth its copy. Once they are not, the
+    storage goes, and every view kept so far becomes a view of the copy (`send`): a loop that
+    saves one slice of a large tensor per step sends it once rather than keeping it all."""
+
+    __slots__ = ("part", "nbytes", "holders")
+
+    def __init__(self, part: Any, nbytes: int) -> None:
+        self.part = part  # the device view, or (sent) a `Strided` on the storage's copy
+        self.nbytes = nbytes
+        self.holders = 1  # saves that hold it (a view several ops saved is packed once)
+
+    def send(self, copy: Any) -> None:
+        """The storage went to `copy` (a `HostCopy`): the view becomes a view of it, and each
+        save holding it holds the copy."""
+        for _ in range(self.holders):
+            copy.share()
+        t = self.part
+        self.part = Strided(copy, t.shape, t.stride(), t.storage_offset())
+
+    def restore(self) -> torch.Tensor:
+        return restore(self.part)
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Waiting":
+        part = fn(self.part) if isinstance(self.part, torch.Tensor) else self.part.map_tensors(fn)
+        return Waiting(part, self.nbytes)
+
+
 def restore(packed: Any) -> torch.Tensor:
     """The unpack hook: payloads restore themselves, tensors pass through."""
     return packed.restore() if isinstance(packed, Payload) else packed
