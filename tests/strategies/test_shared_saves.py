@@ -35,13 +35,16 @@ class Reuser(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self):
+    """`n` blocks of `block` in a row, each output scaled by `scale`."""
+
+    def __init__(self, block=None, n: int = 2, scale: float = 1 / D):
         super().__init__()
-        self.layers = nn.ModuleList(Reuser() for _ in range(2))
+        self.layers = nn.ModuleList((block or Reuser)() for _ in range(n))
+        self.scale = scale
 
     def forward(self, x):
         for layer in self.layers:
-            x = layer(x) / D
+            x = layer(x) * self.scale
         return x
 
 
@@ -218,18 +221,8 @@ def test_a_loop_over_slices_is_offloaded_exactly_and_frees_the_device():
                 outs.append(h)
             return torch.stack(outs, 1)
 
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(Scan() for _ in range(3))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     torch.manual_seed(0)
-    base, x = Stack(), torch.randn(8, 48, 32)
+    base, x = Net(Scan, n=3, scale=1.0), torch.randn(8, 48, 32)
     results = {}
     for mode in (None, Mode.OFFLOAD):
         model = copy.deepcopy(base)
