@@ -98,7 +98,7 @@ class Packer:
         clock = link_clock()
         start = clock()
         try:
-            packed = self._pack(t)
+            packed = self._pack(t, storage)
         finally:
             self._stats["pack_s"] += clock() - start
         if key is not None:
@@ -128,7 +128,7 @@ class Packer:
         finally:
             self._stats["unpack_s"] += clock() - start
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor, storage: torch.UntypedStorage | None = None) -> Any:
         size = nbytes_of(t)
         self._stats["packed"] += size
         payload = None
@@ -143,16 +143,15 @@ class Packer:
         if size < self._offload.min_bytes:
             self._stats["kept"] += size
             return t.detach()
-        if torch.compiler.is_compiling() or _storage(t) is None:
+        if torch.compiler.is_compiling() or storage is None:
             self._stats["host"] += size
             return self._send(t)
-        return self._send_storage(t, size)
+        return self._send_storage(t, size, storage)
 
-    def _send_storage(self, t: torch.Tensor, size: int) -> Any:
+    def _send_storage(self, t: torch.Tensor, size: int, storage: torch.UntypedStorage) -> Any:
         """`t` goes as its storage, once per storage and version, whichever of its views a
         block saves first. A tensor that is its storage comes back from the copy as it is;
         any other view comes back as a view of the copy, with its own strides and offset."""
-        storage = t.untyped_storage()
         whole, item, is_whole = storage.nbytes(), t.element_size(), _whole(t, storage)
         key = (storage.data_ptr(), t._version, t.dtype)
         seen = self._storages.get(key)
