@@ -162,14 +162,15 @@ def test_views_of_one_storage_go_as_the_storage_once_and_come_back_with_their_ow
 
 
 def test_a_small_view_of_a_large_storage_stays_on_the_device_and_an_expanded_one_goes_as_its_storage():
-    packer = Packer(nn.Identity(), offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime(), stats={})
+    stats = {}
+    packer = Packer(nn.Identity(), offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime(), stats=stats)
     hidden = torch.randn(4, 64, 32)
     last = hidden[:, -1]  # 1/64 of its storage
     row = torch.randn(1, 32).expand(64, 32)  # 64 times its storage's elements
     with packer.installed():
         kept, expanded = packer(last), packer(row)
     assert isinstance(kept.part, torch.Tensor) and kept.part.data_ptr() == last.data_ptr()
-    assert packer._stats["kept"] == last.numel() * 4 and kept.restore() is kept.part
+    assert stats["kept"] == last.numel() * 4 and kept.restore() is kept.part
     assert expanded.base.host.numel() == 32
     restored = expanded.restore()
     assert torch.equal(restored, row) and restored.stride() == (0, 1)
@@ -181,19 +182,20 @@ def test_small_views_of_one_storage_wait_on_the_device_until_they_are_worth_its_
     device; once the slices add up to a quarter of it, the storage goes once, every slice
     kept so far comes back as a view of that copy, with its strides, and so do later ones."""
     link = CountingLink()
-    packer = Packer(nn.Identity(), offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime(), stats={})
+    stats = {}
+    packer = Packer(nn.Identity(), offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime(), stats=stats)
     states = torch.randn(2, 16, 12, 8)  # 16 steps along dim 1: a slice is 1/16 of the storage
     slices = [states[:, i] for i in range(5)]
     with using_link(link), packer.installed():
         packed = [packer(s) for s in slices[:3]]
-        assert link.sent == [] and packer._stats["kept"] == 3 * slices[0].numel() * 4
+        assert link.sent == [] and stats["kept"] == 3 * slices[0].numel() * 4
         again = packer(slices[1])  # a slice saved twice before the storage goes
         assert again is packed[1]
         packed.append(packer(slices[3]))  # 4/16 of the storage: a quarter
         packed.append(packer(slices[4]))  # after the copy: a view of it at once
     whole = states.numel() * 4
     assert link.sent == [whole]  # the storage, once
-    assert packer._stats["host"] == whole and packer._stats["kept"] == 0
+    assert stats["host"] == whole and stats["kept"] == 0
     copies = {id(p.part.base) if hasattr(p, "part") else id(p.base) for p in packed}
     assert len(copies) == 1
     with using_link(link):
@@ -263,13 +265,14 @@ def test_a_phi3_with_fused_projections_offloads_exactly():
 
 def test_a_tensor_and_a_view_of_it_share_one_copy_whichever_is_saved_first():
     for order in ((0, 1), (1, 0)):
-        packer = Packer(nn.Identity(), offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime(), stats={})
+        stats = {}
+        packer = Packer(nn.Identity(), offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime(), stats=stats)
         whole = torch.randn(8, 2 * 343)
         tensors = (whole, whole[:, 343:])
         with packer.installed():
             packed = {i: packer(tensors[i]) for i in order}
         copies = {id(p if isinstance(p, HostCopy) else p.base) for p in packed.values()}
-        assert len(copies) == 1 and packer._stats["host"] == whole.numel() * 4
+        assert len(copies) == 1 and stats["host"] == whole.numel() * 4
         for i, t in enumerate(tensors):
             back = packed[i].restore()
             assert torch.equal(back, t) and back.stride() == t.stride() and back.storage_offset() == t.storage_offset()
