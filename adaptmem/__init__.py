@@ -7,9 +7,10 @@ from adaptmem.config.policy import Policy, PolicyError, load_policy
 from adaptmem.control.events import read_log
 from adaptmem.control.manager import MemoryManager, manage
 from adaptmem.control.retry import InexactRetryError, StepOutOfMemoryError
-from adaptmem.modes import ALLOWED_MODES, LOSSLESS_MODES, Mode
+from adaptmem.modes import ALLOWED_MODES, LOSSLESS_MODES, HeadMode, Mode
 from adaptmem.strategies import CompressOptions, OffloadOptions, SelectiveBackwardError
-from adaptmem.wrapping import BlockHandle, compile_blocks, get_handles, instrument, restore
+from adaptmem.strategies.head import LogitsNotMaterializedError
+from adaptmem.wrapping import BlockHandle, HeadHandle, compile_blocks, get_handles, get_head, instrument, restore
 
 __version__ = "0.1.0"
 
@@ -18,7 +19,10 @@ __all__ = [
     "LOSSLESS_MODES",
     "BlockHandle",
     "CompressOptions",
+    "HeadHandle",
+    "HeadMode",
     "InexactRetryError",
+    "LogitsNotMaterializedError",
     "MemoryManager",
     "Mode",
     "OffloadOptions",
@@ -29,6 +33,7 @@ __all__ = [
     "compile_blocks",
     "get_handles",
     "instrument",
+    "get_head",
     "load_policy",
     "manage",
     "read_log",

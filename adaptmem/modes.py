@@ -125,3 +125,28 @@ def step_up(mode: Mode, allowed: tuple[Mode, ...]) -> Mode:
         return rungs[-1]
     i = rungs.index(mode)
     return rungs[min(i + 1, len(rungs) - 1)]
+
+
+class HeadMode(enum.Enum):
+    """What the loss head (the output projection and the loss after it) does with its logits.
+
+    KEPT     the model's own code, as it is: the whole tokens x vocabulary logits exist.
+    CHUNKED  the logits are made and consumed a chunk of tokens at a time inside the loss,
+             and the head's gradients are taken there; the whole logits never exist. Exact
+             up to the order of summation (not bit for bit).
+    """
+
+    KEPT = "kept"
+    CHUNKED = "chunked"
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, value: "HeadMode | str") -> "HeadMode":
+        if isinstance(value, HeadMode):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("kept", "chunked"):
+            return cls(value.strip().lower())
+        raise ValueError(f"unknown head mode {value!r}: expected 'kept' or 'chunked'")

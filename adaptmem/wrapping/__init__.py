@@ -3,13 +3,15 @@
   selection.py  which submodules are blocks ("auto", classes, regexes, filters, lists)
   handles.py    BlockHandle (name, module, mode), the shared runtime, the observer interface
   attach.py     instrument / restore: an instance-level forward, attached and detached exactly
+  head.py       the loss head: finding the output projection, HeadHandle, chunked logits on demand
 
 The wrapper hands each training call to the strategy of the block's mode
 (`adaptmem.strategies`) and tells an observer, if one is set, that the block
 started and ended; the observer (the manager) lives in the layer above.
 """
 
-from adaptmem.wrapping.attach import compile_blocks, get_handles, get_instrumentation, instrument, restore, unwrap
+from adaptmem.wrapping.attach import (compile_blocks, get_handles, get_head, get_instrumentation, instrument, restore,
+                                      unwrap)
 from adaptmem.wrapping.handles import (
     BlockHandle,
     BlockObserver,
@@ -18,6 +20,7 @@ from adaptmem.wrapping.handles import (
     checkpoints_itself,
     tell_observer,
 )
+from adaptmem.wrapping.head import DEFAULT_CHUNK_TOKENS, HeadHandle, HeadSelection, find_head
 from adaptmem.wrapping.selection import BlockSelection, describe_model, find_blocks
 
 __all__ = [
@@ -25,12 +28,17 @@ __all__ = [
     "BlockObserver",
     "BlockRuntime",
     "BlockSelection",
+    "DEFAULT_CHUNK_TOKENS",
+    "HeadHandle",
+    "HeadSelection",
     "Instrumentation",
     "checkpoints_itself",
     "compile_blocks",
     "describe_model",
     "find_blocks",
+    "find_head",
     "get_handles",
+    "get_head",
     "get_instrumentation",
     "instrument",
     "restore",

@@ -21,6 +21,7 @@ from torch import nn
 from adaptmem.modes import Mode
 from adaptmem.strategies import STRATEGIES, CompressOptions, OffloadOptions
 from adaptmem.wrapping.handles import BlockHandle, BlockRuntime, Instrumentation, checkpoints_itself
+from adaptmem.wrapping.head import HeadHandle, HeadSelection, attach_head, detach_head, find_head
 from adaptmem.wrapping.selection import BlockSelection, find_blocks
 
 _ATTR = "_adaptmem_instrumentation"
@@ -123,6 +124,7 @@ def instrument(
     mode: Mode | str = Mode.NONE,
     compress: CompressOptions | None = None,
     offload: OffloadOptions | None = None,
+    head: HeadSelection = "auto",
 ) -> list[BlockHandle]:
     """Wrap the selected blocks of `model` so each can switch mode on the fly.
 
@@ -132,6 +134,10 @@ def instrument(
         mode: the mode every block starts in.
         compress: codec options for COMPRESS (per handle afterwards).
         offload: options for OFFLOAD (per handle afterwards).
+        head: the loss head to wrap as well ("auto": a Hugging Face language model's output
+            projection; a qualified name or an nn.Linear for a model of one's own; None for
+            none); see `adaptmem.wrapping.head`. It starts KEPT, which changes nothing;
+            `get_head(model).mode = "chunked"` chunks its logits.
 
     Returns the handles in forward order. Calling it again with the same
     selection returns the same handles; a different selection is an error
@@ -139,6 +145,7 @@ def instrument(
     """
     model = unwrap(model)
     chosen = find_blocks(model, blocks)
+    found_head = find_head(model, head)
     existing: Instrumentation | None = model.__dict__.get(_ATTR)
     if existing is not None:
         if [id(m) for _, m in chosen] == [id(m) for m in existing.modules]:
@@ -154,6 +161,8 @@ def instrument(
                 f"block {name!r} is already instrumented through another model object; "
                 "call adaptmem.restore on that model first"
             )
+    if found_head is not None and any(found_head[1] is m or _contains(m, found_head[1]) for _, m in chosen):
+        raise ValueError(f"head {found_head[0]!r} is inside a selected block; select the blocks without it")
     runtime = BlockRuntime()
     start = Mode.parse(mode)
     handles = [
@@ -164,8 +173,13 @@ def instrument(
         _warn_if_hf_checkpointing(handle, runtime)
         module = handle.module
         module.__dict__["forward"] = _BlockForward(module, handle, module.__dict__.get("forward"))
-    model.__dict__[_ATTR] = Instrumentation(handles, runtime)
+    head_handle = attach_head(found_head, runtime) if found_head is not None else None
+    model.__dict__[_ATTR] = Instrumentation(handles, runtime, head_handle)
     return list(handles)
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
 
 
 def restore(model: nn.Module) -> None:
@@ -181,6 +195,8 @@ def restore(model: nn.Module) -> None:
                 f"block {handle.name!r}: its forward was replaced after adaptmem.instrument "
                 f"(now {current!r}); remove that wrapper first, then call adaptmem.restore"
             )
+    if inst.head is not None:
+        detach_head(inst.head)
     for handle in inst.handles:
         module = handle.module
         previous = module.__dict__["forward"].previous
@@ -219,6 +235,12 @@ def get_handles(model: nn.Module) -> list[BlockHandle]:
     """The handles of an instrumented model ([] for a plain one)."""
     inst: Instrumentation | None = unwrap(model).__dict__.get(_ATTR)
     return list(inst.handles) if inst is not None else []
+
+
+def get_head(model: nn.Module) -> HeadHandle | None:
+    """The loss head's handle of an instrumented model (None for a plain one, or one without a head)."""
+    inst: Instrumentation | None = unwrap(model).__dict__.get(_ATTR)
+    return inst.head if inst is not None else None
 
 
 def get_instrumentation(model: nn.Module) -> Instrumentation | None:

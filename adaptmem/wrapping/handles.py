@@ -157,9 +157,10 @@ class _RecomputeListener:
 class Instrumentation:
     """The record `instrument` keeps on a root model; `restore` removes it."""
 
-    def __init__(self, handles: list[BlockHandle], runtime: BlockRuntime) -> None:
+    def __init__(self, handles: list[BlockHandle], runtime: BlockRuntime, head: Any = None) -> None:
         self.handles = handles
         self.runtime = runtime
+        self.head = head  # the loss head's HeadHandle, or None
 
     @property
     def modules(self) -> list[nn.Module]:
