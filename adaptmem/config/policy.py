@@ -56,6 +56,9 @@ class Policy(BaseModel):
     modes: tuple[str, ...] = ("NONE", "SELECTIVE", "CHECKPOINT", "OFFLOAD", "CHECKPOINT+OFFLOAD")
     "Modes the planner may give a block (labels of adaptmem.Mode). Lossless ones only, unless you add COMPRESS."
 
+    head: Literal["auto", "kept", "chunked"] = "auto"
+    "The loss head: 'auto' chunks its logits when the budget needs it (a choice the planner makes like any block's, chunk size included), 'kept' never, 'chunked' always."
+
     static_plan: Literal["none", "every-k", "sqrt-n"] = "none"
     "A fixed plan instead of planning: checkpoint every k-th block, or every round(sqrt(L))-th. OOMs still escalate."
 

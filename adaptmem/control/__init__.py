@@ -17,4 +17,6 @@
   events.py      the JSONL decision log
   measure.py     measure_peak: the peak of a training step with every block in one mode
   compiling.py   CompileCounter: torch.compile's compilations while a manager is open
+  headcosts.py   HeadCosts: the loss head's modes and chunk sizes as the plan's last row
+  resume.py      a manager's state_dict / load_state_dict
 """

@@ -33,6 +33,7 @@ from dataclasses import replace
 
 from adaptmem.config.policy import Policy
 from adaptmem.control.fits import Fit
+from adaptmem.control.headcosts import HeadChoice, HeadCosts
 from adaptmem.control.planner import Option
 from adaptmem.control.priors import (
     CUDA_PRIORS,
@@ -46,7 +47,7 @@ from adaptmem.control.priors import (
 )
 from adaptmem.control.recorder import BlockSample, StepSample
 from adaptmem.control.timings import ModeTimes
-from adaptmem.modes import LADDER, Mode
+from adaptmem.modes import LADDER, HeadMode, Mode
 
 _REC = Mode.CHECKPOINT | Mode.OFFLOAD
 _CO = Mode.COMPRESS | Mode.OFFLOAD
@@ -68,7 +69,7 @@ class CostModel(ModeTimes):
     """
 
     def __init__(self, classes: list[str], policy: Policy, *, cuda: bool, priors: Priors | None = None,
-                 weight_grad_bytes: list[int] | None = None) -> None:
+                 weight_grad_bytes: list[int] | None = None, head_costs: HeadCosts | None = None) -> None:
         self.classes = classes
         self.policy = policy
         self.cuda = cuda
@@ -90,6 +91,7 @@ class CostModel(ModeTimes):
             self._weights_after[i] = self._weights_after[i + 1] + weights[i + 1]
         self.grads_resident = False  # in the step being planned (set at its start) or learned
         self.head = Fit("base")
+        self.head_costs = head_costs  # the managed loss head's modes (None: no head is managed)
         self.elem_size = 4
         self.steps_learned = 0
         self.provisional = False  # the last step learned held a first offload, whose time stands only until the next
@@ -125,7 +127,11 @@ class CostModel(ModeTimes):
                 grad = self.grad_kept if sample.grads_resident else self.grad
                 grad[blk.index].add(b, s, blk.bwd_start - (start0 + prefix))
         if sample.head_top:
-            self.head.add(b, s, sample.head_top - (start0 + prefix))
+            above = sample.head_top - (start0 + prefix)
+            if self.head_costs is not None and sample.head is not None:
+                self.head_costs.learn(sample.head, b, s, above)
+            else:
+                self.head.add(b, s, above)
         if sample.completed:
             tail = self.tail_kept if sample.grads_resident else self.tail
             tail.add(b, s, max(sample.tail_top, sample.start) - sample.start)
@@ -271,7 +277,13 @@ class CostModel(ModeTimes):
         fresh = self.grad[index].predict(batch, extent, constant=after)
         return max(0.0, fresh - after) if self.grads_resident else fresh
 
-    def head_bytes(self, batch: int, extent: int) -> float:
+    def head_bytes(self, batch: int, extent: int, head: HeadChoice | None = None) -> float:
+        """The head and loss after the blocks: the managed head's figure for `head`, else learned."""
+        costs = self.head_costs
+        if costs is not None and head is not None:
+            if head.mode is HeadMode.KEPT:
+                return costs.kept_bytes(batch, extent)
+            return costs.chunked_bytes(batch, extent, head.chunk or 1)
         return self.head.predict(batch, extent)
 
     def tail_bytes(self, batch: int, extent: int) -> float:
@@ -290,6 +302,7 @@ class CostModel(ModeTimes):
             "head": self.head.state_dict(),
             "tail": self.tail.state_dict(),
             "tail_kept": self.tail_kept.state_dict(),
+            "head_costs": self.head_costs.state_dict() if self.head_costs is not None else None,
             "elem_size": self.elem_size,
             "steps_learned": self.steps_learned,
         }
@@ -311,6 +324,8 @@ class CostModel(ModeTimes):
         self.head = Fit.from_state(state["head"])
         self.tail = Fit.from_state(state["tail"])
         self.tail_kept = Fit.from_state(state["tail_kept"]) if "tail_kept" in state else Fit("base")
+        if self.head_costs is not None and state.get("head_costs"):
+            self.head_costs.load_state_dict(state["head_costs"])
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
         self._pool_key = None

@@ -35,9 +35,11 @@ from adaptmem.control.compiling import CompileCounter
 from adaptmem.control.costs import CostModel
 from adaptmem.control.decisions import Decider
 from adaptmem.control.events import SCHEMA_VERSION, EventLog
+from adaptmem.control.headcosts import HeadChoice, HeadCosts
 from adaptmem.control.plans import PlanBook
 from adaptmem.control.priors import priors_for
 from adaptmem.control.reactions import Reactions
+from adaptmem.control.resume import load_manager_state, manager_state
 from adaptmem.control.recorder import StepRecorder
 from adaptmem.control.retry import BufferCopies, StepGuard, StepOutOfMemoryError, oom_report
 from adaptmem.control.sampler import Sampler
@@ -46,8 +48,8 @@ from adaptmem.devices.host import HostProbe
 from adaptmem.devices.select import make_probe
 from adaptmem.modes import Mode
 from adaptmem.strategies import CompressOptions
-from adaptmem.wrapping import (BlockHandle, BlockSelection, find_blocks, get_instrumentation, instrument, restore,
-                               tell_observer, unwrap)
+from adaptmem.wrapping import (BlockHandle, BlockSelection, HeadHandle, HeadSelection, find_blocks, find_head,
+                               get_instrumentation, instrument, restore, tell_observer, unwrap)
 
 log = logging.getLogger("adaptmem")
 
@@ -61,7 +63,8 @@ class MemoryManager(Reactions):
     """
 
     def __init__(self, model: nn.Module, *, policy: str | Policy | None = None, budget: Budget = None,
-                 device: Any = None, blocks: BlockSelection = "auto", log: str | None = None) -> None:
+                 device: Any = None, blocks: BlockSelection = "auto", log: str | None = None,
+                 head: HeadSelection = "auto") -> None:
         self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
         model = unwrap(model)  # blocks are named inside DDP / torch.compile wrappers
         self.policy = p = load_policy(policy)
@@ -74,12 +77,14 @@ class MemoryManager(Reactions):
         reuse = existing is not None and blocks == "auto"
         if not reuse:
             find_blocks(model, blocks)  # a bad selection is refused here, before anything changes
+            find_head(model, head)
         self.events = EventLog(log)
         self.model = model
         self._owns_instrumentation = existing is None
         self.handles: list[BlockHandle] = (
             list(existing.handles) if reuse else
-            instrument(model, blocks, compress=CompressOptions(codec=p.compress_codec, group_size=p.compress_group_size))
+            instrument(model, blocks, compress=CompressOptions(codec=p.compress_codec, group_size=p.compress_group_size),
+                       head=head)
         )
         self._user_modes = None if existing is None else tuple(h.mode for h in self.handles)
         try:
@@ -93,15 +98,19 @@ class MemoryManager(Reactions):
         p = self.policy
         self.recorder = StepRecorder(self.probe, get_instrumentation(model).runtime.offload.in_flight_bytes)
         cuda = isinstance(self.probe, CudaProbe)
+        self.head: HeadHandle | None = get_instrumentation(model).head
+        head = self.head
+        head_costs = HeadCosts(head.vocab, head.hidden, head.weight_bytes, cuda=cuda) if head is not None else None
         self.costs = CostModel([type(h.module).__name__ for h in self.handles], p, cuda=cuda,
                                priors=priors_for(self.probe, cuda, [h.offload_options for h in self.handles]),
                                weight_grad_bytes=[sum(w.numel() * w.element_size() for w in h.module.parameters()
-                                                      if w.requires_grad) for h in self.handles])
+                                                      if w.requires_grad) for h in self.handles], head_costs=head_costs)
         self.decider = Decider(p)
         self._lock = threading.RLock()
         self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe, start_plan=self._user_modes,
                               one_memory=isinstance(self.probe, HostProbe))
         self._current: tuple[Mode, ...] = tuple(h.mode for h in self.handles)
+        self._current_head: HeadChoice | None = None
         self._in_step = False
         self._closed = False
         self._label: Any = None
@@ -328,46 +337,14 @@ class MemoryManager(Reactions):
 
     # ------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs (`load_state_dict`): see `adaptmem.control.resume`."""
         with self._lock:
-            return {
-                "version": SCHEMA_VERSION,
-                "run": self.events.run_id,
-                "blocks": [h.name for h in self.handles],
-                "costs": self.costs.state_dict(),
-                "decider": self.decider.state_dict(),
-                "plans": self.plans.state_dict(),
-                "current": [m.label for m in self._current],
-                "budget": self.budget,
-                "counters": {"steps": self.steps, "ooms": self.ooms, "ooms_recovered": self.ooms_recovered,
-                             "plan_changes": self.plan_changes, "peak_bytes": self.peak_bytes},
-            }
+            return manager_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a saved run: learned costs, decisions, cached plans, counters, and its
         run id (so a log shared with the saved run continues it)."""
-        names = [h.name for h in self.handles]
-        if state.get("blocks") != names:
-            raise ValueError(
-                f"manager state is for blocks {state.get('blocks', [])[:3]}... ({len(state.get('blocks', []))}), "
-                f"this model has {names[:3]}... ({len(names)}); resume with the same model and block selection"
-            )
-        with self._lock:
-            self.costs.load_state_dict(state["costs"])
-            self.decider.load_state_dict(state["decider"])
-            self.plans.load_state_dict(state["plans"])
-            self.budgets.current = min(self.user_budget, int(state["budget"]))
-            counters = state["counters"]
-            self.steps, self.ooms = counters["steps"], counters["ooms"]
-            self.ooms_recovered, self.plan_changes = counters["ooms_recovered"], counters["plan_changes"]
-            self.peak_bytes = counters["peak_bytes"]
-            current = tuple(Mode.parse(m) for m in state["current"])
-            for handle, mode in zip(self.handles, current):
-                handle.mode = mode
-            self._current = current
-            started_as = self.events.run_id
-            self.events.run_id = state.get("run") or started_as
-        self.events.emit("resume", step=self.steps, started_as=started_as,
-                         plan={h.name: h.mode.label for h in self.handles})
+        load_manager_state(self, state)
 
 
 def _shut_down(sampler: Sampler, events: EventLog, probe: Any) -> None:
@@ -381,7 +358,8 @@ def _shut_down(sampler: Sampler, events: EventLog, probe: Any) -> None:
 
 
 def manage(model: nn.Module, policy: str | Policy | None = None, budget: Budget = None,
-           device: Any = None, blocks: BlockSelection = "auto", log: str | None = None) -> MemoryManager:
+           device: Any = None, blocks: BlockSelection = "auto", log: str | None = None,
+           head: HeadSelection = "auto") -> MemoryManager:
     """Manage `model`'s activation memory; use it as ``with adaptmem.manage(model) as mem:``
     (the model is restored on exit) or keep it and `close()` it.
 
@@ -396,5 +374,8 @@ def manage(model: nn.Module, policy: str | Policy | None = None, budget: Budget 
         blocks: which submodules are blocks (see `adaptmem.instrument`); with a model you
             instrumented yourself, "auto" keeps your blocks and your modes as the starting plan.
         log: path of a JSONL decision log (appended to), or None.
+        head: the loss head ("auto": a Hugging Face language model's output projection, chunked in
+            calls with labels= when the budget needs it; the name of an nn.Linear, or the module, for
+            a model of one's own; None: not managed). See `adaptmem.wrapping.head`.
     """
-    return MemoryManager(model, policy=policy, budget=budget, device=device, blocks=blocks, log=log)
+    return MemoryManager(model, policy=policy, budget=budget, device=device, blocks=blocks, log=log, head=head)

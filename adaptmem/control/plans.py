@@ -28,8 +28,9 @@ from typing import Any
 
 from adaptmem.control.costs import CostModel
 from adaptmem.control.decisions import Decider
-from adaptmem.modes import Mode, ladder, step_up
-from adaptmem.control.planner import plan as solve, predicted_peak
+from adaptmem.control.headcosts import KEPT, HeadChoice
+from adaptmem.modes import HeadMode, Mode, ladder, step_up
+from adaptmem.control.planner import Option, plan as solve, predicted_peak
 from adaptmem.config.policy import Policy
 from adaptmem.config.units import format_bytes
 
@@ -54,6 +55,7 @@ class PlanRecord:
     shortfall: float = 0.0
     learned: int = 0  # the cost model's steps learned when the plan was made (or last checked)
     seen: int = 0  # the largest input elements per sample seen in the bucket
+    head: HeadChoice | None = None  # the loss head's mode and chunk (None: the model has no managed head)
 
 
 class PlanBook:
@@ -79,6 +81,7 @@ class PlanBook:
         self.pinned: dict[int, Mode] = {}  # blocks whose mode is not the planner's to choose
         self.cache: OrderedDict[Key, PlanRecord] = OrderedDict()
         self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory
+        self.failed_head: HeadChoice | None = None  # and its head
         self.tried: set[tuple[Mode, ...]] = set()  # plans that ran out of memory in this step
         self.attempt = 0
         # predicted peaks above the start, per (modes, batch, extent), while the cost model and the
@@ -143,7 +146,7 @@ class PlanBook:
         extent = seen if self.costs.measured(key[0], seen) else max(seen, key[1])
         shape = (key[0], extent)
         fixed = {**self.pinned, **fixed}
-        predicted, feasible, shortfall = None, True, 0.0
+        predicted, feasible, shortfall, head = None, True, 0.0, None
         if p.static_plan != "none":
             modes, reason = self._static(), "static"
         elif not self.costs.known and self.start_plan is not None:
@@ -153,31 +156,42 @@ class PlanBook:
             modes = tuple(Mode.CHECKPOINT if Mode.CHECKPOINT in self.allowed else top for _ in range(self.n))
             reason = "calibrate"
         else:
-            modes, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed, warn=extent <= seen)
+            modes, head, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed,
+                                                                      warn=extent <= seen)
             if not feasible and extent > seen:  # no plan fits the bucket's top: plan for the input itself
                 extent, shape = seen, (key[0], seen)
-                modes, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed)
+                modes, head, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed)
+        if head is None and self.costs.head_costs is not None:
+            head = self._head_alone(shape, start, budget)
         if self.failed is not None:
             modes, reason = self._tighter_than_failed(modes, shape), f"retry {self.attempt}"
+            head = self._tighter_head(head)
+            if head is not None and (modes, head) in self.tried and self.policy.head != "kept":
+                # the blocks have nothing tighter left to try: the head is chunked, in its smallest chunks
+                costs = self.costs.head_costs
+                head = HeadChoice(HeadMode.CHUNKED, costs.chunks(costs.tokens(*shape))[0])
         for i, mode in fixed.items():
             modes = modes[:i] + (mode,) + modes[i + 1:]
         return PlanRecord(modes, key, extent, start, predicted, reason, feasible, shortfall,
-                          self.costs.steps_learned, seen)
+                          self.costs.steps_learned, seen, head)
 
-    def predict(self, modes: tuple[Mode, ...], batch: int, extent: int, start: int) -> float | None:
-        """Predicted absolute peak of `modes` for this shape, or None before calibration."""
+    def predict(self, modes: tuple[Mode, ...], batch: int, extent: int, start: int,
+                head: HeadChoice | None = None) -> float | None:
+        """Predicted absolute peak of `modes` (and the head's `head`) for this shape, or None
+        before calibration."""
         if not self.costs.known:
             return None
         state = (self.costs.steps_learned, self.costs.policy)
         if self._predicted_for is None or self._predicted_for[0] != state[0] or self._predicted_for[1] is not state[1] \
                 or len(self._predicted) >= 4 * MAX_CACHED_PLANS:
             self._predicted, self._predicted_for = {}, state
-        key = (modes, batch, extent, self.costs.grads_resident)
+        key = (modes, batch, extent, self.costs.grads_resident, head)
         above = self._predicted.get(key)
         if above is None:
             rows = self.costs.options(batch, extent, self.allowed, fixed=dict(enumerate(modes)))
             chosen = [row[0] for row in rows]
-            above = max(predicted_peak(chosen, self.costs.head_bytes(batch, extent)), self.costs.tail_bytes(batch, extent))
+            final = self.costs.head_bytes(batch, extent, head)
+            above = max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, extent))
             self._predicted[key] = above
         return start + above
 
@@ -190,13 +204,13 @@ class PlanBook:
         self.cache.clear()
         return True
 
-    def failure(self, executed: tuple[Mode, ...]) -> None:
-        self.failed = executed
-        self.tried.add(executed)
+    def failure(self, executed: tuple[Mode, ...], head: HeadChoice | None = None) -> None:
+        self.failed, self.failed_head = executed, head
+        self.tried.add((executed, head))
         self.cache.clear()
 
     def succeeded(self) -> None:
-        self.failed = None
+        self.failed = self.failed_head = None
         self.tried.clear()
 
     # ------------------------------------------------------------------ inner
@@ -204,13 +218,14 @@ class PlanBook:
         batch, extent = shape
         p = self.policy
         target = self.decider.headroom * budget
-        head = self.costs.head_bytes(batch, extent)
         options = self.costs.options(batch, extent, self.allowed, fixed)
+        head_row = self._head_row(shape)
+        final = 0.0 if head_row else self.costs.head_bytes(batch, extent)
         host_limit = p.host_fraction * self.probe.host_available()
         # the bias aims the predictions higher, never past max_headroom of the budget as predicted
         aim = min((target - start) / self.decider.bias, p.max_headroom * budget - start)
         for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
-            result = solve(options, aim, head, p.planner_bins)
+            result = solve(options + ([head_row] if head_row else []), aim, final, p.planner_bins)
             chosen = [next(o for o in row if o.mode is m) for row, m in zip(options, result.modes)]
             if sum(o.host for o in chosen) <= host_limit:
                 break
@@ -229,7 +244,32 @@ class PlanBook:
                 "this size has not run yet, so its figures are extrapolated from other sizes (with a margin) "
                 "and this step measures them; if it runs out of memory, run_step retries it tighter.",
             )
-        return result.modes, start + result.peak, result.feasible, result.shortfall
+        modes, head = (result.modes[:-1], result.modes[-1]) if head_row else (result.modes, None)
+        return modes, head, start + result.peak, result.feasible, result.shortfall
+
+    def _head_row(self, shape: Shape) -> list[Option]:
+        """The loss head as the plan's last row: its bytes stand above every block's saved bytes."""
+        costs = self.costs.head_costs
+        if costs is None:
+            return []
+        return [Option(choice, 0.0, need, seconds) for choice, need, seconds in costs.choices(*shape, self.policy.head)]
+
+    def _head_alone(self, shape: Shape, start: int, budget: int) -> HeadChoice:
+        """The head's choice where the blocks' plan is not the planner's (calibration, static or the
+        user's plan): the cheapest predicted to fit what is left, else the tightest."""
+        row = self._head_row(shape)
+        room = self.decider.headroom * budget - start
+        fitting = [o for o in row if o.need <= room]
+        return min(fitting, key=lambda o: o.seconds).mode if fitting else min(row, key=lambda o: o.need).mode
+
+    def _tighter_head(self, head: HeadChoice | None) -> HeadChoice | None:
+        """After an OOM a chunked head's chunk is no larger than the failed one's. A kept head stays
+        the planner's choice: chunking it changes the order of summation, so it is done where the
+        figures call for it, not on every retry (the blocks tighten first)."""
+        failed = self.failed_head
+        if head is None or failed is None or failed.mode is HeadMode.KEPT or head.mode is HeadMode.KEPT:
+            return head
+        return failed if (head.chunk or 0) > (failed.chunk or 0) else head
 
     def _static(self) -> tuple[Mode, ...]:
         k = self.policy.every_k if self.policy.static_plan == "every-k" else max(1, round(math.sqrt(self.n)))
@@ -244,8 +284,9 @@ class PlanBook:
         merged = tuple(m if rank.get(m, 0) >= rank.get(f, 0) else f for m, f in zip(modes, failed))
         candidates = [merged, tuple(step_up(f, allowed) for f in failed)]
         candidates += [tuple(m for _ in failed) for m in self._uniform_by_peak(shape)]
+        tried = {modes for modes, _ in self.tried}
         for candidate in candidates:
-            if candidate not in self.tried:
+            if candidate not in tried:
                 return candidate
         return candidates[-1]
 
@@ -258,14 +299,15 @@ class PlanBook:
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> list:
-        return [[list(k), [m.label for m in r.modes], r.start, r.predicted, r.extent, r.seen, r.learned]
-                for k, r in self.cache.items()]
+        return [[list(k), [m.label for m in r.modes], r.start, r.predicted, r.extent, r.seen, r.learned,
+                 r.head.label if r.head is not None else None] for k, r in self.cache.items()]
 
     def load_state_dict(self, state: list) -> None:
         self.cache = OrderedDict()
         self._predicted_for = None  # the cost model was loaded beside it
         for k, modes, start, pred, *rest in state:
-            extent, seen, learned = rest or (k[1], k[1], 0)  # saved before plans kept their extent: the top
+            extent, seen, learned, *more = rest or (k[1], k[1], 0)  # saved before plans kept their extent: the top
             k = (*k, False)[:3]  # saved before plans were kept per gradient state: a fresh step's
+            head = HeadChoice.parse(more[0]) if more and more[0] else None  # saved before heads were planned: none
             self.cache[k] = PlanRecord(tuple(Mode.parse(m) for m in modes), k, extent, start, pred,
-                                       "resume", learned=learned, seen=seen)
+                                       "resume", learned=learned, seen=seen, head=head)

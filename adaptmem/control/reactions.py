@@ -119,7 +119,7 @@ class Reactions:
             if self._in_step:
                 self.recorder.detail = self._worth_measuring(record)
                 self._step_key = record.key
-                self._step_pred = self.plans.predict(record.modes, batch, extent, start)
+                self._step_pred = self.plans.predict(record.modes, batch, extent, start, record.head)
                 self._step_feasible = record.feasible
                 self._step_start = start
 
@@ -210,14 +210,20 @@ class Reactions:
     def _apply(self, record: PlanRecord) -> None:
         for handle, mode in zip(self.handles, record.modes):
             handle.mode = mode
-        if record.modes != self._current:
+        head = self.head
+        if head is not None and record.head is not None:
+            head.mode, head.chunk_tokens = record.head.mode, record.head.chunk
+            if self._in_step and self.recorder.sample is not None:
+                self.recorder.sample.head = record.head
+        if record.modes != self._current or record.head != self._current_head:
             self.plan_changes += 1
-            self._current = record.modes
+            self._current, self._current_head = record.modes, record.head
             self.events.emit(
                 "plan", step=self.steps + 1, reason=record.reason, batch=record.key[0], bucket=record.key[1],
                 budget_bytes=self.budget, headroom=round(self.decider.headroom, 4),
                 predicted_peak_bytes=record.predicted, feasible=record.feasible,
                 shortfall_bytes=record.shortfall, plan={h.name: m.label for h, m in zip(self.handles, record.modes)},
+                head=record.head.label if record.head is not None else None,
             )
 
     def _replan_running_forward(self) -> int:
@@ -295,6 +301,7 @@ class Reactions:
             host_bytes=sum(b.host for b in sample.blocks), prediction_error=error, decision=decision,
             headroom=round(self.decider.headroom, 4), alloc_retries=retries,
             plan=[sample.plan.get(i, h.mode).label for i, h in enumerate(self.handles)],
+            head=sample.head.label if sample.head is not None else None,
             plan_counts=dict(Counter(m.label for m in sample.plan.values())), seconds=round(sample.seconds, 6),
             measured="blocks" if sample.detailed else "peak",
         )
@@ -319,7 +326,7 @@ class Reactions:
         ran = sample is not None and bool(sample.blocks)
         executed = tuple(sample.plan.get(i, h.mode) for i, h in enumerate(self.handles)) if ran else ()
         if ran:  # a plan was running: the retry must not run it again
-            self.plans.failure(executed)
+            self.plans.failure(executed, sample.head)
         self._last_failure = failure_record(err, sample, executed, self._step_pred or 0, self.budget,
                                             self.decider.headroom)
         return self.events.emit("oom", step=self.steps + 1, label=self._label, attempt=self.plans.attempt,

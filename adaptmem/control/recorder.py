@@ -102,6 +102,7 @@ class StepSample:
     unmeasured: bool = False  # a probe reading failed during the step: its figures are not to be learned
     detailed: bool = True  # measured block by block (False: only its start and peak, not learned from)
     grads_resident: bool = False  # the weights' gradients were allocated before the step (accumulation)
+    head: Any = None  # the loss head's HeadChoice in this step (None: no managed head)
     seconds: float = 0.0
 
     @property

@@ -1,0 +1,60 @@
+"""A manager's state for resuming a run: what it learned, decided and counted.
+
+The manager's `state_dict()` / `load_state_dict()` call these; a resumed run
+plans from the same costs and cached plans, and its log continues the saved
+run's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adaptmem.control.events import SCHEMA_VERSION
+from adaptmem.control.headcosts import HeadChoice
+from adaptmem.modes import Mode
+
+
+def manager_state(mgr: Any) -> dict[str, Any]:
+    return {
+        "version": SCHEMA_VERSION,
+        "run": mgr.events.run_id,
+        "blocks": [h.name for h in mgr.handles],
+        "costs": mgr.costs.state_dict(),
+        "decider": mgr.decider.state_dict(),
+        "plans": mgr.plans.state_dict(),
+        "current": [m.label for m in mgr._current],
+        "current_head": mgr._current_head.label if mgr._current_head is not None else None,
+        "budget": mgr.budget,
+        "counters": {"steps": mgr.steps, "ooms": mgr.ooms, "ooms_recovered": mgr.ooms_recovered,
+                     "plan_changes": mgr.plan_changes, "peak_bytes": mgr.peak_bytes},
+    }
+
+
+def load_manager_state(mgr: Any, state: dict[str, Any]) -> None:
+    names = [h.name for h in mgr.handles]
+    if state.get("blocks") != names:
+        raise ValueError(
+            f"manager state is for blocks {state.get('blocks', [])[:3]}... ({len(state.get('blocks', []))}), "
+            f"this model has {names[:3]}... ({len(names)}); resume with the same model and block selection"
+        )
+    with mgr._lock:
+        mgr.costs.load_state_dict(state["costs"])
+        mgr.decider.load_state_dict(state["decider"])
+        mgr.plans.load_state_dict(state["plans"])
+        mgr.budgets.current = min(mgr.user_budget, int(state["budget"]))
+        counters = state["counters"]
+        mgr.steps, mgr.ooms = counters["steps"], counters["ooms"]
+        mgr.ooms_recovered, mgr.plan_changes = counters["ooms_recovered"], counters["plan_changes"]
+        mgr.peak_bytes = counters["peak_bytes"]
+        current = tuple(Mode.parse(m) for m in state["current"])
+        for handle, mode in zip(mgr.handles, current):
+            handle.mode = mode
+        mgr._current = current
+        head = state.get("current_head")
+        if head is not None and mgr.head is not None:
+            mgr._current_head = choice = HeadChoice.parse(head)
+            mgr.head.mode, mgr.head.chunk_tokens = choice.mode, choice.chunk
+        started_as = mgr.events.run_id
+        mgr.events.run_id = state.get("run") or started_as
+    mgr.events.emit("resume", step=mgr.steps, started_as=started_as,
+                    plan={h.name: h.mode.label for h in mgr.handles})
