@@ -79,30 +79,34 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
+def _casts_only(epilogue: tuple) -> bool:
+    """The epilogue only casts to float32 (Hugging Face's ``.float()``), or is empty."""
+    return all(func is torch.Tensor.to and args == (_SELF, torch.float32) and not kwargs
+               for func, args, kwargs in epilogue)
+
+
 def _chunk_losses(hidden, weight, bias, target, spec: LossSpec, grads: "_Grads | None",
                   grad_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The loss of every chunk (summed, or per token for reduction "none"); with `grads`,
     also each chunk's gradients, accumulated into it (scaled by `grad_rows` per token, if given)."""
     n = hidden.shape[0]
     per_token = spec.reduction == "none"
+    direct = _casts_only(spec.epilogue) and spec.label_smoothing == 0.0
     losses = [] if per_token else None
     total = None
     for start in range(0, n, spec.chunk):
         end = min(n, start + spec.chunk)
         h, t = hidden[start:end], target[start:end]
+        rows = grad_rows[start:end] if grad_rows is not None else None
         z = F.linear(h, weight, bias)
-        with torch.enable_grad():
-            leaf = z.detach().requires_grad_(grads is not None)
-            loss = F.cross_entropy(_apply_epilogue(leaf, spec.epilogue), t, ignore_index=spec.ignore_index,
-                                   reduction="none" if per_token else "sum", label_smoothing=spec.label_smoothing)
-            if grads is not None:
-                rows = grad_rows[start:end] if grad_rows is not None else None
-                (g,) = torch.autograd.grad(loss, leaf, grad_outputs=rows)
+        if direct:
+            loss, g = _direct_chunk(z, t, spec.ignore_index, per_token, grads is not None, rows)
+        else:
+            loss, g = _autograd_chunk(z, t, spec, per_token, grads is not None, rows)
         del z
-        if grads is not None:
+        if g is not None:
             grads.add(g, h, weight, start, end)
             del g
-        loss = loss.detach()
         if per_token:
             losses.append(loss)
         else:
@@ -110,6 +114,37 @@ def _chunk_losses(hidden, weight, bias, target, spec: LossSpec, grads: "_Grads |
     if per_token:
         return torch.cat(losses) if losses else hidden.new_zeros((0,))
     return total if total is not None else hidden.new_zeros(())
+
+
+def _direct_chunk(z, t, ignore_index, per_token, want_grad, rows):
+    """Cross-entropy of one chunk in float32 and its gradient written over the chunk's logits
+    (softmax less the one-hot): one chunk-sized buffer, where autograd would hold four
+    (the logits, their log-softmax, its gradient and theirs)."""
+    compute = z.dtype
+    zf = z.float() if compute != torch.float32 else z
+    lse = torch.logsumexp(zf, dim=1)
+    valid = t != ignore_index
+    index = torch.where(valid, t, 0).unsqueeze(1)
+    loss = (lse - zf.gather(1, index).squeeze(1)) * valid
+    if not want_grad:
+        return (loss if per_token else loss.sum()), None
+    g = zf.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place
+    g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))
+    scale = valid.to(g.dtype) if rows is None else valid.to(g.dtype) * rows.to(g.dtype)
+    g.mul_(scale.unsqueeze(1))
+    if compute != torch.float32:
+        g = g.to(compute)  # the gradient the projection's backward sees, as autocast's cast back gives it
+    return (loss if per_token else loss.sum()), g
+
+
+def _autograd_chunk(z, t, spec, per_token, want_grad, rows):
+    """Any other epilogue (a soft-cap, a scale) or label smoothing: autograd through it, per chunk."""
+    with torch.enable_grad():
+        leaf = z.detach().requires_grad_(want_grad)
+        loss = F.cross_entropy(_apply_epilogue(leaf, spec.epilogue), t, ignore_index=spec.ignore_index,
+                               reduction="none" if per_token else "sum", label_smoothing=spec.label_smoothing)
+        g = torch.autograd.grad(loss, leaf, grad_outputs=rows)[0] if want_grad else None
+    return loss.detach(), g
 
 
 class _Grads:
@@ -181,38 +216,49 @@ class _GradsInForward(torch.autograd.Function):
 
 
 class _RecomputedInBackward(torch.autograd.Function):
-    """Per-token losses ("none"): the incoming gradient differs per token, so the chunks'
-    logits are made again in backward (under forward's autocast state) and their gradients
-    computed there."""
+    """The chunks' logits made again in backward (under forward's autocast state), their
+    gradients computed there. Per-token losses ("none") need it: the incoming gradient differs
+    per token, so no gradient can be taken ahead. For sums and means it is the slower of the
+    two (`stress/head_variants.py`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, spec):
         with torch.no_grad():
             losses = _chunk_losses(hidden, weight, bias, target, spec, None)
+        denominator = _denominator(target, spec)
         ctx.save_for_backward(hidden, weight, bias, target)
-        ctx.spec = spec
+        ctx.spec, ctx.denominator = spec, denominator
         ctx.autocast = _autocast_state(hidden.device.type)
-        return losses
+        return losses / denominator if denominator is not None else losses
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, target = ctx.saved_tensors
         grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
         enabled, dtype = ctx.autocast
+        per_token = ctx.spec.reduction == "none"
         with torch.no_grad(), torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
-            _chunk_losses(hidden, weight, bias, target, ctx.spec, grads, grad_rows=grad_out)
-        return (grads.hidden.to(hidden.dtype) if grads.hidden is not None else None,
-                grads.weight.to(weight.dtype) if grads.weight is not None else None,
-                grads.bias.to(bias.dtype) if grads.bias is not None else None, None, None)
+            _chunk_losses(hidden, weight, bias, target, ctx.spec, grads, grad_rows=grad_out if per_token else None)
+        scale = None if per_token else (grad_out if ctx.denominator is None else grad_out / ctx.denominator)
+        out = []
+        for grad, like in zip((grads.hidden, grads.weight, grads.bias), (hidden, weight, bias)):
+            if grad is not None and scale is not None:
+                grad.mul_(scale.to(grad.dtype))
+            out.append(None if grad is None else grad.to(like.dtype))
+        return out[0], out[1], out[2], None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          target: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+                          target: torch.Tensor, spec: LossSpec, *, recompute: bool | None = None) -> torch.Tensor:
     """``F.cross_entropy(epilogue(F.linear(hidden, weight, bias)), target, ...)`` without ever
-    making the whole logits: `hidden` is (tokens, hidden size), `target` (tokens,)."""
+    making the whole logits: `hidden` is (tokens, hidden size), `target` (tokens,). `recompute`
+    (default: only for per-token losses) makes the chunks again in backward rather than taking
+    their gradients in forward."""
     if spec.reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {spec.reduction!r}")
-    function = _RecomputedInBackward if spec.reduction == "none" else _GradsInForward
+    if recompute is None:
+        recompute = spec.reduction == "none"
+    function = _RecomputedInBackward if recompute else _GradsInForward
     return function.apply(hidden, weight, bias, target, spec)
 
 

@@ -20,6 +20,7 @@ in CHUNKED mode it returns `ChunkedLogits` and the loss is computed chunk by chu
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import weakref
@@ -116,13 +117,29 @@ class _HeadForward:
     def belongs_to(self, handle: HeadHandle) -> bool:
         return self._handle() is handle
 
-    def __reduce__(self) -> tuple:  # pickled or deep-copied: the copy's projection runs as a plain module
-        module = self._module()
-        return (_plain_forward, (module, self.previous))
+    # Weak references are copied as-is by `copy`; point them at the copies instead (as blocks do).
+    def __deepcopy__(self, memo: dict) -> "_HeadForward":
+        module, handle = self._module(), self._handle()
+        new = _HeadForward.__new__(_HeadForward)
+        new._module = weakref.ref(memo.get(id(module), module))
+        new._handle = weakref.ref(copy.deepcopy(handle, memo)) if handle is not None else _dead
+        new.previous = copy.deepcopy(self.previous, memo)
+        return new
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild_forward, (self._module(), self._handle(), self.previous))
 
 
-def _plain_forward(module: nn.Module, previous: Any) -> Any:
-    return previous if previous is not None else functools.partial(type(module).forward, module)
+def _dead() -> None:
+    return None
+
+
+def _rebuild_forward(module: nn.Module, handle: HeadHandle | None, previous: Any) -> _HeadForward:
+    new = _HeadForward.__new__(_HeadForward)
+    new._module = weakref.ref(module)
+    new._handle = weakref.ref(handle) if handle is not None else _dead
+    new.previous = previous
+    return new
 
 
 def find_head(model: nn.Module, head: HeadSelection = "auto") -> tuple[str, nn.Linear, nn.Module | None] | None:
@@ -185,10 +202,9 @@ def attach_head(found: tuple[str, nn.Linear, nn.Module | None], runtime: Any) ->
     handle = HeadHandle(name, module, owner, runtime)
     module.__dict__["forward"] = _HeadForward(module, handle, module.__dict__.get("forward"))
     if owner is not None:
-        signature = inspect.signature(type(owner).forward)
         handle._hooks = [
-            owner.register_forward_pre_hook(functools.partial(_arm, weakref.ref(handle), signature), with_kwargs=True),
-            owner.register_forward_hook(functools.partial(_disarm, weakref.ref(handle)), always_call=True),
+            owner.register_forward_pre_hook(_Arm(handle), with_kwargs=True),
+            owner.register_forward_hook(_Disarm(handle), always_call=True),
         ]
     return handle
 
@@ -209,18 +225,34 @@ def detach_head(handle: HeadHandle) -> None:
     handle._hooks = []
 
 
-def _arm(ref: Any, signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    handle = ref()
-    if handle is None:
-        return
-    try:
-        labels = signature.bind_partial(module, *args, **kwargs).arguments.get("labels")
-    except TypeError:
-        labels = kwargs.get("labels")
-    handle.armed = labels is not None
+class _Arm:
+    """The owner's forward pre-hook: the head is armed in a call given `labels` (held weakly, so the
+    model does not keep its manager's handle alive; a deep copy points at the copy's handle)."""
+
+    def __init__(self, handle: HeadHandle) -> None:
+        self._handle = weakref.ref(handle)
+
+    def __deepcopy__(self, memo: dict) -> "_Arm":
+        new = type(self).__new__(type(self))
+        handle = self._handle()
+        new._handle = weakref.ref(copy.deepcopy(handle, memo)) if handle is not None else _dead
+        return new
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        handle = self._handle()
+        if handle is None:
+            return
+        try:
+            labels = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs).arguments.get("labels")
+        except TypeError:
+            labels = kwargs.get("labels")
+        handle.armed = labels is not None
 
 
-def _disarm(ref: Any, module: nn.Module, args: tuple, output: Any) -> None:
-    handle = ref()
-    if handle is not None:
-        handle.armed = False
+class _Disarm(_Arm):
+    """The owner's forward hook (always called, also after an error): the head is disarmed."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:  # type: ignore[override]
+        handle = self._handle()
+        if handle is not None:
+            handle.armed = False
