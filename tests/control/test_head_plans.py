@@ -1,0 +1,74 @@
+"""The planner weighs the loss head like any block: kept while it fits, chunked where the budget needs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adaptmem
+from adaptmem import HeadMode
+from adaptmem.control.headcosts import KEPT, HeadChoice, HeadCosts
+from adaptmem.testing import SimulatedDevice
+from tests.strategies.test_head import hf_model
+
+MiB = 2**20
+
+
+def run(lengths, policy="balanced", budget=96 * MiB, **manage):
+    model = hf_model("llama", vocab_size=8000)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    records = []
+    with SimulatedDevice(capacity_bytes=budget) as dev, \
+            adaptmem.manage(model, policy=policy, device=dev, budget=budget, **manage) as mem:
+        for i, seq in enumerate(lengths):
+            ids = torch.randint(0, 8000, (1, seq), generator=torch.Generator().manual_seed(i))
+
+            def step():
+                model(input_ids=ids, labels=ids).loss.backward()
+
+            mem.run_step(step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            records.append(mem.last_step)
+        summary = mem.summary()
+    return records, summary
+
+
+def test_balanced_keeps_the_head_while_it_fits_and_chunks_it_where_the_budget_needs_it():
+    # at 2048 tokens one logits tensor is 62.5 MiB and the kept head holds several: over the budget
+    records, summary = run([128, 256, 2048, 128, 2048])
+    heads = [r["head"] for r in records]
+    assert heads[1] == "KEPT" and heads[3] == "KEPT", heads
+    assert heads[2].startswith("CHUNKED:") and heads[4].startswith("CHUNKED:"), heads
+    assert summary["ooms"] == 0
+    assert all(r["observed_peak_bytes"] <= r["budget_bytes"] for r in records)
+
+
+def test_long_context_chunks_always_and_kept_never():
+    records, _ = run([128, 512], policy="long-context")
+    assert all(r["head"].startswith("CHUNKED:") for r in records)
+    from adaptmem.config.policy import load_policy
+
+    records, _ = run([128, 256], policy=load_policy("balanced").model_copy(update={"head": "kept"}), budget=512 * MiB)
+    assert [r["head"] for r in records] == ["KEPT", "KEPT"]
+
+
+def test_without_a_head_the_plans_are_as_before():
+    records, _ = run([128, 256], head=None, budget=512 * MiB)
+    assert all(r["head"] is None for r in records)
+
+
+def test_the_head_costs_price_memory_by_shape_and_chunks_by_count():
+    costs = HeadCosts(vocab=1000, hidden=10, weight_bytes=40_000, cuda=False)
+    assert costs.tokens(2, 300 * 10) == 600
+    assert costs.chunks(600) == [64, 128, 256, 512, 1024]
+    choices = costs.choices(2, 3000, "auto")
+    assert choices[0][0] == KEPT and [c.chunk for c, _, _ in choices[1:]] == [1024, 512, 256, 128, 64]
+    needs = [need for _, need, _ in choices[1:]]
+    seconds = [s for _, _, s in choices[1:]]
+    assert needs == sorted(needs, reverse=True) and seconds == sorted(seconds)  # smaller chunks: less memory, more time
+    assert choices[0][1] > needs[0]  # kept holds more than one chunk of everything
+    assert [c for c, _, _ in costs.choices(2, 3000, "kept")] == [KEPT]
+    costs.learn(HeadChoice(HeadMode.CHUNKED, 128), 2, 3000, above=costs.chunk_bytes(128) + 1234.0)
+    assert costs.chunked_bytes(2, 3000, 256) == pytest.approx(1234.0 + costs.chunk_bytes(256))
+    assert HeadChoice.parse("CHUNKED:256") == HeadChoice(HeadMode.CHUNKED, 256) and HeadChoice.parse("KEPT") == KEPT
