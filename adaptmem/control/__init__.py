@@ -3,6 +3,7 @@
   manager.py     MemoryManager and manage(): lifecycle, steps, run_step, set_budget, resume
   reactions.py   the manager's reactions: blocks starting, steps ending, OOMs, outside pressure
   recorder.py    StepRecorder: a step cut at block boundaries, per-block measurements (or only its peak)
+  samples.py     BlockSample, StepSample, InputShape: what one step looked like
   readings.py    SafeReadings: probe readings that never stop training
   fits.py        Fit: one quantity as a function of the batch shape (least squares)
   priors.py      Priors (named, with units and reasons) and one derivation per mode

@@ -45,7 +45,7 @@ from adaptmem.control.priors import (
     Latents,
     Priors,
 )
-from adaptmem.control.recorder import BlockSample, StepSample
+from adaptmem.control.samples import BlockSample, StepSample
 from adaptmem.control.timings import ModeTimes
 from adaptmem.modes import LADDER, HeadMode, Mode
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from adaptmem.control.costs import CostModel
 from adaptmem.control.decisions import Decider
-from adaptmem.control.headcosts import KEPT, HeadChoice
+from adaptmem.control.headcosts import HeadChoice
 from adaptmem.modes import HeadMode, Mode, ladder, step_up
 from adaptmem.control.planner import Option, plan as solve, predicted_peak
 from adaptmem.config.policy import Policy

@@ -20,7 +20,7 @@ import torch
 from adaptmem.config.units import format_bytes
 from adaptmem.control.decisions import ESCALATE, HOLD
 from adaptmem.control.plans import MAX_CACHED_PLANS, PlanRecord
-from adaptmem.control.recorder import InputShape, StepSample, shape_of
+from adaptmem.control.samples import InputShape, StepSample, shape_of
 from adaptmem.control.retry import failure_record
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.modes import Mode

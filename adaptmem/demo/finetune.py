@@ -34,7 +34,8 @@ from adaptmem.devices.simulated import SimulatedDevice
 
 LETTER = {"NONE": "N", "SELECTIVE": "S", "CHECKPOINT": "C", "OFFLOAD": "O", "COMPRESS": "Z",
           "CHECKPOINT+OFFLOAD": "K", "COMPRESS+OFFLOAD": "Y"}
-LEGEND = "N none, S selective, C checkpoint, O offload, K checkpoint+offload, Z compress, Y compress+offload"
+LEGEND = ("N none, S selective, C checkpoint, O offload, K checkpoint+offload, Z compress, Y compress+offload;\n"
+          "            after |, the loss head: L logits kept, c<n> logits chunked by n tokens")
 
 
 @dataclass
@@ -209,6 +210,9 @@ def train_managed(job: Job, opts: argparse.Namespace) -> int:
 
 def step_line(step: int, loss: float, record: dict) -> str:
     plan = " ".join(LETTER.get(m, "?") for m in record["plan"])
+    head = record.get("head")
+    if head is not None:
+        plan += " | " + ("L" if head == "KEPT" else "c" + head.partition(":")[2])
     retried = f"  (recovered from {record['attempt']} OOM)" if record["attempt"] else ""
     return (f"{step:>4} {record['tokens']:>6} {loss:>6.3f} {format_bytes(record['observed_peak_bytes']):>10} "
             f"{record['observed_peak_bytes'] / record['budget_bytes']:>8.0%}  {plan}{retried}")

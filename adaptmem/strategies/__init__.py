@@ -13,7 +13,8 @@ A strategy runs one block call in training, ``STRATEGIES[mode](call) -> output``
                       offloads nothing starts for the offloaded one before it
   pinned.py     the reusable pinned-buffer pool of the CUDA tier
   compress.py   int8 / fp8 / bf16 codecs, boolean bit-packing
-  head.py       the loss head chunked: logits that are never made whole, a fused linear cross-entropy
+  head.py       the loss head chunked: ChunkedLogits, logits that are never made whole
+  chunked_loss.py  the fused linear cross-entropy ChunkedLogits hands the loss to, chunk by chunk
 """
 
 from __future__ import annotations

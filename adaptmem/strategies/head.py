@@ -27,11 +27,12 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from adaptmem.strategies.chunked_loss import LOGITS, LossSpec, chunked_cross_entropy
 
 
 class LogitsNotMaterializedError(RuntimeError):
@@ -47,222 +48,6 @@ _FIX = (
 )
 
 
-# -------------------------------------------------------------- the loss
-@dataclass(frozen=True)
-class LossSpec:
-    """What the loss call asked for, and the chunking: one chunk is `chunk` tokens."""
-
-    epilogue: tuple  # ((func, args with _SELF for the logits, kwargs), ...), in order
-    ignore_index: int = -100
-    reduction: str = "mean"
-    label_smoothing: float = 0.0
-    chunk: int = 1024
-
-
-class _Self:
-    """Marks where the logits go in a recorded call."""
-
-    def __repr__(self) -> str:
-        return "<logits>"
-
-
-_SELF = _Self()
-
-
-def _apply_epilogue(z: torch.Tensor, epilogue: tuple) -> torch.Tensor:
-    for func, args, kwargs in epilogue:
-        z = func(*[z if a is _SELF else a for a in args], **kwargs)
-    return z
-
-
-def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
-    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-
-
-def _casts_only(epilogue: tuple) -> bool:
-    """The epilogue only casts to float32 (Hugging Face's ``.float()``), or is empty."""
-    return all(func is torch.Tensor.to and args == (_SELF, torch.float32) and not kwargs
-               for func, args, kwargs in epilogue)
-
-
-def _chunk_losses(hidden, weight, bias, target, spec: LossSpec, grads: "_Grads | None",
-                  grad_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The loss of every chunk (summed, or per token for reduction "none"); with `grads`,
-    also each chunk's gradients, accumulated into it (scaled by `grad_rows` per token, if given)."""
-    n = hidden.shape[0]
-    per_token = spec.reduction == "none"
-    direct = _casts_only(spec.epilogue) and spec.label_smoothing == 0.0
-    losses = [] if per_token else None
-    total = None
-    for start in range(0, n, spec.chunk):
-        end = min(n, start + spec.chunk)
-        h, t = hidden[start:end], target[start:end]
-        rows = grad_rows[start:end] if grad_rows is not None else None
-        z = F.linear(h, weight, bias)
-        if direct:
-            loss, g = _direct_chunk(z, t, spec.ignore_index, per_token, grads is not None, rows)
-        else:
-            loss, g = _autograd_chunk(z, t, spec, per_token, grads is not None, rows)
-        del z
-        if g is not None:
-            grads.add(g, h, weight, start, end)
-            del g
-        if per_token:
-            losses.append(loss)
-        else:
-            total = loss if total is None else total + loss
-    if per_token:
-        return torch.cat(losses) if losses else hidden.new_zeros((0,))
-    return total if total is not None else hidden.new_zeros(())
-
-
-def _direct_chunk(z, t, ignore_index, per_token, want_grad, rows):
-    """Cross-entropy of one chunk in float32 and its gradient written over the chunk's logits
-    (softmax less the one-hot): one chunk-sized buffer, where autograd would hold four
-    (the logits, their log-softmax, its gradient and theirs)."""
-    compute = z.dtype
-    zf = z.float() if compute != torch.float32 else z
-    lse = torch.logsumexp(zf, dim=1)
-    valid = t != ignore_index
-    index = torch.where(valid, t, 0).unsqueeze(1)
-    loss = (lse - zf.gather(1, index).squeeze(1)) * valid
-    if not want_grad:
-        return (loss if per_token else loss.sum()), None
-    g = zf.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place
-    g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))
-    scale = valid.to(g.dtype) if rows is None else valid.to(g.dtype) * rows.to(g.dtype)
-    g.mul_(scale.unsqueeze(1))
-    if compute != torch.float32:
-        g = g.to(compute)  # the gradient the projection's backward sees, as autocast's cast back gives it
-    return (loss if per_token else loss.sum()), g
-
-
-def _autograd_chunk(z, t, spec, per_token, want_grad, rows):
-    """Any other epilogue (a soft-cap, a scale) or label smoothing: autograd through it, per chunk."""
-    with torch.enable_grad():
-        leaf = z.detach().requires_grad_(want_grad)
-        loss = F.cross_entropy(_apply_epilogue(leaf, spec.epilogue), t, ignore_index=spec.ignore_index,
-                               reduction="none" if per_token else "sum", label_smoothing=spec.label_smoothing)
-        g = torch.autograd.grad(loss, leaf, grad_outputs=rows)[0] if want_grad else None
-    return loss.detach(), g
-
-
-class _Grads:
-    """The head's gradients, accumulated chunk by chunk: the hidden states' row by row, the
-    weight's and bias's in float32 (summed over chunks, so not rounded once per chunk)."""
-
-    def __init__(self, hidden, weight, bias, needs: tuple[bool, bool, bool]) -> None:
-        self.hidden = torch.empty_like(hidden) if needs[0] else None
-        self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
-        self.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
-            if bias is not None and needs[2] else None
-
-    def add(self, g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> None:
-        # under autocast the matmuls run in its dtype, as the projection's own backward would
-        autocast = torch.is_autocast_enabled(g.device.type)
-        if self.hidden is not None:
-            self.hidden[start:end] = torch.matmul(g, weight if autocast else weight.to(g.dtype))
-        if self.weight is not None:
-            if not autocast and g.dtype == h.dtype == torch.float32:
-                self.weight.addmm_(g.t(), h)  # in place: no chunk-sized product beside the sum
-            else:
-                self.weight.add_(torch.matmul(g.t(), h if autocast else h.to(g.dtype)))
-        if self.bias is not None:
-            self.bias.add_(g.sum(0, dtype=torch.float32))
-
-
-def _denominator(target: torch.Tensor, spec: LossSpec) -> torch.Tensor | None:
-    """What a "mean" loss divides by: the targets not ignored (as `F.cross_entropy` does)."""
-    if spec.reduction != "mean":
-        return None
-    return (target != spec.ignore_index).sum()
-
-
-class _GradsInForward(torch.autograd.Function):
-    """Sum or mean reductions: each chunk's gradients are computed in forward, while its logits
-    exist, and scaled by the incoming gradient in backward (the way Liger's fused linear
-    cross-entropy does). Three matmuls per chunk, as the kept head does; measured against
-    recomputing the chunk's logits in backward (`_RecomputedInBackward`, four matmuls) on the
-    same peak, it is the faster (`stress/head_variants.py`). The weight's gradient buffer is
-    handed to autograd as it is, so where the weight has no `.grad` yet it becomes the `.grad`
-    without a copy."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, spec):
-        grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
-        total = _chunk_losses(hidden, weight, bias, target, spec, grads)
-        denominator = _denominator(target, spec)
-        ctx.grads, ctx.denominator = grads, denominator
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return total / denominator if denominator is not None else total
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grads = ctx.grads
-        if grads is None:
-            raise RuntimeError("the CHUNKED loss head cannot run backward twice (retain_graph=True): its "
-                               "gradients were handed on by the first backward. " + _FIX)
-        ctx.grads = None
-        scale = grad_out if ctx.denominator is None else grad_out / ctx.denominator
-        out = []
-        for grad, dtype in zip((grads.hidden, grads.weight, grads.bias), ctx.dtypes):
-            if grad is None:
-                out.append(None)
-                continue
-            grad.mul_(scale.to(grad.dtype))
-            out.append(grad if grad.dtype == dtype else grad.to(dtype))
-        del grads
-        return out[0], out[1], out[2], None, None
-
-
-class _RecomputedInBackward(torch.autograd.Function):
-    """The chunks' logits made again in backward (under forward's autocast state), their
-    gradients computed there. Per-token losses ("none") need it: the incoming gradient differs
-    per token, so no gradient can be taken ahead. For sums and means it is the slower of the
-    two (`stress/head_variants.py`)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, spec):
-        with torch.no_grad():
-            losses = _chunk_losses(hidden, weight, bias, target, spec, None)
-        denominator = _denominator(target, spec)
-        ctx.save_for_backward(hidden, weight, bias, target)
-        ctx.spec, ctx.denominator = spec, denominator
-        ctx.autocast = _autocast_state(hidden.device.type)
-        return losses / denominator if denominator is not None else losses
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, bias, target = ctx.saved_tensors
-        grads = _Grads(hidden, weight, bias, ctx.needs_input_grad[:3])
-        enabled, dtype = ctx.autocast
-        per_token = ctx.spec.reduction == "none"
-        with torch.no_grad(), torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
-            _chunk_losses(hidden, weight, bias, target, ctx.spec, grads, grad_rows=grad_out if per_token else None)
-        scale = None if per_token else (grad_out if ctx.denominator is None else grad_out / ctx.denominator)
-        out = []
-        for grad, like in zip((grads.hidden, grads.weight, grads.bias), (hidden, weight, bias)):
-            if grad is not None and scale is not None:
-                grad.mul_(scale.to(grad.dtype))
-            out.append(None if grad is None else grad.to(like.dtype))
-        return out[0], out[1], out[2], None, None
-
-
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          target: torch.Tensor, spec: LossSpec, *, recompute: bool | None = None) -> torch.Tensor:
-    """``F.cross_entropy(epilogue(F.linear(hidden, weight, bias)), target, ...)`` without ever
-    making the whole logits: `hidden` is (tokens, hidden size), `target` (tokens,). `recompute`
-    (default: only for per-token losses) makes the chunks again in backward rather than taking
-    their gradients in forward."""
-    if spec.reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {spec.reduction!r}")
-    if recompute is None:
-        recompute = spec.reduction == "none"
-    function = _RecomputedInBackward if recompute else _GradsInForward
-    return function.apply(hidden, weight, bias, target, spec)
-
-
-# ------------------------------------------------------ the lazy logits
 class _Source:
     """What the head saw in one call: its projection, the chunk size, and every `ChunkedLogits`
     made from it (weakly), whose hidden states are let go once the loss has been taken."""
@@ -311,7 +96,7 @@ class ChunkedLogits(torch.Tensor):
             func, args, kwargs = step
             with torch.no_grad():
                 meta = torch.empty((1, 1), dtype=dtype, device="meta")
-                dtype = func(*[meta if a is _SELF else a for a in args], **kwargs).dtype
+                dtype = func(*[meta if a is LOGITS else a for a in args], **kwargs).dtype
         return ChunkedLogits(self._hidden if hidden is None else hidden, self._source, epilogue, self._vocab, dtype)
 
     def _live_hidden(self, what: str) -> torch.Tensor:
@@ -361,7 +146,7 @@ def _constant(value: Any, what: str) -> Any:
 def _elementwise(func):
     def handler(*args, **kwargs):
         target = next(a for a in args if isinstance(a, ChunkedLogits))
-        template = tuple(_SELF if a is target else _constant(a, _name(func)) for a in args)
+        template = tuple(LOGITS if a is target else _constant(a, _name(func)) for a in args)
         kwargs = {k: _constant(v, _name(func)) for k, v in kwargs.items()}
         return target._derive(step=(func, template, kwargs))
     return handler
@@ -373,7 +158,7 @@ def _cast(name: str):
     def handler(self, *args, **kwargs):
         if args or kwargs:
             raise LogitsNotMaterializedError(f"Tensor.{name} with arguments is not supported. {_FIX}")
-        return self if self.dtype == dtype else self._derive(step=(torch.Tensor.to, (_SELF, dtype), {}))
+        return self if self.dtype == dtype else self._derive(step=(torch.Tensor.to, (LOGITS, dtype), {}))
     return handler
 
 
@@ -392,7 +177,7 @@ def _to(self, *args, **kwargs):
     device = kwargs.pop("device", None)
     if rest or kwargs or (device is not None and torch.device(device).type != self.device.type):
         raise LogitsNotMaterializedError(f"Tensor.to{args!r} is not supported on the logits. {_FIX}")
-    return self if dtype is None or dtype == self.dtype else self._derive(step=(torch.Tensor.to, (_SELF, dtype), {}))
+    return self if dtype is None or dtype == self.dtype else self._derive(step=(torch.Tensor.to, (LOGITS, dtype), {}))
 
 
 def _sizes(args: tuple) -> list:

@@ -288,7 +288,7 @@ def _timed_step(modes, seconds, sizes, batch=2, extent=1000, recompute=0.0, move
     `recompute` recomputing in backward where its mode recomputes, and `moved[i]` in its pack and
     unpack hooks where its mode packs; an offloaded block keeps its input on the device and sends
     the rest of its activations away."""
-    from adaptmem.control.recorder import BlockSample, StepSample
+    from adaptmem.control.samples import BlockSample, StepSample
 
     blocks, at = [], 0
     for i, (mode, took, size) in enumerate(zip(modes, seconds, sizes)):

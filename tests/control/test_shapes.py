@@ -6,7 +6,7 @@ import torch
 
 import adaptmem
 from adaptmem import Mode
-from adaptmem.control.recorder import shape_of
+from adaptmem.control.samples import shape_of
 from adaptmem.testing import SimulatedDevice, measure_peak
 
 from helpers import cnn, image_batch

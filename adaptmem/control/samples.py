@@ -1,0 +1,112 @@
+"""What one step looked like, as the recorder saw it: named records, not loose attributes.
+
+  BlockSample   one block in one step: its bytes, transients and times
+  StepSample    one step: its shape, peaks, blocks, plan (and the loss head's choice)
+  InputShape    a block's main input size, what plans and costs are keyed on (`shape_of`)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from adaptmem.modes import Mode
+from adaptmem.strategies.call import main_input
+
+
+@dataclass
+class BlockSample:
+    """What one block did in one step (bytes are absolute probe readings unless said)."""
+
+    index: int
+    mode: Mode
+    input_bytes: int  # tensor inputs that require grad (the block's activations in)
+    start: int  # allocated at block start
+    elem_size: int = 0  # bytes per element of the first such input (activation dtype)
+    end: int = 0  # allocated at block end
+    fwd_top: int = 0  # peak during its forward
+    held: int | None = None  # start of next block (or estimate) minus start
+    output_bytes: int = 0
+    packed: int = 0  # bytes handed to an OFFLOAD/COMPRESS pack hook
+    kept: int = 0  # of those, bytes left on the device
+    host: int = 0  # of those, bytes sent to the host
+    bwd_start: int | None = None  # allocated when its backward began
+    bwd_top: int | None = None  # peak during its backward
+    recompute_bytes: int | None = None
+    fwd_seconds: float = 0.0
+    bwd_seconds: float | None = None
+    recompute_seconds: float = 0.0
+    moved_seconds: float | None = None  # in its pack and unpack hooks (OFFLOAD, COMPRESS): copies, waits, codecs
+    _marks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def fwd_peak(self) -> int:
+        return max(0, self.fwd_top - self.start)
+
+    @property
+    def bwd_peak(self) -> int | None:
+        if self.bwd_top is None or self.bwd_start is None:
+            return None
+        return max(0, self.bwd_top - self.bwd_start)
+
+
+@dataclass
+class StepSample:
+    """One step, as the recorder saw it."""
+
+    batch: int = 0
+    extent: int = 0  # elements per sample of the first block's main input (see `shape_of`)
+    seq: int = 0  # its dimension 1, for logs
+    start: int = 0  # allocated at step start
+    head_top: int = 0  # peak from the last block's end to the first block backward
+    tail_top: int = 0  # peak after the last block backward
+    peak: int = 0  # the step's peak
+    blocks: list[BlockSample] = field(default_factory=list)
+    plan: dict[int, Mode] = field(default_factory=dict)
+    completed: bool = False  # every block's backward was seen
+    completed_once: bool = False  # the first block's input gradient arrived (the blocks' backward ended)
+    double_backward: bool = False  # some block's backward ran twice in this step
+    overlapped: bool = False  # a second forward began before the first one's backward
+    tail_hooked: bool = False  # the first block's input needs a gradient, which marks the blocks' backward end
+    unmeasured: bool = False  # a probe reading failed during the step: its figures are not to be learned
+    detailed: bool = True  # measured block by block (False: only its start and peak, not learned from)
+    grads_resident: bool = False  # the weights' gradients were allocated before the step (accumulation)
+    head: Any = None  # the loss head's HeadChoice in this step (None: no managed head)
+    seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(obj)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+class InputShape(NamedTuple):
+    """The size of a block's main input: what plans and costs are keyed on."""
+
+    batch: int  # its dimension 0
+    extent: int  # its elements per sample: all the other dimensions together (C x H x W, S x H, ...)
+    seq: int  # its dimension 1 (a token model's sequence length), for reading logs only
+
+
+def shape_of(args: tuple, kwargs: dict) -> InputShape:
+    """The shape of a block's main input: its first floating tensor argument of two or
+    more dimensions (positional, then keyword), taken whole.
+
+    Images (B, C, H, W), video (B, C, T, H, W), audio frames (B, T, F) and token
+    activations (B, S, H) are keyed on every dimension, so larger images or longer
+    sequences are a new, larger shape. A 2-D input (S, H) or (B, F) is one sample.
+    """
+    t = main_input(args, kwargs)
+    if t is None:
+        return InputShape(1, 1, 1)
+    if t.dim() == 2:
+        return InputShape(1, max(1, t.numel()), int(t.shape[0]))
+    batch = max(1, int(t.shape[0]))
+    return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]))
