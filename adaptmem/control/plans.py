@@ -82,7 +82,8 @@ class PlanBook:
         self.cache: OrderedDict[Key, PlanRecord] = OrderedDict()
         self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory
         self.failed_head: HeadChoice | None = None  # and its head
-        self.tried: set[tuple[Mode, ...]] = set()  # plans that ran out of memory in this step
+        # (plan, head) pairs that ran out of memory in this step
+        self.tried: set[tuple[tuple[Mode, ...], HeadChoice | None]] = set()
         self.attempt = 0
         # predicted peaks above the start, per (modes, batch, extent), while the cost model and the
         # policy stay as they were: steady-state steps ask for the same plan's prediction each step

@@ -52,16 +52,15 @@ class _Source:
     """What the head saw in one call: its projection, the chunk size, and every `ChunkedLogits`
     made from it (weakly), whose hidden states are let go once the loss has been taken."""
 
-    __slots__ = ("weight", "bias", "chunk", "views", "consumed", "on_loss", "__weakref__")
+    __slots__ = ("weight", "bias", "chunk", "views", "on_loss", "__weakref__")
 
     def __init__(self, weight, bias, chunk: int, on_loss: Callable[[int, int], None] | None) -> None:
         self.weight, self.bias, self.chunk = weight, bias, chunk
         self.views: list[weakref.ref] = []  # refs, not a WeakSet: that would compare tensors with ==
-        self.consumed = False
         self.on_loss = on_loss
 
 
-_HALF_OPS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 
 
 class ChunkedLogits(torch.Tensor):
@@ -153,7 +152,7 @@ def _elementwise(func):
 
 
 def _cast(name: str):
-    dtype = _HALF_OPS[name]
+    dtype = _CASTS[name]
 
     def handler(self, *args, **kwargs):
         if args or kwargs:
@@ -255,7 +254,6 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     loss = chunked_cross_entropy(rows, source.weight, source.bias, flat.to(rows.device), spec)
     if source.on_loss is not None:
         source.on_loss(rows.shape[0], math.ceil(rows.shape[0] / source.chunk))
-    source.consumed = True
     if spec.reduction != "none":  # the gradients are taken: nothing needs the hidden states any more
         for ref in source.views:
             view = ref()
@@ -288,7 +286,7 @@ _HANDLERS: dict[Any, Callable[..., Any]] = {
     torch.flatten: _flatten,
     torch.Tensor.__getitem__: _getitem,
 }
-_HANDLERS.update({getattr(torch.Tensor, name): _cast(name) for name in _HALF_OPS})
+_HANDLERS.update({getattr(torch.Tensor, name): _cast(name) for name in _CASTS})
 _IN_PLACE = {torch.Tensor.__itruediv__: torch.Tensor.__truediv__, torch.Tensor.__imul__: torch.Tensor.__mul__,
              torch.Tensor.__iadd__: torch.Tensor.__add__, torch.Tensor.__isub__: torch.Tensor.__sub__}
 for _f in (torch.tanh, torch.Tensor.tanh, torch.div, torch.Tensor.div, torch.Tensor.__truediv__,

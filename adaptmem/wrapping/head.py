@@ -231,19 +231,23 @@ class _Arm:
 
     def __init__(self, handle: HeadHandle) -> None:
         self._handle = weakref.ref(handle)
+        self._signature: inspect.Signature | None = None  # the owner's forward's, read at its first call
 
     def __deepcopy__(self, memo: dict) -> "_Arm":
         new = type(self).__new__(type(self))
         handle = self._handle()
         new._handle = weakref.ref(copy.deepcopy(handle, memo)) if handle is not None else _dead
+        new._signature = self._signature
         return new
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         handle = self._handle()
         if handle is None:
             return
+        if self._signature is None:
+            self._signature = inspect.signature(type(module).forward)
         try:
-            labels = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs).arguments.get("labels")
+            labels = self._signature.bind_partial(module, *args, **kwargs).arguments.get("labels")
         except TypeError:
             labels = kwargs.get("labels")
         handle.armed = labels is not None
