@@ -41,14 +41,15 @@ __all__ = ["AdaptMemCallback"]
 class AdaptMemCallback(pl.Callback):
     """Adaptive activation memory for a Lightning fit.
 
-    Args: as for `adaptmem.manage` (`policy`, `budget`, `device`, `blocks`, `log`);
+    Args: as for `adaptmem.manage` (`policy`, `budget`, `device`, `blocks`, `log`, `head`);
     `log_every_n_steps`: how often figures go to the Trainer's loggers (optimizer steps).
     """
 
     def __init__(self, *, policy: Any = None, budget: Any = None, device: Any = None, blocks: Any = "auto",
-                 log: str | None = None, log_every_n_steps: int = 1) -> None:
+                 log: str | None = None, log_every_n_steps: int = 1, head: Any = "auto") -> None:
         super().__init__()
-        self.options = {"policy": policy, "budget": budget, "device": device, "blocks": blocks, "log": log}
+        self.options = {"policy": policy, "budget": budget, "device": device, "blocks": blocks, "log": log,
+                        "head": head}
         self.log_every_n_steps = log_every_n_steps
         self.manager: MemoryManager | None = None
         self._pending_state: dict | None = None

@@ -69,16 +69,18 @@ def switch_own_checkpointing(model: Any, on: bool) -> None:
 class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
     """Adaptive activation memory for a Hugging Face Trainer.
 
-    Args: as for `adaptmem.manage` (`policy`, `budget`, `device`, `blocks`, `log`);
+    Args: as for `adaptmem.manage` (`policy`, `budget`, `device`, `blocks`, `log`, `head`);
     `keep_model_checkpointing`: leave the model's own gradient checkpointing on.
     """
 
     def __init__(self, *, policy: Any = None, budget: Any = None, device: Any = None, blocks: Any = "auto",
-                 log: str | None = None, keep_model_checkpointing: bool = False, _origin: str | None = None) -> None:
+                 log: str | None = None, keep_model_checkpointing: bool = False, head: Any = "auto",
+                 _origin: str | None = None) -> None:
         origin = _LIVE.get(_origin) if _origin is not None else None
         if origin is not None:  # rebuilt by the Trainer on resume: keep what JSON could not carry
-            policy, device, blocks = origin.options["policy"], origin.options["device"], origin.options["blocks"]
-        self.options = {"policy": policy, "budget": budget, "device": device, "blocks": blocks, "log": log}
+            policy, device, blocks, head = (origin.options[k] for k in ("policy", "device", "blocks", "head"))
+        self.options = {"policy": policy, "budget": budget, "device": device, "blocks": blocks, "log": log,
+                        "head": head}
         self.keep_model_checkpointing = keep_model_checkpointing
         self.manager: MemoryManager | None = None
         self.pending_state: dict | None = None

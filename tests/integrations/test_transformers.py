@@ -126,3 +126,20 @@ def test_the_models_own_checkpointing_is_switched_off_with_one_line(tmp_path, ca
     _, model, _ = train(tmp_path / "kept", Trainer, kept, gradient_checkpointing=True, max_steps=1)
     assert model.is_gradient_checkpointing
     assert kept.manager.events.of_type("own_checkpointing")  # planned around
+
+
+def test_the_loss_head_is_managed_in_a_trainer_and_the_callback_passes_head(tmp_path):
+    """A real Trainer with the policy that always chunks: every step's head is chunked and the
+    loss head's logits never reach the Trainer; head=None leaves the head to the model."""
+    heads = {}
+    for head in ("auto", None):
+        dev = SimulatedDevice(capacity_bytes=2**30)
+        callback = AdaptMemTrainerCallback(policy="long-context", device=dev, head=head,
+                                           log=str(tmp_path / f"{head}.jsonl"))
+        trainer = RetryingTrainer(model=llama(layers=2, hidden=64, dropout=0.0), args=arguments(tmp_path, max_steps=2),
+                                  train_dataset=Samples(n=8), callbacks=[callback])
+        with dev:
+            trainer.train()
+        heads[head] = [r["head"] for r in read_log(str(tmp_path / f"{head}.jsonl")) if r["type"] == "step"]
+    assert len(heads["auto"]) == 4 and all(h.startswith("CHUNKED:") for h in heads["auto"]), heads
+    assert heads[None] == [None] * 4
