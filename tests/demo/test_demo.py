@@ -44,3 +44,7 @@ def test_the_main_job_is_a_long_sequence_llama_fine_tune(tmp_path, capsys):
     steps = [r for r in read_log(log) if r["type"] == "step"]
     assert max(s["seq"] for s in steps) == 4096 and min(s["seq"] for s in steps) >= 128
     assert all(r["observed_peak_bytes"] <= r["budget_bytes"] for r in steps[1:])
+    lines = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    heads = [line.split("|")[1].strip() for line in lines]  # the loss head after the block letters
+    assert len(heads) == 8 and all(h == "L" or (h[0] == "c" and h[1:].isdigit()) for h in heads), heads
+    assert heads == ["L" if r["head"] == "KEPT" else "c" + r["head"].split(":")[1] for r in steps]
