@@ -87,6 +87,7 @@ class CostModel(ModeTimes):
         # whatever the shape (unless they were there before the step): extrapolated from one shape,
         # they would grow with the tokens
         weights, self._weights_after = weight_grad_bytes or [0] * n, [0.0] * n
+        self._weights = list(weights)
         for i in reversed(range(n - 1)):
             self._weights_after[i] = self._weights_after[i + 1] + weights[i + 1]
         self.grads_resident = False  # in the step being planned (set at its start) or learned
@@ -146,17 +147,21 @@ class CostModel(ModeTimes):
         fits["held"].add(b, s, max(0, blk.held))
         fits["fx"].add(b, s, blk.fwd_peak)
         complete = blk.bwd_peak is not None and blk.bwd_seconds is not None
+        # a backward's transient less its weights' gradients, allocated there whatever the shape: fitted
+        # as activations, they would grow with the tokens (NONE's backward, 3 MiB of them at 128 tokens,
+        # was predicted at 22 MiB for 1750)
+        own = self.own_grads(blk.index)
         if complete:
-            fits["wx"].add(b, s, blk.bwd_peak)
+            fits["wx"].add(b, s, max(0, blk.bwd_peak - own))
         activations = _revealed_activations(blk)
         if activations is not None:
             lat["activations"].add(b, s, max(0, activations))
         if mode in (Mode.CHECKPOINT, _REC, Mode.OFFLOAD, _CO):
             lat["forward_transient"].add(b, s, blk.fwd_peak)
         if complete and mode is Mode.NONE:
-            lat["backward_temp"].add(b, s, blk.bwd_peak)
+            lat["backward_temp"].add(b, s, max(0, blk.bwd_peak - own))
         elif complete and mode is Mode.CHECKPOINT and blk.recompute_bytes is not None:
-            lat["backward_temp"].add(b, s, max(0, blk.bwd_peak - blk.recompute_bytes))
+            lat["backward_temp"].add(b, s, max(0, blk.bwd_peak - blk.recompute_bytes - own))
         if mode in (Mode.NONE, Mode.CHECKPOINT):  # a plain forward (SELECTIVE's runs through a dispatch mode)
             lat["forward_s"].add(b, s, blk.fwd_seconds)
         if mode in (Mode.NONE, Mode.SELECTIVE):
@@ -192,7 +197,7 @@ class CostModel(ModeTimes):
         derived = self._derive(mode, self._latents(index, batch, extent), self._covers(index, mode, batch, extent))
         fits = self.direct[index].get(mode) or self._sibling(index, mode, batch, extent)
         if fits is None or not fits["held"]:
-            return derived
+            return replace(derived, wx=derived.wx + self.own_grads(index))
         extents = {s for _, s in fits["held"].points}
         if (batch, extent) in fits["held"].points or (len(extents) >= 2 and min(extents) <= extent <= max(extents)):
             q = self.policy.quadratic_prior
@@ -210,7 +215,13 @@ class CostModel(ModeTimes):
             held = carry(fits["held"], derived.held, there.held)
             fx = carry(fits["fx"], derived.fx, there.fx)
             wx = carry(fits["wx"], derived.wx, there.wx) if (b0, e0) in fits["wx"].points else derived.wx
-        return Figures(held, fx, wx, self._seconds(index, mode, batch, extent, derived), derived.host)
+        return Figures(held, fx, wx + self.own_grads(index), self._seconds(index, mode, batch, extent, derived),
+                       derived.host)
+
+    def own_grads(self, index: int) -> float:
+        """The gradients of block `index`'s own weights, allocated in its backward (none where they
+        are kept from the step before)."""
+        return 0.0 if self.grads_resident else float(self._weights[index])
 
     def _latents(self, index: int, batch: int, extent: int) -> Latents:
         q = self.policy.quadratic_prior
@@ -333,12 +344,15 @@ class CostModel(ModeTimes):
 
 def _revealed_activations(blk: BlockSample) -> float | None:
     """The block's recomputable activations, as far as its mode shows them: a checkpoint's
-    recompute, NONE's held bytes less input and output, or the bytes a pack hook saw."""
+    recompute, or NONE's held bytes less input and output; both count storages. A pack hook
+    sees every saved view apart (a block's views of one storage, 11% more than its storages at
+    512 tokens, and more the longer): mixed with the others, its readings made a quadratic term
+    of nothing, so packing modes teach only their own figures."""
     mode = blk.mode
     if mode in (Mode.CHECKPOINT, _REC) and blk.recompute_bytes is not None:
         return blk.recompute_bytes
     if mode is Mode.NONE:
         return blk.held - blk.input_bytes - max(0, blk.output_bytes - blk.input_bytes)
     if mode & (Mode.OFFLOAD | Mode.COMPRESS) and blk.packed:
-        return blk.packed - blk.input_bytes
+        return None
     return None

@@ -534,3 +534,33 @@ def test_among_equally_cheap_blocks_the_earliest_are_managed():
     result = plan(options, capacity=everything - 1.5 * (options[0][0].saved - options[0][1].saved))
     k = result.modes.count(Mode.OFFLOAD)
     assert result.feasible and 0 < k < 6 and result.modes == (Mode.OFFLOAD,) * k + (Mode.NONE,) * (6 - k)
+
+
+def test_a_backwards_own_weight_gradients_are_not_scaled_with_the_tokens():
+    """A block's backward allocates its weights' gradients whatever the shape: learned as a
+    transient, they would be predicted to grow with the tokens."""
+    own = 3000
+    costs = CostModel(["Layer"], load_policy("balanced"), cuda=False, weight_grad_bytes=[own])
+
+    def step(extent):  # the backward's transient: its weights' gradients and 2 bytes a token element
+        s = _timed_step([Mode.NONE], [0.03], [extent], batch=1, extent=extent)
+        b = s.blocks[0]
+        return replace(s, blocks=[replace(b, bwd_top=b.bwd_start + own + 2 * extent)])
+
+    costs.learn(step(1000))
+    costs.learn(step(2000))
+    assert costs.direct[0][Mode.NONE]["wx"].predict(1, 1000) == pytest.approx(2000)  # learned less them
+    assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(own + 2 * 8000, rel=0.02)
+    costs.grads_resident = True  # found kept from the step before: the backward allocates none
+    assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(2 * 8000, rel=0.02)
+
+
+def test_a_pack_hooks_bytes_do_not_teach_the_activations():
+    """A pack hook sees every saved view apart, more bytes than the storages a recompute or NONE
+    holds: the activations are learned from those two only."""
+    costs = CostModel(["Layer"], load_policy("balanced"), cuda=False)
+    s = _timed_step([Mode.OFFLOAD], [0.03], [1000])
+    costs.learn(replace(s, blocks=[replace(s.blocks[0], packed=9000)]))
+    assert not costs.latent[0]["activations"]
+    costs.learn(_timed_step([Mode.NONE], [0.03], [1000]))
+    assert costs.latent[0]["activations"].predict(2, 1000) == pytest.approx(4000 - 1000)
