@@ -167,8 +167,12 @@ class PlanBook:
         if self.failed is not None:
             modes, reason = self._tighter_than_failed(modes, shape), f"retry {self.attempt}"
             head = self._tighter_head(head)
-            if head is not None and (modes, head) in self.tried and self.policy.head != "kept":
-                # the blocks have nothing tighter left to try: the head is chunked, in its smallest chunks
+            chunked_failed = self.failed_head is not None and self.failed_head.mode is HeadMode.CHUNKED
+            if head is not None and self.policy.head != "kept" and \
+                    ((self.attempt >= 2 and chunked_failed) or (modes, head) in self.tried):
+                # a chunked head failed on a second retry, or the blocks have nothing tighter left to
+                # try: the head is chunked in its smallest chunks (a kept head is chunked only then, as
+                # chunking changes the order of summation, where a retry of lossless modes is exact)
                 costs = self.costs.head_costs
                 head = HeadChoice(HeadMode.CHUNKED, costs.chunks(costs.tokens(*shape))[0])
         for i, mode in fixed.items():
@@ -220,7 +224,7 @@ class PlanBook:
         p = self.policy
         target = self.decider.headroom * budget
         options = self.costs.options(batch, extent, self.allowed, fixed)
-        head_row = self._head_row(shape)
+        head_row = self.head_row(shape)
         final = 0.0 if head_row else self.costs.head_bytes(batch, extent)
         host_limit = p.host_fraction * self.probe.host_available()
         # the bias aims the predictions higher, never past max_headroom of the budget as predicted
@@ -248,7 +252,7 @@ class PlanBook:
         modes, head = (result.modes[:-1], result.modes[-1]) if head_row else (result.modes, None)
         return modes, head, start + result.peak, result.feasible, result.shortfall
 
-    def _head_row(self, shape: Shape) -> list[Option]:
+    def head_row(self, shape: Shape) -> list[Option]:
         """The loss head as the plan's last row: its bytes stand above every block's saved bytes."""
         costs = self.costs.head_costs
         if costs is None:
@@ -258,7 +262,7 @@ class PlanBook:
     def _head_alone(self, shape: Shape, start: int, budget: int) -> HeadChoice:
         """The head's choice where the blocks' plan is not the planner's (calibration, static or the
         user's plan): the cheapest predicted to fit what is left, else the tightest."""
-        row = self._head_row(shape)
+        row = self.head_row(shape)
         room = self.decider.headroom * budget - start
         fitting = [o for o in row if o.need <= room]
         return min(fitting, key=lambda o: o.seconds).mode if fitting else min(row, key=lambda o: o.need).mode

@@ -177,7 +177,10 @@ def test_injected_ooms_are_recovered_with_exact_gradients(name):
         mem.run_step(train_squeezed, batches[2])
         assert len(attempts) >= 2 and mem.summary()["ooms_recovered"] > before
         assert mem.events.of_type("oom")[-1]["phase"] == "backward"
-        assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())
+        if mem.last_step["head"] in (None, "KEPT"):  # lossless modes only: bit for bit
+            assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())
+        else:  # the squeezed budget had the retry chunk the loss head too: the order of summation changes
+            assert all(torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-7) for n, p in model.named_parameters())
 
 
 def test_retries_are_bounded_and_report_every_plan_tried():
