@@ -1,7 +1,8 @@
 """`adaptmem report run.jsonl [--out run.png]`: what a run did, as a table and a picture.
 
 The table (rich) gives steps, peak against budget, plan changes, OOMs recovered,
-prediction error and pressure events, per run id in the log. The picture
+prediction error, pressure events and the longest sequence the manager predicted
+at its last batch (`MemoryManager.longest_sequence`), per run id in the log. The picture
 (matplotlib) shows each step's peak against the budget, with markers where a
 step ran out of memory, where a step was a retry, and where others took
 memory, and under it a heat map of each block's mode per step.
@@ -33,6 +34,7 @@ class RunFigures:
     pressure: list[dict] = field(default_factory=list)
     plans: list[dict] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)
+    reach: dict | None = None  # the end record's prediction of the longest sequence
 
     @property
     def peak(self) -> int:
@@ -72,6 +74,8 @@ def figures(records: list[dict]) -> list[RunFigures]:
             run.plans.append(record)
         elif kind == "start" and not run.blocks:
             run.blocks = list(record.get("blocks", []))
+        elif kind == "end" and record.get("reach"):
+            run.reach = record["reach"]
     return list(runs.values())
 
 
@@ -89,7 +93,16 @@ def rows(run: RunFigures) -> dict[str, str]:
         "mean |prediction error|": f"{sum(errors) / len(errors):.1%}" if errors else "-",
         "max |prediction error|": f"{max(errors):.1%}" if errors else "-",
         "pressure events": str(len(run.pressure)),
+        "longest sequence (predicted)": _reach_row(run.reach),
     }
+
+
+def _reach_row(reach: dict | None) -> str:
+    """The longest sequence a run's manager predicted at its last batch, on its device."""
+    if not reach:
+        return "-"
+    note = ", extrapolated" if reach.get("extrapolated") else ""
+    return f"{reach['length']:,} tokens x batch {reach['batch']} in {format_bytes(reach['limit_bytes'])}{note}"
 
 
 def table(runs: list[RunFigures]):

@@ -25,14 +25,14 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1):
+def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1, vocab: int = 512):
     """A Hugging Face Llama built from a small config (random weights, attention dropout > 0)."""
     _quiet_transformers()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=512, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
         num_hidden_layers=layers, num_attention_heads=max(2, hidden // 32),
         num_key_value_heads=max(1, hidden // 64), max_position_embeddings=2048,
         attention_dropout=dropout, use_cache=False,

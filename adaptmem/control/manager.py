@@ -37,6 +37,7 @@ from adaptmem.control.decisions import Decider
 from adaptmem.control.events import SCHEMA_VERSION, EventLog
 from adaptmem.control.headcosts import HeadChoice, HeadCosts
 from adaptmem.control.plans import PlanBook
+from adaptmem.control.reach import LengthsSeen, Reach, Reacher, end_record
 from adaptmem.control.priors import priors_for
 from adaptmem.control.reactions import Reactions
 from adaptmem.control.resume import load_manager_state, manager_state
@@ -118,6 +119,7 @@ class MemoryManager(Reactions):
         self._step_pred: float | None = None
         self._step_feasible = True  # the step's plan was predicted to fit (else it is the tightest there is)
         self._step_start = 0
+        self.lengths = LengthsSeen()  # what `longest_sequence` extrapolates from
         self._measured: dict = {}  # per shape bucket: (plan, step) of its last step measured block by block
         self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
         self._unmarked_warned = self._idle_warned = self._overlap_warned = False  # warnings given once
@@ -236,6 +238,7 @@ class MemoryManager(Reactions):
                 self._no_second_backward_for(Mode.SELECTIVE)
             if sample is not None and sample.blocks and sample.detailed and not sample.unmeasured:
                 self.costs.learn(sample)
+                self.lengths.learn(sample)
             if isinstance(error, torch.OutOfMemoryError):
                 return self._record_oom(error, sample)
             if error is None and sample is not None:
@@ -283,6 +286,22 @@ class MemoryManager(Reactions):
             self.plans.succeeded()
             guard.close()
 
+    def longest_sequence(self, batch: int = 1, *, limit: Budget = None) -> Reach:
+        """How long can I go? The longest sequence at `batch` samples that some plan is predicted
+        to fit, after a step or more, with that plan. `limit`: None for the device's usable size,
+        or bytes, "12GiB", "80%" of capacity (see `adaptmem.control.reach`)."""
+        return self._reacher(limit).longest(batch)
+
+    def largest_batch(self, length: int, *, limit: Budget = None) -> Reach:
+        """The largest batch of `length`-token samples predicted to fit (see `longest_sequence`)."""
+        return self._reacher(limit).largest_batch(length)
+
+    def _reacher(self, limit: Budget) -> Reacher:
+        fits = resolve_budget(limit, self.policy, self.probe, use_env=False) if limit else self.budgets.available()
+        with self._lock:
+            return self.lengths.reacher(self.costs, self.plans, self.budgets.user if fits is None else fits,
+                                        0 if self._in_step else self.probe.allocated())
+
     def summary(self) -> dict[str, Any]:
         errors = self.errors
         return {
@@ -317,7 +336,7 @@ class MemoryManager(Reactions):
             self.recorder.end()
             self._in_step = False
         self._runtime.observer = None
-        self.events.emit("end", step=self.steps, summary=self.summary())
+        self.events.emit("end", step=self.steps, summary=self.summary(), reach=end_record(self))
         self._compiles.close()
         self._finalizer()  # closes the log and the probe
         self._give_back()

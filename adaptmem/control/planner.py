@@ -79,6 +79,12 @@ def plan(options: list[list[Option]], capacity: float, final: float = 0.0, bins:
     return _result(options, found, final, capacity, feasible=False)
 
 
+def feasible(options: list[list[Option]], capacity: float, final: float = 0.0, bins: int = 1024) -> bool:
+    """Some plan's predicted peak is within `capacity` (each figure rounded up to a step of
+    `capacity / bins`, so a borderline plan may be called infeasible, never the reverse)."""
+    return bool(options) and _solve(options, capacity, final, bins, use_cost=False) is not None
+
+
 def tightest_capacity(options: list[list[Option]], final: float = 0.0, bins: int = 1024) -> float:
     """The smallest capacity (to within 0.1%) at which some plan fits."""
     low = max([final] + [min(o.need for o in opts) for opts in options])

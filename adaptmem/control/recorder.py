@@ -146,7 +146,7 @@ class StepRecorder:
             now = self._close_segment() if sample.detailed else self._kept()
             grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
             if not sample.blocks:
-                sample.batch, sample.extent, sample.seq = shape_of(args, kwargs)
+                sample.batch, sample.extent, sample.seq, sample.width = shape_of(args, kwargs)
                 if grad_inputs:  # its gradient marks the end of the last block backward
                     grad_inputs[0].register_hook(self._make_bwd_hook(None))
                     sample.tail_hooked = True

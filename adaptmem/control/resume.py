@@ -25,6 +25,7 @@ def manager_state(mgr: Any) -> dict[str, Any]:
         "current": [m.label for m in mgr._current],
         "current_head": mgr._current_head.label if mgr._current_head is not None else None,
         "budget": mgr.budget,
+        "lengths": mgr.lengths.state_dict(),
         "counters": {"steps": mgr.steps, "ooms": mgr.ooms, "ooms_recovered": mgr.ooms_recovered,
                      "plan_changes": mgr.plan_changes, "peak_bytes": mgr.peak_bytes},
     }
@@ -46,6 +47,7 @@ def load_manager_state(mgr: Any, state: dict[str, Any]) -> None:
         mgr.steps, mgr.ooms = counters["steps"], counters["ooms"]
         mgr.ooms_recovered, mgr.plan_changes = counters["ooms_recovered"], counters["plan_changes"]
         mgr.peak_bytes = counters["peak_bytes"]
+        mgr.lengths.load_state_dict(state.get("lengths") or {})  # saved before: learned from the next step
         current = tuple(Mode.parse(m) for m in state["current"])
         for handle, mode in zip(mgr.handles, current):
             handle.mode = mode

@@ -60,6 +60,7 @@ class StepSample:
     batch: int = 0
     extent: int = 0  # elements per sample of the first block's main input (see `shape_of`)
     seq: int = 0  # its dimension 1, for logs
+    width: int = 0  # elements per position of a sequence (B, S, H): H; 0 for any other input
     start: int = 0  # allocated at step start
     head_top: int = 0  # peak from the last block's end to the first block backward
     tail_top: int = 0  # peak after the last block backward
@@ -93,6 +94,7 @@ class InputShape(NamedTuple):
     batch: int  # its dimension 0
     extent: int  # its elements per sample: all the other dimensions together (C x H x W, S x H, ...)
     seq: int  # its dimension 1 (a token model's sequence length), for reading logs only
+    width: int = 0  # a sequence's (B, S, H) elements per position, H; 0 for any other input
 
 
 def shape_of(args: tuple, kwargs: dict) -> InputShape:
@@ -107,6 +109,6 @@ def shape_of(args: tuple, kwargs: dict) -> InputShape:
     if t is None:
         return InputShape(1, 1, 1)
     if t.dim() == 2:
-        return InputShape(1, max(1, t.numel()), int(t.shape[0]))
+        return InputShape(1, max(1, t.numel()), int(t.shape[0]), int(t.shape[1]))
     batch = max(1, int(t.shape[0]))
-    return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]))
+    return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]), int(t.shape[2]) if t.dim() == 3 else 0)

@@ -13,14 +13,16 @@ from helpers import cnn, image_batch
 
 
 @pytest.mark.parametrize("args,kwargs,expected", [
-    ((torch.zeros(4, 3, 32, 48),), {}, (4, 3 * 32 * 48, 3)),  # images: every dimension
-    ((torch.zeros(2, 3, 8, 16, 16),), {}, (2, 3 * 8 * 16 * 16, 3)),  # video
-    ((torch.zeros(2, 100, 80),), {}, (2, 8000, 100)),  # audio frames
-    ((torch.zeros(2, 128, 64), torch.zeros(2, 1, 128, 128)), {}, (2, 128 * 64, 128)),  # hidden states first
-    ((), {"hidden_states": torch.zeros(3, 10, 8)}, (3, 80, 10)),  # keyword arguments too
-    ((torch.zeros(10, 8, dtype=torch.long), torch.zeros(50, 16)), {}, (1, 800, 50)),  # 2-D: one sample
+    ((torch.zeros(4, 3, 32, 48),), {}, (4, 3 * 32 * 48, 3, 0)),  # images: every dimension
+    ((torch.zeros(2, 3, 8, 16, 16),), {}, (2, 3 * 8 * 16 * 16, 3, 0)),  # video
+    ((torch.zeros(2, 100, 80),), {}, (2, 8000, 100, 80)),  # audio frames
+    ((torch.zeros(2, 128, 64), torch.zeros(2, 1, 128, 128)), {}, (2, 128 * 64, 128, 64)),  # hidden states first
+    ((), {"hidden_states": torch.zeros(3, 10, 8)}, (3, 80, 10, 8)),  # keyword arguments too
+    ((torch.zeros(10, 8, dtype=torch.long), torch.zeros(50, 16)), {}, (1, 800, 50, 16)),  # 2-D: one sample
 ])
 def test_the_main_input_is_taken_whole(args, kwargs, expected):
+    """(batch, elements per sample, dimension 1, and a sequence's elements per position: 0 where
+    the input is not batch x positions x features)."""
     assert tuple(shape_of(args, kwargs)) == expected
 
 

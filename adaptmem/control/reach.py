@@ -1,0 +1,201 @@
+"""How long can I go? The longest sequence, or the largest batch, that fits under the best plan.
+
+After calibration the cost model predicts every block's bytes in every mode,
+and the loss head's, for any shape (`adaptmem.control.costs`). A shape fits
+when some plan (the blocks' modes and the head's, out of the policy's) is
+predicted to peak within the limit: the device's usable size by default (what
+others leave of it, less the policy's emergency margin), since the budget is
+where plans aim, not where a step runs out of memory. The predicted peak is a
+monotone function of the length and of the batch, so the longest length is
+found by doubling past the longest measured one and bisecting back, one
+feasibility check of the planner per length: a few milliseconds each.
+
+The prediction is the cost model's: within the lengths a run has measured it is
+as close as its step predictions (`prediction_error` in the log); beyond them
+it is extrapolated from the fits (linear in the tokens, plus a quadratic term
+where attention scores are held), and `Reach.extrapolated` says so. The
+optimizer's own step (outside the forward and backward a manager manages) is not
+counted: at long lengths it is far below the step's peak.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from adaptmem.config.units import format_bytes
+from adaptmem.control.planner import Option, feasible, plan as solve, predicted_peak
+from adaptmem.modes import Mode
+
+log = logging.getLogger("adaptmem")
+
+#: Byte steps of the feasibility check: finer than the planner's own (each block's figure is
+#: rounded up to a step, so the check errs short by at most blocks / BINS of the limit).
+BINS = 8192
+#: No length is searched past this (tokens per sample).
+MAX_LENGTH = 1 << 24
+
+
+@dataclass(frozen=True)
+class Reach:
+    """A shape that fits, with the plan predicted to fit it.
+
+    `length` is 0 when not even one token per sample fits (`batch` 0 when not one
+    sample of `length` does). `extrapolated`: the shape is beyond what the run
+    has measured, so the figures are extrapolated from smaller ones.
+    """
+
+    batch: int
+    length: int
+    peak_bytes: int  # the predicted peak of `plan` at this shape (weights and optimizer state included)
+    limit_bytes: int  # what it had to fit
+    start_bytes: int  # allocated when a step starts (weights, optimizer state), included in the peak
+    plan: tuple[Mode, ...]
+    head: str | None  # the loss head's choice ("KEPT", "CHUNKED:<tokens>"), None without a managed head
+    extrapolated: bool
+    measured_length: int  # the longest length (tokens per sample) the run has measured
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.length
+
+    def __str__(self) -> str:
+        plan = ", ".join(f"{label} x{n}" for label, n in _counts(self.plan))
+        head = f"; head {self.head}" if self.head else ""
+        note = f" (extrapolated past the {self.measured_length:,} measured)" if self.extrapolated else ""
+        return (f"batch {self.batch} x {self.length:,} tokens{note}: predicted peak {format_bytes(self.peak_bytes)} "
+                f"of {format_bytes(self.limit_bytes)} under {plan}{head}")
+
+    def as_record(self) -> dict:
+        return {"batch": self.batch, "length": self.length, "peak_bytes": self.peak_bytes,
+                "limit_bytes": self.limit_bytes, "plan": [m.label for m in self.plan], "head": self.head,
+                "extrapolated": self.extrapolated}
+
+
+def _counts(modes: tuple[Mode, ...]) -> list[tuple[str, int]]:
+    out: dict[str, int] = {}
+    for mode in modes:
+        out[mode.label] = out.get(mode.label, 0) + 1
+    return list(out.items())
+
+
+class LengthsSeen:
+    """What a run's steps showed of its sequences: the main input's elements per token (its
+    hidden size), the longest length measured, and the largest allocation a step started from
+    (weights, optimizer state)."""
+
+    def __init__(self) -> None:
+        self.width = 0
+        self.measured_length = 0
+        self.start = 0
+
+    def learn(self, sample) -> None:
+        """A step measured block by block: tokens are dimension 1 of a (batch, tokens, hidden) input."""
+        if sample.width > 0:
+            if sample.width != self.width:  # another kind of input: its lengths start over
+                self.width, self.measured_length = sample.width, 0
+            self.measured_length = max(self.measured_length, sample.seq)
+        if sample.completed:
+            self.start = max(self.start, sample.start)
+
+    def reacher(self, costs, plans, limit: int, allocated: int) -> "Reacher":
+        if not costs.known:
+            raise RuntimeError("nothing is measured yet: run a training step or more under this manager first "
+                               "(the first is its calibration), then ask; the figures are for the model as "
+                               "those steps ran it")
+        if not self.width:
+            raise RuntimeError("the blocks' main input has no sequence dimension (it is not batch x tokens x "
+                               "hidden), so there is no sequence length to predict")
+        return Reacher(costs, plans, width=self.width, start=max(self.start, allocated), limit=limit,
+                       measured_length=self.measured_length)
+
+    def state_dict(self) -> dict:
+        return {"width": self.width, "measured_length": self.measured_length, "start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.width, self.measured_length = state.get("width", 0), state.get("measured_length", 0)
+        self.start = state.get("start", 0)
+
+
+def end_record(manager) -> dict | None:
+    """For a log's end record (`adaptmem report`): the longest sequence at the last step's batch."""
+    last = manager.events.last("step")
+    if manager.events.path is None or last is None or not manager.costs.known or not manager.lengths.width:
+        return None
+    try:
+        return manager.longest_sequence(max(1, int(last.get("batch") or 1))).as_record()
+    except Exception as err:  # a prediction must never stop a run from closing
+        log.warning("adaptmem: the longest sequence could not be predicted for the log: %s", err)
+        return None
+
+
+class Reacher:
+    """Answers for one manager's cost model and plans; `width` is the main input's elements
+    per token (its hidden size)."""
+
+    def __init__(self, costs, plans, *, width: int, start: int, limit: int, measured_length: int) -> None:
+        self.costs, self.plans = costs, plans
+        self.width, self.start, self.limit, self.measured_length = width, start, limit, measured_length
+
+    def rows(self, batch: int, length: int) -> tuple[list[list[Option]], float]:
+        """The planner's rows for this shape (the head's last, where it is managed) and the bytes
+        after the blocks that no choice changes."""
+        extent = length * self.width
+        rows = self.costs.options(batch, extent, self.plans.allowed, dict(self.plans.pinned))
+        head = self.plans.head_row((batch, extent))
+        return (rows + [head], 0.0) if head else (rows, self.costs.head_bytes(batch, extent))
+
+    def fits(self, batch: int, length: int) -> bool:
+        room = self.limit - self.start
+        if room <= 0:
+            return False
+        rows, final = self.rows(batch, length)
+        if self.costs.tail_bytes(batch, length * self.width) > room:
+            return False
+        return feasible(rows, room, final, BINS)
+
+    def longest(self, batch: int) -> Reach:
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        length = _largest(lambda n: self.fits(batch, n), max(1, self.measured_length))
+        return self.reach(batch, length)
+
+    def largest_batch(self, length: int) -> Reach:
+        if not isinstance(length, int) or length < 1:
+            raise ValueError(f"length must be a positive int (tokens per sample), got {length!r}")
+        batch = _largest(lambda b: self.fits(b, length), 1)
+        return self.reach(batch, length)
+
+    def reach(self, batch: int, length: int) -> Reach:
+        """The plan predicted to fit this shape, as adaptmem would choose it (the cheapest that fits)."""
+        if batch <= 0 or length <= 0:
+            return Reach(batch, length, self.start, self.limit, self.start, (), None, False, self.measured_length)
+        rows, final = self.rows(batch, length)
+        result = solve(rows, self.limit - self.start, final, BINS)
+        chosen = [next(o for o in row if o.mode is m) for row, m in zip(rows, result.modes)]
+        peak = max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
+        modes, head = result.modes, None
+        if self.costs.head_costs is not None:
+            modes, head = result.modes[:-1], result.modes[-1].label
+        extrapolated = not self.costs.measured(batch, length * self.width) and length > self.measured_length
+        return Reach(batch, length, int(self.start + peak), self.limit, self.start, tuple(modes), head,
+                     extrapolated, self.measured_length)
+
+
+def _largest(fits, hint: int) -> int:
+    """The largest n >= 1 with fits(n) (fits is monotone: true up to some n, false after), or 0."""
+    if not fits(1):
+        return 0
+    low = 1
+    high = max(2, hint)
+    while fits(high):  # double past the hint until it no longer fits
+        low, high = high, high * 2
+        if high > MAX_LENGTH:
+            return low
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low

@@ -1,0 +1,136 @@
+"""How long can I go? `longest_sequence` and `largest_batch`, after calibration."""
+
+import json
+
+import pytest
+import torch
+
+import adaptmem
+from adaptmem.testing import SimulatedDevice
+
+from helpers import hf_batch, llama, tiny, tiny_batch
+
+MiB = 2**20
+
+
+def _calibrated(model, make_batch, lengths, capacity, **kw):
+    """A manager that has run a few AdamW steps at `lengths` on a stand-in of `capacity` bytes."""
+    dev = SimulatedDevice(capacity)
+    dev.track(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    mem = adaptmem.manage(model, device=dev, **kw)
+    with dev:
+        for seq in lengths:
+            mem.run_step(lambda: model(**make_batch(seq)).loss.backward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return mem, dev, opt
+
+
+def test_the_longest_sequence_is_where_the_tightest_plan_stops_fitting():
+    model = llama(layers=3, hidden=64, dropout=0.0)
+    mem, _, _ = _calibrated(model, lambda s: hf_batch(1, s), [64, 128, 64, 128], 48 * MiB)
+    with mem:
+        reach = mem.longest_sequence()
+        assert reach.batch == 1 and reach.length > 128
+        assert reach.start_bytes <= reach.peak_bytes <= reach.limit_bytes
+        assert reach.extrapolated and reach.measured_length == 128
+        assert len(reach.plan) == 3 and reach.head is not None  # the head is a row of the plan
+        # the boundary: one token more fits no plan, so not one sample of it fits
+        assert mem.largest_batch(reach.length).batch == 1
+        assert mem.largest_batch(reach.length + 1).batch == 0
+        # less room, shorter; half the length, at least twice the batch
+        assert mem.longest_sequence(limit=reach.limit_bytes - 4 * MiB).length < reach.length
+        assert mem.largest_batch(reach.length // 2).batch >= 2
+        assert mem.longest_sequence(2).length < reach.length
+        assert "tokens" in str(reach) and "extrapolated" in str(reach)
+
+
+def test_a_kept_head_reaches_less_far_than_one_chunked_when_needed():
+    """The head's rows are part of the search: a policy that never chunks it stops where the
+    logits stop fitting."""
+    lengths, make = [64, 128, 64, 128], lambda s: hf_batch(1, s, vocab=8192)  # noqa: E731
+    mem, _, _ = _calibrated(llama(layers=3, hidden=64, dropout=0.0, vocab=8192), make, lengths, 64 * MiB)
+    kept_policy = adaptmem.load_policy().model_copy(update={"head": "kept"})
+    kept, _, _ = _calibrated(llama(layers=3, hidden=64, dropout=0.0, vocab=8192), make, lengths, 64 * MiB,
+                             policy=kept_policy)
+    with mem, kept:
+        chunked, whole = mem.longest_sequence(), kept.longest_sequence()
+        assert whole.head == "KEPT" and chunked.head.startswith("CHUNKED")
+        assert chunked.length > 2 * whole.length
+
+
+def test_the_predicted_length_trains():
+    """A step at the predicted longest length, continuing the run, does not run out of memory
+    (a Llama, whose attention holds nothing quadratic: extrapolated linearly, 4x past the lengths run)."""
+    model = llama(layers=3, hidden=64, dropout=0.0, vocab=8192)
+    make = lambda s: hf_batch(1, s, vocab=8192)  # noqa: E731
+    mem, dev, opt = _calibrated(model, make, [64, 128, 64, 128], 48 * MiB)
+    with mem, dev:
+        reach = mem.longest_sequence()
+        assert reach.length > 4 * 128
+        for _ in range(2):
+            mem.run_step(lambda: model(**make(reach.length)).loss.backward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert mem.summary()["ooms"] == 0
+        assert mem.last_step["observed_peak_bytes"] <= dev.capacity_bytes
+
+
+def test_asking_before_a_step_or_with_bad_figures_says_what_to_do():
+    model = llama(layers=2, hidden=64, dropout=0.0)
+    dev = SimulatedDevice(64 * MiB)
+    dev.track(model)
+    with dev, adaptmem.manage(model, device=dev) as mem:
+        with pytest.raises(RuntimeError, match="run a training step"):
+            mem.longest_sequence()
+        mem.run_step(lambda: model(**hf_batch(1, 64)).loss.backward())
+        with pytest.raises(ValueError, match="batch must be a positive int"):
+            mem.longest_sequence(0)
+        with pytest.raises(ValueError, match="length must be a positive int"):
+            mem.largest_batch(-5)
+
+
+def test_an_input_without_a_sequence_dimension_has_no_length():
+    from torch import nn
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return torch.relu(self.conv(x))
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Sequential(*[Stage() for _ in range(3)]))
+    dev = SimulatedDevice(256 * MiB)
+    dev.track(model)
+    with dev, adaptmem.manage(model, device=dev) as mem:
+        mem.run_step(lambda: model(torch.randn(2, 3, 16, 16)).sum().backward())
+        with pytest.raises(RuntimeError, match="no sequence dimension"):
+            mem.longest_sequence()
+
+
+def test_the_log_ends_with_the_prediction_and_the_report_shows_it(tmp_path):
+    model = llama(layers=3, hidden=64, dropout=0.0)
+    path = tmp_path / "run.jsonl"
+    mem, _, _ = _calibrated(model, lambda s: hf_batch(1, s), [64, 128], 48 * MiB, log=str(path))
+    expected = mem.longest_sequence()
+    mem.close()
+    end = [json.loads(line) for line in path.read_text().splitlines()][-1]
+    assert end["type"] == "end" and end["reach"]["length"] == expected.length
+    from adaptmem.report import figures, rows
+
+    row = rows(figures([json.loads(line) for line in path.read_text().splitlines()])[0])
+    assert row["longest sequence (predicted)"].startswith(f"{expected.length:,} tokens x batch 1")
+
+
+def test_the_figures_survive_a_resume():
+    model = llama(layers=3, hidden=64, dropout=0.0)
+    mem, _, _ = _calibrated(model, lambda s: hf_batch(1, s), [64, 128], 48 * MiB)
+    state, expected = mem.state_dict(), mem.longest_sequence().length
+    mem.close()
+    dev = SimulatedDevice(48 * MiB)
+    with adaptmem.manage(llama(layers=3, hidden=64, dropout=0.0), device=dev) as again:
+        again.load_state_dict(state)
+        assert again.longest_sequence().length == expected
