@@ -353,6 +353,4 @@ def _revealed_activations(blk: BlockSample) -> float | None:
         return blk.recompute_bytes
     if mode is Mode.NONE:
         return blk.held - blk.input_bytes - max(0, blk.output_bytes - blk.input_bytes)
-    if mode & (Mode.OFFLOAD | Mode.COMPRESS) and blk.packed:
-        return None
     return None

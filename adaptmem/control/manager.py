@@ -287,9 +287,8 @@ class MemoryManager(Reactions):
             guard.close()
 
     def longest_sequence(self, batch: int = 1, *, limit: Budget = None) -> Reach:
-        """How long can I go? The longest sequence at `batch` samples that some plan is predicted
-        to fit, after a step or more, with that plan. `limit`: None for the device's usable size,
-        or bytes, "12GiB", "80%" of capacity (see `adaptmem.control.reach`)."""
+        """How long can I go? After a step or more, the longest sequence at `batch` samples some plan is
+        predicted to fit, with that plan. `limit`: None (the device's usable size), bytes, "12GiB", "80%"."""
         return self._reacher(limit).longest(batch)
 
     def largest_batch(self, length: int, *, limit: Budget = None) -> Reach:
@@ -297,7 +296,8 @@ class MemoryManager(Reactions):
         return self._reacher(limit).largest_batch(length)
 
     def _reacher(self, limit: Budget) -> Reacher:
-        fits = resolve_budget(limit, self.policy, self.probe, use_env=False) if limit else self.budgets.available()
+        fits = self.budgets.available() if limit is None else resolve_budget(limit, self.policy, self.probe,
+                                                                              use_env=False)
         with self._lock:
             return self.lengths.reacher(self.costs, self.plans, self.budgets.user if fits is None else fits,
                                         0 if self._in_step else self.probe.allocated())

@@ -21,6 +21,7 @@ counted: at long lengths it is far below the step's peak.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 from adaptmem.config.units import format_bytes
@@ -60,7 +61,7 @@ class Reach:
         return self.batch * self.length
 
     def __str__(self) -> str:
-        plan = ", ".join(f"{label} x{n}" for label, n in _counts(self.plan))
+        plan = ", ".join(f"{label} x{n}" for label, n in Counter(m.label for m in self.plan).items())
         head = f"; head {self.head}" if self.head else ""
         note = f" (extrapolated past the {self.measured_length:,} measured)" if self.extrapolated else ""
         return (f"batch {self.batch} x {self.length:,} tokens{note}: predicted peak {format_bytes(self.peak_bytes)} "
@@ -70,13 +71,6 @@ class Reach:
         return {"batch": self.batch, "length": self.length, "peak_bytes": self.peak_bytes,
                 "limit_bytes": self.limit_bytes, "plan": [m.label for m in self.plan], "head": self.head,
                 "extrapolated": self.extrapolated}
-
-
-def _counts(modes: tuple[Mode, ...]) -> list[tuple[str, int]]:
-    out: dict[str, int] = {}
-    for mode in modes:
-        out[mode.label] = out.get(mode.label, 0) + 1
-    return list(out.items())
 
 
 class LengthsSeen:
@@ -147,11 +141,9 @@ class Reacher:
 
     def fits(self, batch: int, length: int) -> bool:
         room = self.limit - self.start
-        if room <= 0:
+        if room <= 0 or self.costs.tail_bytes(batch, length * self.width) > room:
             return False
         rows, final = self.rows(batch, length)
-        if self.costs.tail_bytes(batch, length * self.width) > room:
-            return False
         return feasible(rows, room, final, BINS)
 
     def longest(self, batch: int) -> Reach:
