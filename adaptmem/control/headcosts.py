@@ -26,9 +26,12 @@ from adaptmem.modes import HeadMode
 #: step has shown them: the logits, their log-softmax and the gradients of both (3.2 measured by
 #: `stress/head_variants.py` on the plain loss; a model that also keeps its output's logits holds one more).
 KEPT_LOGITS_PRIOR = 4.0
-#: The same for one chunk of a CHUNKED head: the float32 logits turned in place into their gradient,
-#: the logsumexp beside them, and a cast under autocast (1.45 measured by `stress/head_variants.py`).
+#: The same for one chunk of a CHUNKED head, before a chunked step has shown it: the float32 logits
+#: turned in place into their gradient, the logsumexp beside them, and a cast under autocast (1.45
+#: measured by `stress/head_variants.py` under autocast; about 1.0 in float32). Learned once chunked.
 CHUNK_LOGITS = 1.6
+#: What a chunked step may teach of it: a reading outside is another allocation's, not the chunk's.
+CHUNK_LOGITS_RANGE = (0.5, 4.0)
 #: Time a chunk adds (seconds): one more pass of the chunk loop, its kernels launched again. Chunking
 #: costs no matmul (the gradients are taken in forward: three matmuls, as the kept head's), so this and
 #: `CHUNKED_S` are all it is priced at.
@@ -68,13 +71,25 @@ class HeadCosts:
         self.kind = "cuda" if cuda else "host"
         self.kept = Fit("base")
         self.chunked = Fit("base")
+        # bytes a chunk held above the head's other bytes, and its logits' bytes, over the chunked
+        # steps seen: their ratio is the chunk's size in logits, weighted to the larger chunks
+        self._chunk_seen, self._chunk_logits = 0.0, 0.0
 
     def tokens(self, batch: int, extent: int) -> int:
         """Tokens reaching the head: the blocks' main input is (batch, tokens, hidden)."""
         return max(1, batch * extent // max(1, self.hidden))
 
+    @property
+    def chunk_logits(self) -> float:
+        """A chunk's bytes at its peak, in its logits (chunk x vocabulary x 4 bytes): learned from
+        the chunked steps seen, `CHUNK_LOGITS` before one."""
+        if self._chunk_logits <= 0:
+            return CHUNK_LOGITS
+        low, high = CHUNK_LOGITS_RANGE
+        return min(high, max(low, self._chunk_seen / self._chunk_logits))
+
     def chunk_bytes(self, chunk: int) -> float:
-        return CHUNK_LOGITS * chunk * self.vocab * 4
+        return self.chunk_logits * chunk * self.vocab * 4
 
     def kept_bytes(self, batch: int, extent: int) -> float:
         if self.kept:
@@ -83,14 +98,19 @@ class HeadCosts:
 
     def chunked_bytes(self, batch: int, extent: int, chunk: int) -> float:
         tokens = self.tokens(batch, extent)
-        base = self.chunked.predict(batch, extent) if self.chunked else self._fixed(batch, extent)
+        base = self.chunked.predict(batch, extent, constant=self._gradient) if self.chunked else self._fixed(batch, extent)
         return base + self.chunk_bytes(min(chunk, tokens))
 
     def _fixed(self, batch: int, extent: int) -> float:
         """What the head holds beside its logits: its weight's gradient (a float32 buffer when
         chunked), and a few hidden-sized tensors per token (the final norm, the hidden states'
         gradient)."""
-        return max(self.weight_bytes, self.vocab * self.hidden * 4) + 4 * self.tokens(batch, extent) * self.hidden * 4
+        return self._gradient + 4 * self.tokens(batch, extent) * self.hidden * 4
+
+    @property
+    def _gradient(self) -> float:
+        """The weight's gradient (a float32 buffer when chunked): the same bytes at any shape."""
+        return max(self.weight_bytes, self.vocab * self.hidden * 4)
 
     def chunks(self, tokens: int) -> list[int]:
         """The chunk sizes planned: powers of two from `MIN_CHUNK` to the first that holds every token."""
@@ -120,11 +140,20 @@ class HeadCosts:
             self.kept.add(batch, extent, above)
         else:
             chunk = min(choice.chunk or 0, self.tokens(batch, extent))
+            logits = chunk * self.vocab * 4
+            beside = self.chunked.predict(batch, extent, constant=self._gradient) if self.chunked else None
+            seen = above - (self._fixed(batch, extent) if beside is None else beside)
+            low, high = CHUNK_LOGITS_RANGE
+            if logits > 0 and low * logits <= seen <= high * logits:
+                self._chunk_seen += seen
+                self._chunk_logits += logits
             self.chunked.add(batch, extent, max(0.0, above - self.chunk_bytes(chunk)))
 
     def state_dict(self) -> dict:
-        return {"kept": self.kept.state_dict(), "chunked": self.chunked.state_dict()}
+        return {"kept": self.kept.state_dict(), "chunked": self.chunked.state_dict(),
+                "chunk": [self._chunk_seen, self._chunk_logits]}
 
     def load_state_dict(self, state: dict) -> None:
         self.kept = Fit.from_state(state["kept"])
         self.chunked = Fit.from_state(state["chunked"])
+        self._chunk_seen, self._chunk_logits = state.get("chunk", (0.0, 0.0))

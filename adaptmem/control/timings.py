@@ -48,6 +48,7 @@ class ModeTimes:
     _pool_key: tuple | None
     _pool: dict
     _groups: list[tuple[int, ...]]
+    _alike: dict[tuple[int, int, int], list[tuple[int, ...]]]
 
     def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
         """What `mode` adds to a step on block `index`: its own work read within its steps (its
@@ -224,8 +225,14 @@ class ModeTimes:
         return self._pool
 
     def _alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
-        """Per block, the blocks of its class whose input is within 2% of its own size."""
-        sizes = [lat["input_bytes"].predict(batch, extent) for lat in self.latent]
-        return [tuple(j for j, (c, x) in enumerate(zip(self.classes, sizes))
-                      if c == cls and abs(x - size) <= 0.02 * max(x, size, 1.0))
-                for cls, size in zip(self.classes, sizes)]
+        """Per block, the blocks of its class whose input is within 2% of its own size (kept per
+        shape until the cost model changes: the pool is for one shape, these for any)."""
+        key = (batch, extent, self.steps_learned)
+        if key not in self._alike:
+            if len(self._alike) > 64 or any(k[2] != self.steps_learned for k in self._alike):
+                self._alike.clear()
+            sizes = [lat["input_bytes"].predict(batch, extent) for lat in self.latent]
+            self._alike[key] = [tuple(j for j, (c, x) in enumerate(zip(self.classes, sizes))
+                                      if c == cls and abs(x - size) <= 0.02 * max(x, size, 1.0))
+                                for cls, size in zip(self.classes, sizes)]
+        return self._alike[key]

@@ -550,9 +550,10 @@ def test_a_backwards_own_weight_gradients_are_not_scaled_with_the_tokens():
     costs.learn(step(1000))
     costs.learn(step(2000))
     assert costs.direct[0][Mode.NONE]["wx"].predict(1, 1000) == pytest.approx(2000)  # learned less them
-    assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(own + 2 * 8000, rel=0.02)
+    # within the derivation's measured margin, which a carried figure keeps on what it adds
+    assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(own + 2 * 8000, rel=0.05)
     costs.grads_resident = True  # found kept from the step before: the backward allocates none
-    assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(2 * 8000, rel=0.02)
+    assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(2 * 8000, rel=0.05)
 
 
 def test_a_pack_hooks_bytes_do_not_teach_the_activations():
@@ -564,3 +565,50 @@ def test_a_pack_hooks_bytes_do_not_teach_the_activations():
     assert not costs.latent[0]["activations"]
     costs.learn(_timed_step([Mode.NONE], [0.03], [1000]))
     assert costs.latent[0]["activations"].predict(2, 1000) == pytest.approx(4000 - 1000)
+
+
+def _linear_step(modes, extent, *, constant=0):
+    """A step at `extent` (batch 1) whose blocks' bytes grow linearly with it: input `extent`,
+    activations 3 x `extent` (what a checkpoint recomputes), a forward transient of 2 x `extent`;
+    a checkpoint's backward holds them again and `constant` bytes besides (what of its weights'
+    gradients are allocated at its peak), NONE's the `constant` alone."""
+    from adaptmem.control.samples import BlockSample, StepSample
+
+    blocks, at = [], 0
+    for i, mode in enumerate(modes):
+        held = extent if mode & Mode.CHECKPOINT else 4 * extent
+        blocks.append(BlockSample(index=i, mode=mode, input_bytes=extent, start=at, end=at + held,
+                                  fwd_top=at + 2 * extent, held=held, output_bytes=extent, bwd_start=at + held,
+                                  bwd_top=at + held + (3 * extent if mode & Mode.CHECKPOINT else 0) + constant, fwd_seconds=0.01, bwd_seconds=0.02,
+                                  recompute_bytes=3 * extent if mode & Mode.CHECKPOINT else None))
+        at += held
+    return StepSample(batch=1, extent=extent, blocks=blocks, completed=True, seconds=0.03)
+
+
+def test_a_figure_seen_at_one_length_grows_as_its_alike_blocks_showed_not_by_the_prior():
+    """Block 1 ran CHECKPOINT at one length, block 0 (alike) at three that show its forward
+    transient linear: block 1's is carried as block 0's grows, not by the assumed quadratic share
+    (which grew a 128-token reading 5.4-fold past linear at 2389 tokens)."""
+    costs = CostModel(["Layer"] * 2, load_policy("balanced"), cuda=False)
+    costs.learn(_linear_step([Mode.CHECKPOINT] * 2, 1000))
+    for extent in (2000, 4000):
+        costs.learn(_linear_step([Mode.CHECKPOINT, Mode.NONE], extent))
+    far = 32000
+    assert costs.figures(1, Mode.CHECKPOINT, 1, far).fx == pytest.approx(2 * far, rel=0.05)
+    alone = CostModel(["Layer"], load_policy("balanced"), cuda=False)  # nothing alike: the prior's share
+    alone.learn(_linear_step([Mode.CHECKPOINT], 1000))
+    assert alone.figures(0, Mode.CHECKPOINT, 1, far).fx > 4 * 2 * far
+
+
+def test_a_checkpoints_constant_backward_part_is_carried_as_a_constant_not_scaled():
+    """A checkpoint's backward at its peak holds part of its weights' gradients: a constant. Carried
+    from a short length to a long one, it stays a constant; scaled with the recompute, it made a
+    backward predicted at half its bytes."""
+    own, constant = 4000, 2000
+    costs = CostModel(["Layer"], load_policy("balanced"), cuda=False, weight_grad_bytes=[own])
+    for extent in (1000, 2000):  # NONE shows the activations at two lengths
+        costs.learn(_linear_step([Mode.NONE], extent, constant=own))
+    costs.learn(_linear_step([Mode.CHECKPOINT], 1000, constant=constant))
+    far, truth = 16000, 3 * 16000 + constant
+    wx = costs.figures(0, Mode.CHECKPOINT, 1, far).wx  # with the measured margin on what is added
+    assert truth <= wx <= 1.1 * truth

@@ -69,6 +69,29 @@ def test_the_head_costs_price_memory_by_shape_and_chunks_by_count():
     assert needs == sorted(needs, reverse=True) and seconds == sorted(seconds)  # smaller chunks: less memory, more time
     assert choices[0][1] > needs[0]  # kept holds more than one chunk of everything
     assert [c for c, _, _ in costs.choices(2, 3000, "kept")] == [KEPT]
-    costs.learn(HeadChoice(HeadMode.CHUNKED, 128), 2, 3000, above=costs.chunk_bytes(128) + 1234.0)
-    assert costs.chunked_bytes(2, 3000, 256) == pytest.approx(1234.0 + costs.chunk_bytes(256))
+    above = costs.chunk_bytes(128) + 1234.0
+    costs.learn(HeadChoice(HeadMode.CHUNKED, 128), 2, 3000, above=above)
+    assert costs.chunked_bytes(2, 3000, 128) == pytest.approx(above)  # the step seen, as it was
+    assert costs.chunked_bytes(2, 3000, 256) - above == pytest.approx(costs.chunk_bytes(256) - costs.chunk_bytes(128))
     assert HeadChoice.parse("CHUNKED:256") == HeadChoice(HeadMode.CHUNKED, 256) and HeadChoice.parse("KEPT") == KEPT
+
+
+def test_a_chunks_bytes_are_learned_from_the_chunked_steps():
+    """Before a chunked step a chunk is priced at `CHUNK_LOGITS` of its logits; once steps have
+    shown it (1.0 in float32) the learned share prices it, and it survives a resume."""
+    from adaptmem.control.headcosts import CHUNK_LOGITS, HeadChoice, HeadCosts
+    from adaptmem.modes import HeadMode
+
+    vocab, hidden = 1000, 64
+    costs = HeadCosts(vocab, hidden, vocab * hidden * 4, cuda=False)
+    assert costs.chunk_logits == CHUNK_LOGITS
+    for tokens, chunk in ((512, 256), (1024, 512), (1024, 256)):
+        extent = tokens * hidden
+        beside = costs._fixed(1, extent)  # the weight's gradient and a few hidden-sized tensors
+        costs.learn(HeadChoice(HeadMode.CHUNKED, chunk), 1, extent, beside + 1.0 * chunk * vocab * 4)
+    assert costs.chunk_logits == pytest.approx(1.0, rel=0.02)
+    again = HeadCosts(vocab, hidden, vocab * hidden * 4, cuda=False)
+    again.load_state_dict(costs.state_dict())
+    assert again.chunked_bytes(1, 4096 * hidden, 1024) == costs.chunked_bytes(1, 4096 * hidden, 1024)
+    assert costs.chunked_bytes(1, 4096 * hidden, 1024) == pytest.approx(costs._fixed(1, 4096 * hidden)
+                                                                        + 1024 * vocab * 4, rel=0.05)
