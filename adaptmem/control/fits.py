@@ -37,6 +37,7 @@ class Fit:
         self.span = span
         self.points: OrderedDict[tuple[int, int], float] = OrderedDict()
         self.counts: dict[tuple[int, int], int] = {}
+        self._terms: tuple | None = None  # the least-squares terms of the points as they stand
 
     def add(self, batch: int, extent: int, value: float, *, provisional: bool = False) -> None:
         """Observe `value` at this shape: the mean of the last observations of it, about `span`
@@ -49,6 +50,7 @@ class Fit:
         least recently used one is forgotten, so a shape that keeps coming back stays.
         """
         key = (int(batch), int(extent))
+        self._terms = None
         old = self.points.pop(key, None)
         n = 0 if old is None else min(self.counts.get(key, 1), self.span - 1)
         self.points[key] = float(value) if old is None else (n * old + float(value)) / (n + 1)
@@ -82,7 +84,13 @@ class Fit:
         return max(lin * elements + quad * elements * extent, y0 * scale)
 
     def _activation_terms(self) -> tuple[float, float]:
-        """(bytes per token, bytes per token x token of sequence), both >= 0."""
+        """(bytes per token, bytes per token x token of sequence), both >= 0; solved once per change
+        of the points (a plan asks each fit many times)."""
+        if self._terms is None:
+            self._terms = self._solve_activation_terms()
+        return self._terms
+
+    def _solve_activation_terms(self) -> tuple[float, float]:
         shapes = list(self.points)
         columns = torch.tensor([[b * s, b * s * s] for b, s in shapes], dtype=torch.float64)
         y = torch.tensor(list(self.points.values()), dtype=torch.float64)
@@ -99,13 +107,16 @@ class Fit:
             t0, y0 = max(pts)
             fixed = min(constant, max(y0, 0.0))
             return fixed + (y0 - fixed) * max(1.0, tokens / t0) if y0 > 0 else y0
-        t = torch.tensor([p[0] for p in pts], dtype=torch.float64)
-        y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
-        center = t.mean()
-        intercept, slope = _lstsq(torch.stack([torch.ones_like(t), t - center], dim=1), y)
-        if slope < 0:  # gradients and the head do not shrink with more tokens
-            return float(y.mean())
-        return intercept + slope * (tokens - float(center))
+        if self._terms is None:
+            t = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+            y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+            center = float(t.mean())
+            intercept, slope = _lstsq(torch.stack([torch.ones_like(t), t - center], dim=1), y)
+            self._terms = (float(y.mean()), None, center) if slope < 0 else (intercept, slope, center)
+        intercept, slope, center = self._terms
+        if slope is None:  # gradients and the head do not shrink with more tokens
+            return intercept
+        return intercept + slope * (tokens - center)
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "span": self.span,
