@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from adaptmem import ALLOWED_MODES
@@ -48,3 +50,7 @@ def test_the_main_job_is_a_long_sequence_llama_fine_tune(tmp_path, capsys):
     heads = [line.split("|")[1].strip() for line in lines]  # the loss head after the block letters
     assert len(heads) == 8 and all(h == "L" or (h[0] == "c" and h[1:].isdigit()) for h in heads), heads
     assert heads == ["L" if r["head"] == "KEPT" else "c" + r["head"].split(":")[1] for r in steps]
+    # the last act: a batch past HF gradient checkpointing's longest, which runs out of memory on it
+    hf = int(re.search(r"HF gradient checkpointing +longest about ([\d,]+) tokens", out).group(1).replace(",", ""))
+    length = int(re.search(r"a batch of 2 x ([\d,]+) tokens", out).group(1).replace(",", ""))
+    assert length > hf and "HF gradient checkpointing: out of memory" in out and "adaptmem: trained it" in out
