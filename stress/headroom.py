@@ -34,6 +34,7 @@ import torch
 
 import adaptmem
 from adaptmem.config.units import format_bytes
+from adaptmem.demo.longest import hf_checkpointing
 from adaptmem.devices.tiers import host_allocations
 from adaptmem.testing import SimulatedDevice
 
@@ -76,7 +77,7 @@ class Run:
         self.method, self.vocab = method, vocab
         self.model = build(vocab)
         if method.startswith("hf_gc"):
-            self.model.gradient_checkpointing_enable()
+            hf_checkpointing(self.model, True)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.dev = SimulatedDevice(capacity)

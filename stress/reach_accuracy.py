@@ -1,0 +1,125 @@
+"""How far to trust "how long can I go?": `longest_sequence` against the longest length found by training.
+
+    python -m stress.reach_accuracy                     # Qwen3 and Starcoder2 from configs (a few minutes each)
+    python -m stress.reach_accuracy --arch qwen3 --json runs/reach.json
+
+For each architecture (4 layers, hidden 256, vocab 8000, random weights, AdamW, batch 1) on a
+`SimulatedDevice` of `DEVICE_MIB`: a run calibrates on `CALIBRATION` lengths (twice each), then
+asks `MemoryManager.longest_sequence(1)`. Empirically, a length L trains when a fresh run with the
+same calibration goes on with two steps at L and no `StepOutOfMemoryError`; the longest such L
+is bisected to within 1% (the search starts from the prediction, so it costs a few runs).
+
+Target: the prediction within 5% of the empirical longest, and never above it by more than that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import adaptmem
+from adaptmem.testing import SimulatedDevice
+
+ARCHS = ("qwen3", "starcoder2")
+DEVICE_MIB = 200
+CALIBRATION = (128, 256, 512)
+VOCAB = 8000
+TOLERANCE = 0.05
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build(arch: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(arch, vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1 << 15,
+                               use_cache=False)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def batch(length: int) -> dict:
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+    return {"input_ids": ids, "labels": ids}
+
+
+def run(arch: str, lengths: list[int], *, ask: bool = False):
+    """Train one step at each length under adaptmem's default policy; the prediction when `ask`."""
+    model = build(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    device = SimulatedDevice(DEVICE_MIB << 20)
+    device.track(model)
+    with device, adaptmem.manage(model, device=device) as mem:
+        for length in lengths:
+            mem.run_step(lambda: model(**batch(length)).loss.backward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return mem.longest_sequence(1) if ask else None
+
+
+def trains(arch: str, length: int) -> bool:
+    try:
+        run(arch, list(CALIBRATION) * 2 + [length, length])
+        return True
+    except torch.OutOfMemoryError:  # StepOutOfMemoryError is one
+        return False
+
+
+def empirical(arch: str, guess: int) -> tuple[int, int]:
+    """(longest that trained, shortest that did not), bisected to within 1%."""
+    low, high = guess, guess
+    while not trains(arch, low):
+        high, low = low, low * 3 // 4
+    if high == low:
+        high = low * 5 // 4
+        while trains(arch, high):
+            low, high = high, high * 5 // 4
+    while high - low > max(8, low // 100):
+        mid = (low + high) // 2
+        began = time.perf_counter()
+        good = trains(arch, mid)
+        log(f"  {arch}: {mid:,} tokens {'trains' if good else 'runs out of memory'} "
+            f"({time.perf_counter() - began:.0f} s)")
+        low, high = (mid, high) if good else (low, mid)
+    return low, high
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", choices=ARCHS, help="architectures (default: all)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
+    import logging
+
+    logging.getLogger("adaptmem").setLevel(logging.ERROR)  # the bisection runs out of memory on purpose
+    rows, ok = [], True
+    for arch in args.arch or ARCHS:
+        reach = run(arch, list(CALIBRATION) * 2, ask=True)
+        log(f"{arch}: predicted {reach}")
+        low, high = empirical(arch, reach.length)
+        ratio = reach.length / low
+        met = 1 - TOLERANCE <= ratio <= 1 + TOLERANCE
+        ok &= met
+        rows.append({"arch": arch, "predicted": reach.length, "empirical_low": low, "empirical_high": high,
+                     "ratio": round(ratio, 4), "met": met, "plan": str(reach)})
+        print(f"{arch:<11} predicted {reach.length:>6,}  trains up to {low:>6,} (not {high:,})  "
+              f"predicted / empirical {ratio:.3f}  {'ok' if met else 'MISSED'} (within {TOLERANCE:.0%})", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device_mib": DEVICE_MIB, "calibration": CALIBRATION, "rows": rows}, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
