@@ -100,7 +100,6 @@ class CostModel(ModeTimes):
         self._offloaded: set[tuple[int, Mode]] = set()  # (block, mode) with OFFLOAD that has run in this process
         self._pool_key: tuple | None = None  # (batch, extent, steps_learned) the pooled overheads are for
         self._pool: dict = {}
-        self._groups: list[tuple[int, ...]] = []
         self._alike: dict = {}
 
     @property
@@ -207,7 +206,7 @@ class CostModel(ModeTimes):
             wx = fits["wx"].predict(batch, extent, q) if fits["wx"] else derived.wx
         else:
             tokens = batch * extent
-            b0, e0 = min(fits["held"].points, key=lambda k: abs(k[0] * k[1] - tokens))
+            (b0, e0), _ = fits["held"].nearest(batch, extent)
             there = self._derive(mode, self._latents(index, b0, e0))  # its bytes: no covers needed
             linear = tokens / max(1, b0 * e0)
 
@@ -251,7 +250,7 @@ class CostModel(ModeTimes):
         guide = next((g for g in guides if _extents(g) >= 2), None)
         if guide is None:
             return fit.predict(batch, extent, self.policy.quadratic_prior)
-        (b0, e0), y0 = min(fit.points.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - batch * extent))
+        (b0, e0), y0 = fit.nearest(batch, extent)
         there = guide.predict(b0, e0)
         return y0 * guide.predict(batch, extent) / there if there > 0 else fit.predict(batch, extent)
 

@@ -61,6 +61,11 @@ class Fit:
     def __bool__(self) -> bool:
         return bool(self.points)
 
+    def nearest(self, batch: int, extent: int) -> tuple[tuple[int, int], float]:
+        """The shape seen with the element count (batch x extent) nearest this one's, and its value."""
+        elements = batch * extent
+        return min(self.points.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - elements))
+
     @property
     def settled(self) -> bool:
         """Some observation here is more than a provisional one."""
@@ -75,7 +80,7 @@ class Fit:
         if self.kind == "base":
             return self._base(elements, constant)
         # the nearest shape seen, scaled: tokens linearly, and an assumed quadratic share upwards
-        (b0, e0), y0 = min(self.points.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - elements))
+        (b0, e0), y0 = self.nearest(batch, extent)
         scale = elements / max(1, b0 * e0)
         guess = y0 * scale * ((1 - quadratic) + quadratic * extent / e0 if extent > e0 else 1.0)
         if len({s for _, s in self.points}) < 2:

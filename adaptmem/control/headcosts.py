@@ -97,9 +97,13 @@ class HeadCosts:
         return KEPT_LOGITS_PRIOR * self.tokens(batch, extent) * self.vocab * 4 + self._fixed(batch, extent)
 
     def chunked_bytes(self, batch: int, extent: int, chunk: int) -> float:
-        tokens = self.tokens(batch, extent)
-        base = self.chunked.predict(batch, extent, constant=self._gradient) if self.chunked else self._fixed(batch, extent)
-        return base + self.chunk_bytes(min(chunk, tokens))
+        return self._beside(batch, extent) + self.chunk_bytes(min(chunk, self.tokens(batch, extent)))
+
+    def _beside(self, batch: int, extent: int) -> float:
+        """A chunked head's bytes beside its chunk: learned, or `_fixed` before a chunked step."""
+        if self.chunked:
+            return self.chunked.predict(batch, extent, constant=self._gradient)
+        return self._fixed(batch, extent)
 
     def _fixed(self, batch: int, extent: int) -> float:
         """What the head holds beside its logits: its weight's gradient (a float32 buffer when
@@ -141,8 +145,7 @@ class HeadCosts:
         else:
             chunk = min(choice.chunk or 0, self.tokens(batch, extent))
             logits = chunk * self.vocab * 4
-            beside = self.chunked.predict(batch, extent, constant=self._gradient) if self.chunked else None
-            seen = above - (self._fixed(batch, extent) if beside is None else beside)
+            seen = above - self._beside(batch, extent)
             low, high = CHUNK_LOGITS_RANGE
             if logits > 0 and low * logits <= seen <= high * logits:
                 self._chunk_seen += seen

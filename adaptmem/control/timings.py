@@ -47,7 +47,6 @@ class ModeTimes:
     steps_learned: int
     _pool_key: tuple | None
     _pool: dict
-    _groups: list[tuple[int, ...]]
     _alike: dict[tuple[int, int, int], list[tuple[int, ...]]]
 
     def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
@@ -214,14 +213,13 @@ class ModeTimes:
         """The blocks alike with `index` at this shape; the pooled figures are kept until the
         shape or the cost model changes."""
         self._shape_pool(batch, extent)
-        return self._groups[index]
+        return self._alike_groups(batch, extent)[index]
 
     def _shape_pool(self, batch: int, extent: int) -> dict:
         """The figures pooled at this shape, emptied when the shape or the cost model changes."""
         key = (batch, extent, self.steps_learned)
         if self._pool_key != key:
             self._pool_key, self._pool = key, {}
-            self._groups = self._alike_groups(batch, extent)
         return self._pool
 
     def _alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
