@@ -55,6 +55,8 @@ _FROM_MEASURED = (Mode.NONE, Mode.CHECKPOINT, _REC)  # modes whose derivations f
 _QUANTITIES = ("held", "fx", "wx", "seconds")
 _TIE_BREAK = 1e-6  # seconds per ladder rung: far below any measured cost
 _TIME_SPAN = 4  # observations a time is averaged over (`Fit.span`); bytes keep the default 2
+#: Sizes measured at a batch before the others are predicted from the fits rather than measured.
+GENERALISE_AFTER = 3
 
 
 def _fit(name: str) -> Fit:
@@ -109,6 +111,13 @@ class CostModel(ModeTimes):
     def measured(self, batch: int, extent: int) -> bool:
         """This very shape has been measured block by block (among the shapes the fits keep)."""
         return bool(self.latent) and (int(batch), int(extent)) in self.latent[0]["input_bytes"].points
+
+    def covers(self, batch: int, extent: int) -> bool:
+        """The fits cover this shape without measuring it: `GENERALISE_AFTER` sizes or more measured at
+        this batch, and this one at most the policy's `bucket_ratio` past the largest (further out is
+        extrapolation)."""
+        extents = {s for b, s in self.latent[0]["input_bytes"].points if b == batch} if self.latent else set()
+        return len(extents) >= GENERALISE_AFTER and extent <= max(extents) * self.policy.bucket_ratio
 
     # ---------------------------------------------------------------- learn
     def learn(self, sample: StepSample) -> None:
@@ -366,7 +375,7 @@ class CostModel(ModeTimes):
             self.head_costs.load_state_dict(state["head_costs"])
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
-        self._pool_key = None
+        self._pool_key, self._alike = None, {}  # kept per steps learned, which may have gone back
 
 
 def _extents(fit: Fit) -> int:

@@ -16,8 +16,16 @@ held steps; never above 1) lets the planner aim the prediction that much higher
 rather than left to the margins. Any escalation or
 out-of-memory error sets it back to 1.
 
-A relaxation that has to be undone (an escalation within the calm window that
-follows it) caps later relaxations below the headroom that went too far and
+Headroom lost to an escalation or an out-of-memory error is a lesson about
+one episode, not about the rest of the run: while it is below where it started
+(the policy's `headroom`, or the ceiling if lower), every calm step recovers
+half of what is missing (the last 0.005 at once), so from `min_headroom` 0.5
+back to 0.94 takes 7 calm steps (`RECOVER`), and the plan returns to what fits
+once the pressure is gone. Above the start, relaxing is slow (`calm_steps`
+calm steps for each `relax_factor`).
+
+A relaxation or recovery that has to be undone (an escalation within the calm
+window that follows it) caps later ones below the headroom that went too far and
 doubles the calm steps needed, so the controller cannot flip-flop between two
 plans in steady state.
 """
@@ -28,8 +36,9 @@ from dataclasses import dataclass, field
 
 from adaptmem.config.policy import Policy
 
-HOLD, ESCALATE, RELAX = "hold", "escalate", "relax"
+HOLD, ESCALATE, RELAX, RECOVER = "hold", "escalate", "relax", "recover"
 BIAS_FLOOR = 0.8  # predictions are never taken to be more than 25% too high
+RECOVER_SNAP = 0.005  # a recovery this close to its target takes the rest at once
 
 
 @dataclass
@@ -69,6 +78,12 @@ class Decider:
             self.headroom = new
             return ESCALATE
         if ratio < p.low_watermark:
+            target = min(p.headroom, self.ceiling)
+            if self.headroom < target:  # recovering from an episode: half the way back per calm step
+                new = self.headroom + 0.5 * (target - self.headroom)
+                self.relaxed_from, self.steps_since_relax, self.calm = self.headroom, 0, 0
+                self.headroom = target if target - new < RECOVER_SNAP else new
+                return RECOVER
             self.calm += 1
             if self.calm >= self.calm_needed:
                 new = min(p.max_headroom, self.ceiling, self.headroom * p.relax_factor)

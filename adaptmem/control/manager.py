@@ -17,7 +17,6 @@ bracket each forward+backward with `begin_step(label)` / `end_step(error)`
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import weakref
 from collections import Counter
@@ -40,10 +39,13 @@ from adaptmem.control.plans import PlanBook
 from adaptmem.control.reach import LengthsSeen, Reach, Reacher, end_record
 from adaptmem.control.priors import priors_for
 from adaptmem.control.reactions import Reactions
-from adaptmem.control.resume import load_manager_state, manager_state
+from adaptmem.control.resume import load_manager_state, manager_state, manager_summary
 from adaptmem.control.recorder import StepRecorder
-from adaptmem.control.retry import BufferCopies, StepGuard, StepOutOfMemoryError, oom_report
+from adaptmem.control.retry import (BufferCopies, StepGuard, StepOutOfMemoryError, oom_report, rng_state,
+                                   set_rng_state)
 from adaptmem.control.sampler import Sampler
+from adaptmem.control.schedule import MeasureSchedule
+from adaptmem.control.unfit import Trace
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.host import HostProbe
 from adaptmem.devices.select import make_probe
@@ -51,8 +53,6 @@ from adaptmem.modes import Mode
 from adaptmem.strategies import CompressOptions
 from adaptmem.wrapping import (BlockHandle, BlockSelection, HeadHandle, HeadSelection, find_blocks, find_head,
                                get_instrumentation, instrument, restore, tell_observer, unwrap)
-
-log = logging.getLogger("adaptmem")
 
 
 class MemoryManager(Reactions):
@@ -120,7 +120,7 @@ class MemoryManager(Reactions):
         self._step_feasible = True  # the step's plan was predicted to fit (else it is the tightest there is)
         self._step_start = 0
         self.lengths = LengthsSeen()  # what `longest_sequence` extrapolates from
-        self._measured: dict = {}  # per shape bucket: (plan, step) of its last step measured block by block
+        self.measuring = MeasureSchedule(p, self.costs)  # which steps are measured block by block
         self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
         self._unmarked_warned = self._idle_warned = self._overlap_warned = False  # warnings given once
         self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
@@ -135,6 +135,9 @@ class MemoryManager(Reactions):
         self.errors: list[float] = []
         self.decisions: Counter = Counter()
         self._last_failure: dict = {}
+        self._attempts: list[dict] = []  # the failures of the batch in hand (since the last step that ran)
+        self._trace: Trace | None = None  # the controller as it was before that batch (adaptmem.control.unfit)
+        self._refused: str | None = None  # the step in hand was given up: no plan can fit it
         self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
         self._runtime = get_instrumentation(model).runtime
         self._sampler = Sampler(self._tick, self.events.flush, p.sample_interval_s)
@@ -215,6 +218,9 @@ class MemoryManager(Reactions):
             raise RuntimeError("a step is already open: call end_step() before begin_step() (steps do not nest)")
         self._check_own_checkpointing()
         with self._lock:
+            if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
+                self._trace, self._attempts = Trace.take(self), []
+            self._rng = rng_state()  # put back if the step is given up before a block runs
             self._in_step = True
             self._overlapping = False
             self._plan_point_passed = False
@@ -232,11 +238,18 @@ class MemoryManager(Reactions):
         sample = self.recorder.end()
         self._check_device_counted(sample)
         error = self._agree_on_failure(error)
+        refused, self._refused = self._refused, None
         with self._lock:
             self._in_step = False
+            if refused is not None:  # given up before a block ran: the batch leaves no trace
+                self._trace.restore(self)
+                set_rng_state(self._rng)
+                return None
             if sample is not None and sample.double_backward:
                 self._no_second_backward_for(Mode.SELECTIVE)
             if sample is not None and sample.blocks and sample.detailed and not sample.unmeasured:
+                if isinstance(error, torch.OutOfMemoryError):
+                    self._trace.before_learning(self)
                 self.costs.learn(sample)
                 self.lengths.learn(sample)
             if isinstance(error, torch.OutOfMemoryError):
@@ -265,22 +278,27 @@ class MemoryManager(Reactions):
         step; after an out-of-memory error, free, tighten the plan and run it again."""
         guard = StepGuard(self.model, self.policy.accumulation_snapshot, buffer_limit=self.policy.buffer_snapshot_limit,
                           copies=self._buffer_copies)
-        attempts: list[dict] = []
+        self.plans.succeeded()  # a new batch: not a retry of whatever failed before
         try:
             for attempt in range(self.policy.max_retries + 1):
                 self.plans.attempt = attempt
                 try:
                     with self.step(label), self._no_sync():
                         result = fn(*args, **kwargs)
+                except StepOutOfMemoryError as err:  # given up before a block ran: no plan can fit it
+                    refused = err.with_traceback(None)  # its frames would keep the forward's tensors alive
                 except torch.OutOfMemoryError:
-                    attempts.append(dict(self._last_failure))
+                    refused = None
                 else:
-                    self.ooms_recovered += len(attempts)
+                    self.ooms_recovered += attempt
                     self._average_gradients()
                     return result
                 guard.restore()
+                if refused is not None:
+                    raise refused
                 self._free_after_oom()
-            raise StepOutOfMemoryError(oom_report(attempts, self.policy.max_retries), attempts)
+            self._trace.restore(self)  # every retry failed: the batch leaves no trace either
+            raise StepOutOfMemoryError(oom_report(self._attempts, self.policy.max_retries), list(self._attempts))
         finally:
             self.plans.attempt = 0
             self.plans.succeeded()
@@ -303,27 +321,8 @@ class MemoryManager(Reactions):
                                         0 if self._in_step else self.probe.allocated())
 
     def summary(self) -> dict[str, Any]:
-        errors = self.errors
-        return {
-            "steps": self.steps,
-            "peak_bytes": self.peak_bytes,
-            "budget_bytes": self.budget,
-            "user_budget_bytes": self.user_budget,
-            "ooms": self.ooms,
-            "ooms_recovered": self.ooms_recovered,
-            "plan_changes": self.plan_changes,
-            "prediction_error_mean": sum(abs(e) for e in errors) / len(errors) if errors else None,
-            "prediction_error_max": max((abs(e) for e in errors), default=None),
-            "prediction_error_last": errors[-1] if errors else None,
-            "decisions": dict(self.decisions),
-            "pressure_events": self.pressure_events,
-            "headroom": self.decider.headroom,
-            "plan_counts": dict(Counter(m.label for m in self._current)),
-            "policy": self.policy.name,
-            "device": self.probe.name,
-            "run": self.events.run_id,
-            "compiles": self._compiles.count,
-        }
+        """Counts and figures of the run so far (steps, peak, OOMs, decisions, prediction error, ...)."""
+        return manager_summary(self)
 
     def close(self) -> None:
         """Stop the background thread, write the log, and give the model back as it was.

@@ -11,11 +11,20 @@ top of its bucket (up to `bucket_ratio` larger, which would leave that much of
 the budget unused). A shape the cost
 model has not measured yet is planned for the bucket's top (its predictions are
 inter- or extrapolated, and the top is their margin), and planned for again at
-its own size once it has been measured. Before anything is known, every block
+its own size once it has been measured, or once the fits cover it (three sizes
+measured at its batch, it at most one bucket past the largest). Before anything
+is known, every block
 is checkpointed (the calibration step); static policies give their fixed plan;
 a model the user instrumented first starts from the user's modes instead. After
 an out-of-memory error, a retry's plan is no looser anywhere than the one that
-failed, and never one that already failed in this step.
+failed, never one that already failed in this step, and, once the cost model
+predicts, predicted lower than every plan that failed in this step by at least
+`RETRY_STEP` of the lowest one's bytes: retries climb by predicted peak, not by a mode's
+rank, and where no plan is lower the record says so (`exhausted`) and the step
+is given up at once rather than run again at the same peak. Where every plan
+that failed had been predicted to fit, the figures were wrong (or memory was
+taken for a moment), not the batch too large: with nothing predicted lower,
+the retries go on up the ladder, `max_retries` at most.
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ Shape = tuple[int, int]  # (batch, elements per sample) a plan is made for
 
 #: Plans kept, one per shape bucket; past it the least recently used is dropped.
 MAX_CACHED_PLANS = 64
+#: A retry's plan is predicted lower than every plan that failed by at least this fraction of the
+#: lowest one's predicted bytes above the step's start.
+RETRY_STEP = 0.01
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,7 @@ class PlanRecord:
     learned: int = 0  # the cost model's steps learned when the plan was made (or last checked)
     seen: int = 0  # the largest input elements per sample seen in the bucket
     head: HeadChoice | None = None  # the loss head's mode and chunk (None: the model has no managed head)
+    exhausted: bool = False  # a retry with no plan predicted lower than one that failed: give the step up
 
 
 class PlanBook:
@@ -84,6 +97,8 @@ class PlanBook:
         self.failed_head: HeadChoice | None = None  # and its head
         # (plan, head) pairs that ran out of memory in this step
         self.tried: set[tuple[tuple[Mode, ...], HeadChoice | None]] = set()
+        self.failed_shape: Shape | None = None  # the (batch, extent) they failed on
+        self.failed_unforeseen = False  # every plan that failed was predicted to fit: the figures were wrong
         self.attempt = 0
         # predicted peaks above the start, per (modes, batch, extent), while the cost model and the
         # policy stay as they were: steady-state steps ask for the same plan's prediction each step
@@ -123,7 +138,8 @@ class PlanBook:
         budget (it would not fit). Checked once per step learned."""
         if record.learned == self.costs.steps_learned or self.policy.static_plan != "none":
             return False
-        if record.extent > record.seen and self.costs.measured(record.key[0], record.seen):
+        if record.extent > record.seen and (self.costs.measured(record.key[0], record.seen)
+                                            or self.costs.covers(record.key[0], record.seen)):
             return True
         if not record.feasible:
             return False
@@ -144,7 +160,8 @@ class PlanBook:
         bucket's top), made for the bucket's top while that shape has not been measured."""
         p = self.policy
         seen = key[1] if extent is None else extent
-        extent = seen if self.costs.measured(key[0], seen) else max(seen, key[1])
+        known = self.costs.measured(key[0], seen) or self.costs.covers(key[0], seen)
+        extent = seen if known else max(seen, key[1])
         shape = (key[0], extent)
         fixed = {**self.pinned, **fixed}
         predicted, feasible, shortfall, head = None, True, 0.0, None
@@ -164,21 +181,14 @@ class PlanBook:
                 modes, head, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed)
         if head is None and self.costs.head_costs is not None:
             head = self._head_alone(shape, start, budget)
+        exhausted = False
         if self.failed is not None:
-            modes, reason = self._tighter_than_failed(modes, shape), f"retry {self.attempt}"
-            head = self._tighter_head(head)
-            chunked_failed = self.failed_head is not None and self.failed_head.mode is HeadMode.CHUNKED
-            if head is not None and self.policy.head != "kept" and \
-                    ((self.attempt >= 2 and chunked_failed) or (modes, head) in self.tried):
-                # a chunked head failed on a second retry, or the blocks have nothing tighter left to
-                # try: the head is chunked in its smallest chunks (a kept head is chunked only then, as
-                # chunking changes the order of summation, where a retry of lossless modes is exact)
-                costs = self.costs.head_costs
-                head = HeadChoice(HeadMode.CHUNKED, costs.chunks(costs.tokens(*shape))[0])
+            modes, head, exhausted = self._retry(modes, head, shape)
+            reason = "nothing lower" if exhausted else f"retry {self.attempt}"
         for i, mode in fixed.items():
             modes = modes[:i] + (mode,) + modes[i + 1:]
         return PlanRecord(modes, key, extent, start, predicted, reason, feasible, shortfall,
-                          self.costs.steps_learned, seen, head)
+                          self.costs.steps_learned, seen, head, exhausted)
 
     def predict(self, modes: tuple[Mode, ...], batch: int, extent: int, start: int,
                 head: HeadChoice | None = None) -> float | None:
@@ -209,13 +219,20 @@ class PlanBook:
         self.cache.clear()
         return True
 
-    def failure(self, executed: tuple[Mode, ...], head: HeadChoice | None = None) -> None:
+    def failure(self, executed: tuple[Mode, ...], head: HeadChoice | None = None, shape: Shape | None = None,
+                foreseen: bool = True) -> None:
+        """`executed` (with `head`) ran out of memory on `shape`: retries must be predicted lower.
+        `foreseen`: it ran although no plan was predicted to fit (it was the tightest)."""
+        self.failed_unforeseen = (not self.tried or self.failed_unforeseen) and not foreseen
         self.failed, self.failed_head = executed, head
         self.tried.add((executed, head))
         self.cache.clear()
+        if shape is not None and shape[0] * shape[1] > 0:
+            self.failed_shape = shape
 
     def succeeded(self) -> None:
-        self.failed = self.failed_head = None
+        self.failed = self.failed_head = self.failed_shape = None
+        self.failed_unforeseen = False
         self.tried.clear()
 
     # ------------------------------------------------------------------ inner
@@ -267,6 +284,39 @@ class PlanBook:
         fitting = [o for o in row if o.need <= room]
         return min(fitting, key=lambda o: o.seconds).mode if fitting else min(row, key=lambda o: o.need).mode
 
+    def _retry(self, modes: tuple[Mode, ...], head: HeadChoice | None,
+               shape: Shape) -> tuple[tuple[Mode, ...], HeadChoice | None, bool]:
+        """A retry's plan: the first candidate not tried and predicted lower than what failed (the
+        planner's own plan made no looser than the failed one, each block a rung up, uniform plans by
+        predicted peak), with the head no looser than the failed one's, then with the head in its
+        smallest chunks. True third when none is lower (the tightest is returned, to be given up)."""
+        blocks = self._tighter_than_failed(modes, shape)
+        head = self._tighter_head(head)
+        smallest = None
+        costs = self.costs.head_costs
+        if head is not None and costs is not None and self.policy.head != "kept":
+            # chunking a kept head changes the order of summation, where a retry of lossless modes is
+            # exact: it is done once the blocks have nothing tighter, or a chunked head failed twice
+            smallest = HeadChoice(HeadMode.CHUNKED, costs.chunks(costs.tokens(*shape))[0])
+            chunked_failed = self.failed_head is not None and self.failed_head.mode is HeadMode.CHUNKED
+            tried = {b for b, _ in self.tried}
+            first = next((b for b in blocks if b not in tried), blocks[-1])
+            if (self.attempt >= 2 and chunked_failed) or (first, head) in self.tried:
+                head = smallest
+        candidates = list(dict.fromkeys([(b, head) for b in blocks] + [(b, smallest or head) for b in blocks]))
+        untried = [c for c in candidates if c not in self.tried] or candidates[-1:]
+        at = self.failed_shape
+        failed = [self.predict(b, *at, 0, h) for b, h in self.tried] if at is not None else [None]
+        if None in failed or min(failed) <= 0:  # nothing predicted (a calibration step failed): by rank alone
+            return (*untried[0], False)
+        bar = min(failed) * (1 - RETRY_STEP)
+        for b, h in untried:
+            if self.predict(b, *at, 0, h) < bar:
+                return b, h, False
+        if self.failed_unforeseen:  # predicted to fit and failed: the figures, not the batch, are wrong
+            return (*untried[0], False)
+        return (*min(candidates, key=lambda c: self.predict(c[0], *at, 0, c[1])), True)
+
     def _tighter_head(self, head: HeadChoice | None) -> HeadChoice | None:
         """After an OOM a chunked head's chunk is no larger than the failed one's. A kept head stays
         the planner's choice: chunking it changes the order of summation, so it is done where the
@@ -280,20 +330,17 @@ class PlanBook:
         k = self.policy.every_k if self.policy.static_plan == "every-k" else max(1, round(math.sqrt(self.n)))
         return tuple(Mode.CHECKPOINT if (i + 1) % k == 0 else Mode.NONE for i in range(self.n))
 
-    def _tighter_than_failed(self, modes: tuple[Mode, ...], shape: Shape) -> tuple[Mode, ...]:
-        """No looser anywhere than the failed plan, and not one tried already: else each
-        block one rung up the ladder; past its top, uniform plans, tightest predicted first."""
+    def _tighter_than_failed(self, modes: tuple[Mode, ...], shape: Shape) -> list[tuple[Mode, ...]]:
+        """Plans no looser anywhere than the failed one, in the order a retry tries them: the
+        planner's own made no looser, each block one rung up the ladder, then uniform plans,
+        tightest predicted first (those tried already stay in: the head may differ)."""
         allowed = self.allowed
         rank = {m: i for i, m in enumerate(ladder(allowed))}
         failed = self.failed
         merged = tuple(m if rank.get(m, 0) >= rank.get(f, 0) else f for m, f in zip(modes, failed))
         candidates = [merged, tuple(step_up(f, allowed) for f in failed)]
         candidates += [tuple(m for _ in failed) for m in self._uniform_by_peak(shape)]
-        tried = {modes for modes, _ in self.tried}
-        for candidate in candidates:
-            if candidate not in tried:
-                return candidate
-        return candidates[-1]
+        return list(dict.fromkeys(candidates))
 
     def _uniform_by_peak(self, shape: Shape) -> list[Mode]:
         rungs = list(reversed(ladder(self.allowed)))

@@ -19,9 +19,10 @@ import torch
 
 from adaptmem.config.units import format_bytes
 from adaptmem.control.decisions import ESCALATE, HOLD
-from adaptmem.control.plans import MAX_CACHED_PLANS, PlanRecord
+from adaptmem.control.plans import RETRY_STEP, PlanRecord
 from adaptmem.control.samples import InputShape, StepSample, shape_of
-from adaptmem.control.retry import failure_record
+from adaptmem.control.retry import StepOutOfMemoryError, failure_record
+from adaptmem.control.unfit import refusal, unfittable
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.modes import Mode
 from adaptmem.wrapping import BlockHandle, checkpoints_itself
@@ -115,32 +116,36 @@ class Reactions:
             record = self.plans.choose(batch, extent, start, budget)
             if agree:  # and runs rank 0's plan
                 record = replace(record, modes=self._agree.plan(record.modes))
+            if self._in_step:
+                self._refuse_unfittable(record, shape, start)
             self._apply(record)
             if self._in_step:
-                self.recorder.detail = self._worth_measuring(record)
+                self.recorder.detail = self.measuring.worth(record)
                 self._step_key = record.key
                 self._step_pred = self.plans.predict(record.modes, batch, extent, start, record.head)
                 self._step_feasible = record.feasible
                 self._step_start = start
 
-    def _worth_measuring(self, record: PlanRecord) -> bool:
-        """Measure this step block by block: something is to be learned (a shape bucket not yet
-        measured, or measured under another plan or for a smaller input; a prediction that missed,
-        an escalation or OOM; the cost model still young; a first offload whose time was not
-        learned) or `measure_every` steps have passed since this bucket was (twice that where
-        its steps alternate with those that find the gradients kept: one in `measure_every` is
-        measured, as without accumulation)."""
-        last = self._measured.get(record.key)  # (plan, step, input planned for) of its last step measured
-        batch, bucket, kept = record.key
-        period = self.policy.measure_every * (2 if (batch, bucket, not kept) in self._measured else 1)
-        if last is None or last[0] != record.modes or last[2] != record.seen \
-                or self.steps + 1 - last[1] >= period or self.costs.steps_learned < 3 \
-                or self.costs.provisional:
-            if len(self._measured) >= MAX_CACHED_PLANS:
-                self._measured.clear()
-            self._measured[record.key] = (record.modes, self.steps + 1, record.seen)
-            return True
-        return False
+    def _refuse_unfittable(self, record: PlanRecord, shape: InputShape, start: int) -> None:
+        """Give the step up before a block runs when no plan can fit it (see `adaptmem.control.unfit`).
+        With other ranks, only a retry's verdict counts, and all give up when one does."""
+        available = self._reading(self.budgets.available, None)
+        then = self._attempts[-1].get("available_bytes") if self._attempts else None
+        # others have freed memory since the last attempt failed: the tightest plan is worth running again
+        lifted = available is not None and then is not None and available > then + RETRY_STEP * self.budget
+        if self._agree is not None:
+            if self.plans.failed is None or not self._agree.any(record.exhausted and not lifted):
+                return
+        elif not ((record.exhausted and not lifted)
+                  or unfittable(record, start, available, self.costs.measured(shape.batch, shape.extent))):
+            return
+        message = refusal(self, record, shape.batch, shape.extent, shape.seq if shape.width else 0, start,
+                          self._attempts)
+        self._refused = message
+        self.events.emit("refused", step=self.steps + 1, label=self._label, batch=shape.batch, seq=shape.seq,
+                         sample_elements=shape.extent, predicted_peak_bytes=record.predicted, floor_bytes=start,
+                         budget_bytes=self.budget, exhausted=record.exhausted, attempts=len(self._attempts))
+        raise StepOutOfMemoryError(message, list(self._attempts))
 
     def _agree_on_failure(self, error: BaseException | None) -> BaseException | None:
         """Across ranks: when any rank ran out of memory in this step, every rank records it."""
@@ -275,9 +280,9 @@ class Reactions:
             rebias = self.decider.learn_bias(pred - self._step_start, observed - self._step_start)
         missed = pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget
         if decision == ESCALATE:  # the next step has something to teach: measure it block by block
-            self._measured.clear()
+            self.measuring.again()
         elif missed:
-            self._measured.pop(self._step_key, None)
+            self.measuring.missed(self._step_key)
         # a first offload's time is cold (it allocated its host memory): a replan that is not for
         # memory waits one step, so the plan runs again and is remade from the warm reading
         if self.costs.provisional and decision != ESCALATE and not calibrating \
@@ -289,6 +294,7 @@ class Reactions:
         elif missed:
             self.plans.cache.pop(self._step_key, None)
         self.plans.succeeded()
+        self._attempts = []
         relief = self.budgets.relieve(self._reading(self.budgets.available, None))
         if relief is not None:
             self.plans.cache.clear()
@@ -319,16 +325,17 @@ class Reactions:
 
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
         self.ooms += 1
-        self._measured.clear()
+        self.measuring.again()
         self.decider.after_oom()
         self._reading(self._tick, None)  # the device may have less free than we thought: read it now
         self.plans.cache.clear()
         ran = sample is not None and bool(sample.blocks)
         executed = tuple(sample.plan.get(i, h.mode) for i, h in enumerate(self.handles)) if ran else ()
         if ran:  # a plan was running: the retry must not run it again
-            self.plans.failure(executed, sample.head)
+            self.plans.failure(executed, sample.head, (sample.batch, sample.extent), foreseen=not self._step_feasible)
         self._last_failure = failure_record(err, sample, executed, self._step_pred or 0, self.budget,
-                                            self.decider.headroom)
+                                            self.decider.headroom, self._reading(self.budgets.available, None))
+        self._attempts.append(dict(self._last_failure))
         return self.events.emit("oom", step=self.steps + 1, label=self._label, attempt=self.plans.attempt,
                                 **self._last_failure)
 

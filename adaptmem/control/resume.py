@@ -1,12 +1,13 @@
-"""A manager's state for resuming a run: what it learned, decided and counted.
+"""A manager's state for resuming a run (what it learned, decided and counted), and its summary.
 
 The manager's `state_dict()` / `load_state_dict()` call these; a resumed run
 plans from the same costs and cached plans, and its log continues the saved
-run's.
+run's. `summary()` reads the counts.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from adaptmem.control.events import SCHEMA_VERSION
@@ -60,3 +61,27 @@ def load_manager_state(mgr: Any, state: dict[str, Any]) -> None:
         mgr.events.run_id = state.get("run") or started_as
     mgr.events.emit("resume", step=mgr.steps, started_as=started_as,
                     plan={h.name: h.mode.label for h in mgr.handles})
+
+
+def manager_summary(mgr: Any) -> dict[str, Any]:
+    errors = mgr.errors
+    return {
+        "steps": mgr.steps,
+        "peak_bytes": mgr.peak_bytes,
+        "budget_bytes": mgr.budget,
+        "user_budget_bytes": mgr.user_budget,
+        "ooms": mgr.ooms,
+        "ooms_recovered": mgr.ooms_recovered,
+        "plan_changes": mgr.plan_changes,
+        "prediction_error_mean": sum(abs(e) for e in errors) / len(errors) if errors else None,
+        "prediction_error_max": max((abs(e) for e in errors), default=None),
+        "prediction_error_last": errors[-1] if errors else None,
+        "decisions": dict(mgr.decisions),
+        "pressure_events": mgr.pressure_events,
+        "headroom": mgr.decider.headroom,
+        "plan_counts": dict(Counter(m.label for m in mgr._current)),
+        "policy": mgr.policy.name,
+        "device": mgr.probe.name,
+        "run": mgr.events.run_id,
+        "compiles": mgr._compiles.count,
+    }

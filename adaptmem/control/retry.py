@@ -47,6 +47,17 @@ class InexactRetryError(RuntimeError):
     """A retry could not restore the training state exactly; the message says why and what avoids it."""
 
 
+def rng_state() -> tuple:
+    """The CPU's random generator state, and every initialized CUDA device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
 class BufferCopies:
     """Host copies of a model's buffers, taken before each step; one per manager.
 
@@ -97,8 +108,7 @@ class StepGuard:
     def __init__(self, model: torch.nn.Module, snapshot: str = "device", *, buffer_limit: int = 256 * 2**20,
                  copies: BufferCopies | None = None) -> None:
         self.snapshot = snapshot
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.rng = rng_state()
         buffers = list(model.buffers())
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
         self.buffer_limit = buffer_limit
@@ -130,9 +140,7 @@ class StepGuard:
     def restore(self) -> None:
         """Put gradients, RNG states and buffers back as they were when the guard was made."""
         self._check_gradients()
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        set_rng_state(self.rng)
         self._restore_buffers()
         for p in self.params:
             if p not in self.existing:
@@ -188,7 +196,7 @@ class StepGuard:
 
 
 def failure_record(err: BaseException, sample: Any, executed: tuple, predicted: float, budget: int,
-                   headroom: float) -> dict:
+                   headroom: float, available: int | None = None) -> dict:
     """What one failed attempt was: where it ran out (`phase`), the message, the plan that ran."""
     ran = sample is not None and bool(sample.blocks)
     backward = ran and any(b.bwd_start is not None for b in sample.blocks)
@@ -201,6 +209,7 @@ def failure_record(err: BaseException, sample: Any, executed: tuple, predicted: 
         "predicted_peak_bytes": predicted,
         "budget_bytes": budget,
         "headroom": headroom,
+        "available_bytes": available,  # the device's usable memory just after (None: no capacity known)
     }
 
 

@@ -31,7 +31,8 @@ def run_steps(mem, model, seq: int, n: int = 1) -> None:
 
 def test_a_plan_is_made_for_the_largest_input_seen_in_its_bucket_once_that_shape_is_measured():
     """A shape not measured yet is planned for its bucket's top (the predictions' margin); once it
-    has been measured, the bucket's plan is made again for the largest input seen, not the top."""
+    has been measured, the bucket's plan is made again for the largest input seen, not the top; and
+    once three sizes are measured at its batch, a new one the fits cover is planned for itself."""
     model, dev = small()
     lengths = (100, 104, 96, 110, 110)
     with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
@@ -46,7 +47,7 @@ def test_a_plan_is_made_for_the_largest_input_seen_in_its_bucket_once_that_shape
                 loss.backward()
             model.zero_grad(set_to_none=True)
     assert top == 7524
-    assert extents == [top, top, 104 * 64, top, 110 * 64]
+    assert extents == [top, top, 104 * 64, 110 * 64, 110 * 64]
 
 
 def test_when_no_plan_fits_a_buckets_top_the_input_itself_is_planned_for_without_a_warning(caplog):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from adaptmem.control.decisions import ESCALATE, HOLD, RELAX, Decider
+from adaptmem.control.decisions import ESCALATE, HOLD, RECOVER, RELAX, Decider
 from adaptmem.config.policy import Policy
 
 POLICY = Policy(calm_steps=3, headroom=0.9, max_headroom=0.97, min_headroom=0.5,
@@ -84,3 +84,31 @@ def test_a_resumed_decider_decides_as_an_uninterrupted_one(cut):
     assert got == expected
     assert resumed.state_dict() == straight.state_dict()
     assert expected.count(RELAX) >= 1 and expected.count(ESCALATE) == 1  # the scenario has both
+
+
+def test_headroom_lost_to_an_episode_recovers_half_per_calm_step():
+    """From min_headroom (after OOMs), each calm step recovers half of what is missing, the last
+    0.005 at once: back where it started within 7 calm steps, then the slow relax."""
+    d = Decider(POLICY)
+    for _ in range(10):
+        d.after_oom()
+    assert d.headroom == POLICY.min_headroom
+    decisions, headrooms = [], []
+    for _ in range(9):
+        decisions.append(d.update(0.4 * 1000, 1000))
+        headrooms.append(d.headroom)
+    assert decisions[:7] == [RECOVER] * 7 and decisions[7:] == [HOLD] * 2
+    assert headrooms[:6] == pytest.approx([0.7, 0.8, 0.85, 0.875, 0.8875, 0.89375]) and headrooms[6] == POLICY.headroom
+    assert all(a < b for a, b in zip(headrooms, headrooms[1:7]))
+
+
+def test_a_recovery_that_goes_too_far_is_capped_below_it():
+    """The load goes over the high watermark whenever headroom passes 0.8: the recovery stops
+    under it for good (no flip-flop), one escalation in all."""
+    d = Decider(POLICY)
+    d.after_oom()
+    d.after_oom()  # 0.9 * 0.8 * 0.8 = 0.576
+    decisions = [d.update((0.99 if d.headroom > 0.8 else 0.5) * 1000, 1000) for _ in range(40)]
+    assert decisions.count(ESCALATE) == 1
+    assert d.headroom <= 0.8 and d.ceiling <= 0.8
+    assert decisions[-20:] == [HOLD] * 20

@@ -234,14 +234,15 @@ def test_a_light_step_on_an_asynchronous_device_is_not_waited_for():
     every step's end would leave the device idle while the host issues the next step."""
     model, dev, _, budget, policy = managed(every=4)
     probe = AsyncProbe(dev)
-    with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+    # room for every block in NONE: a plan that holds (under pressure, timing noise may flip plans)
+    with dev, adaptmem.manage(model, budget=2 * budget, device=probe, policy=policy) as mem:
         waits, records = [], []
         for _ in range(12):
             probe.waits = 0
             records.append(run(mem, model, probe, [128])[0][0])
             waits.append(probe.waits)
     measured = [r["measured"] for r in records]
-    assert measured.count("peak") >= 6
+    assert measured.count("peak") >= 6, measured
     assert waits == [1 if how == "blocks" else 0 for how in measured], (waits, measured)
     assert all(r["seconds"] > 0 for r in records)
 
@@ -274,3 +275,26 @@ def test_a_probe_that_reads_peak_and_allocation_at_once_is_read_once_per_boundar
                         for b in samples[0].blocks] + [samples[0].peak, samples[0].head_top, samples[0].tail_top])
     assert figures[0] == figures[1]
     assert reads[1] <= reads[0] - 2 * 2 * 6, reads  # at least two readings fewer at two boundaries a block
+
+
+def test_new_lengths_among_measured_ones_are_predicted_not_measured():
+    """Once 3 sizes are measured at a batch, a new size up to one bucket past the largest is
+    predicted from the fits (its peak read and compared), not measured block by block; one further
+    out is extrapolation, and is measured; so is the next step of a bucket whose prediction missed."""
+    model, dev, probe, budget, policy = managed(every=1000)
+    with dev, adaptmem.manage(model, budget=4 * budget, device=probe, policy=policy) as mem:  # all NONE
+        run(mem, model, probe, [64, 128, 256, 64, 128, 256])  # calibration, then every size under NONE
+        assert len({s for b, s in mem.costs.latent[0]["input_bytes"].points if b == 4}) >= 3
+        new = [96, 160, 200, 112, 240, 72, 180, 144]
+        records = [r for r, _, _ in run(mem, model, probe, new)]
+        how = [(r["measured"][0], round(r["prediction_error"], 3), r["seq"]) for r in records]
+        assert sum(r["measured"] == "blocks" for r in records) <= 1, how  # at most one, after a miss
+        errors = sorted(abs(r["prediction_error"]) for r in records)
+        assert errors[len(errors) // 2] <= 0.05, errors  # the median prediction within 5%
+        far = run(mem, model, probe, [512])[0][0]  # twice the largest measured: extrapolated
+        assert far["measured"] == "blocks"
+        # a miss: the bucket's next step is measured
+        key = mem.plans.bucket(4, 96 * 128)
+        mem.measuring.missed(key)
+        assert run(mem, model, probe, [96])[0][0]["measured"] == "blocks"
+        assert run(mem, model, probe, [96])[0][0]["measured"] == "peak"

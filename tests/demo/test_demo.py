@@ -40,7 +40,9 @@ def test_modes_table_prints_every_mode_with_exactness(capsys):
 @pytest.mark.slow
 def test_the_main_job_is_a_long_sequence_llama_fine_tune(tmp_path, capsys):
     log = tmp_path / "demo.jsonl"
-    assert main(["--steps", "8", "--log", str(log), "--cpu"]) == 0
+    # 14 steps (the --quick run): with 8, few lengths are measured block by block (the others are
+    # predicted) and the longest predicted falls short of HF's, leaving the last act nothing to show
+    assert main(["--steps", "14", "--log", str(log), "--cpu"]) == 0
     out = capsys.readouterr().out
     assert "fine-tuning a Llama" in out and "unmanaged:  out of memory" in out
     steps = [r for r in read_log(log) if r["type"] == "step"]
@@ -48,7 +50,7 @@ def test_the_main_job_is_a_long_sequence_llama_fine_tune(tmp_path, capsys):
     assert all(r["observed_peak_bytes"] <= r["budget_bytes"] for r in steps[1:])
     lines = [line for line in out.splitlines() if line[:4].strip().isdigit()]
     heads = [line.split("|")[1].strip() for line in lines]  # the loss head after the block letters
-    assert len(heads) == 8 and all(h == "L" or (h[0] == "c" and h[1:].isdigit()) for h in heads), heads
+    assert len(heads) == 14 and all(h == "L" or (h[0] == "c" and h[1:].isdigit()) for h in heads), heads
     assert heads == ["L" if r["head"] == "KEPT" else "c" + r["head"].split(":")[1] for r in steps]
     # the last act: a batch past HF gradient checkpointing's longest, which runs out of memory on it
     hf = int(re.search(r"HF gradient checkpointing +longest about ([\d,]+) tokens", out).group(1).replace(",", ""))

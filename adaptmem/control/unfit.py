@@ -1,0 +1,133 @@
+"""A batch no plan can fit: given up at once, and leaving no trace.
+
+A step is refused with `StepOutOfMemoryError` at its plan point (the first
+managed block's forward, before that block runs) when
+
+  - it is a retry and no plan is predicted lower, by `RETRY_STEP` of its bytes,
+    than every plan that already ran out of memory in the step
+    (`PlanRecord.exhausted`): the tightest plan was seen not to fit, and running
+    another at the same predicted peak would only fail again; or
+  - its very shape has been measured, no plan is predicted to fit, and the
+    tightest plan is predicted over the device's usable memory even with
+    `REFUSE_MARGIN` of its bytes above the step's start taken off (predictions at
+    measured shapes stay well within that).
+
+A shape not measured yet runs once under the tightest plan: beyond the lengths
+measured the figures are extrapolated, and one attempt settles it. The error
+names the batch's size, the tightest plan's predicted peak, the floor (what is
+allocated before the step: weights, optimizer state), the budget and the
+device's usable memory, and the longest length predicted to fit.
+
+No trace: what the controller learns and decides from (the cost model, the
+lengths seen, the decider, the cached plans and which shapes were measured) is
+put back as it was before the batch, so a run that catches the error and goes on
+makes the plans it would have made without that batch. The small parts are
+copied at each step's start (a few dicts); the cost model only when the step
+first runs out of memory, before it learns from the failed attempt (retries use
+what that attempt measured).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from adaptmem.config.units import format_bytes
+from adaptmem.control.plans import RETRY_STEP, PlanRecord
+
+#: A measured shape is refused without running when even this share of its predicted bytes above
+#: the step's start, taken off, leaves the tightest plan over the device's usable memory.
+REFUSE_MARGIN = 0.25
+
+__all__ = ["REFUSE_MARGIN", "RETRY_STEP", "Trace", "refusal", "unfittable"]
+
+
+@dataclass
+class Trace:
+    """The controller's learned and deciding state before a step, to put back if the step is given up."""
+
+    decider: dict
+    cache: Any
+    measured: Any  # the MeasureSchedule
+    warned: set
+    current: tuple
+    current_head: Any
+    replan_when_warm: bool
+    costs: dict | None = None
+    lengths: dict | None = None
+    cost_flags: tuple = field(default=())
+
+    @classmethod
+    def take(cls, mgr: Any) -> "Trace":
+        return cls(mgr.decider.state_dict(), mgr.plans.cache.copy(), mgr.measuring.copy(), set(mgr.plans._warned),
+                   mgr._current, mgr._current_head, mgr._replan_when_warm)
+
+    def before_learning(self, mgr: Any) -> None:
+        """The step ran out of memory and is about to learn from it: keep the cost model as it was."""
+        if self.costs is None:
+            self.costs, self.lengths = mgr.costs.state_dict(), mgr.lengths.state_dict()
+            self.cost_flags = (mgr.costs.provisional, set(mgr.costs._offloaded))
+
+    def restore(self, mgr: Any) -> None:
+        mgr.decider.load_state_dict(self.decider)
+        mgr.plans.cache = self.cache.copy()
+        mgr.plans._warned = set(self.warned)
+        mgr.measuring = self.measured.copy()
+        mgr._replan_when_warm = self.replan_when_warm
+        if self.costs is not None:
+            mgr.costs.load_state_dict(self.costs)
+            mgr.lengths.load_state_dict(self.lengths)
+            mgr.costs.provisional, mgr.costs._offloaded = self.cost_flags
+            mgr.plans._predicted_for = None  # its predictions are kept per steps learned, gone back now
+        mgr._current, mgr._current_head = self.current, self.current_head
+        for handle, mode in zip(mgr.handles, self.current):
+            handle.mode = mode
+        if mgr.head is not None and self.current_head is not None:
+            mgr.head.mode, mgr.head.chunk_tokens = self.current_head.mode, self.current_head.chunk
+
+
+def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool) -> bool:
+    """The tightest plan, at a measured shape, is predicted over `limit` beyond the margin."""
+    if record.feasible or record.predicted is None or limit is None or not measured:
+        return False
+    return start + (record.predicted - start) * (1 - REFUSE_MARGIN) > limit
+
+
+def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, start: int,
+            attempts: list[dict]) -> str:
+    """The message of a refused step: what was asked, what the tightest plan needs, what fits."""
+    limit = mgr._reading(mgr.budgets.available, None)
+    predicted = record.predicted if record.predicted is not None else mgr.plans.predict(
+        record.modes, batch, extent, start, record.head)
+    size = f"batch {batch} x {seq:,} tokens" if seq else f"batch {batch} x {extent:,} input elements"
+    why = (f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step"
+           if record.exhausted else "the tightest plan is predicted over the device's usable memory")
+    counts = ", ".join(f"{n} x {m}" for m, n in sorted(Counter(m.label for m in record.modes).items()))
+    head = f", head {record.head.label}" if record.head is not None else ""
+    lines = [
+        f"adaptmem: {size} cannot fit under any plan ({why}); given up without running again.",
+        f"  tightest plan: {counts}{head}; predicted peak "
+        + (format_bytes(predicted) if predicted is not None else "unknown"),
+        f"  floor (allocated before the step: weights, optimizer state): {format_bytes(start)}",
+        f"  budget {format_bytes(mgr.budget)}"
+        + (f"; device usable {format_bytes(limit)}" if limit is not None else ""),
+    ]
+    for i, a in enumerate(attempts, 1):
+        tried = ", ".join(f"{n} x {m}" for m, n in sorted(a["plan_counts"].items()))
+        lines.append(f"  attempt {i}: {tried or 'no managed block ran'}; predicted peak "
+                     f"{format_bytes(a['predicted_peak_bytes'])}; out of memory in {a['phase']}")
+    fits = _longest(mgr, batch) if seq else None
+    lines.append(
+        (f"  The longest sequence predicted to fit at batch {batch}: {fits:,} tokens. " if fits else "  ")
+        + "Split or truncate this batch, lower the batch size, or raise the budget. The controller's "
+        "state is as it was before this batch: catch the error and go on to skip it."
+    )
+    return "\n".join(lines)
+
+
+def _longest(mgr: Any, batch: int) -> int | None:
+    try:
+        return mgr.longest_sequence(batch).length
+    except Exception:  # a prediction must never hide the error it explains
+        return None

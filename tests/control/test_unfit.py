@@ -1,0 +1,111 @@
+"""A batch no plan can fit: given up at once, naming what would fit, and leaving no trace."""
+
+import pytest
+import torch
+
+import adaptmem
+from adaptmem import StepOutOfMemoryError
+from adaptmem.devices.tiers import host_allocations
+from adaptmem.testing import SimulatedDevice
+from helpers import assert_same_state, gpt2, hf_batch, llama, training_state
+
+MiB = 2**20
+VOCAB = 512
+SHORT = [64, 96, 128, 64, 160, 96, 128, 192, 64, 128]
+ARCHS = {"llama": lambda: llama(layers=4, hidden=128, vocab=VOCAB), "gpt2": lambda: gpt2(layers=4, hidden=128)}
+OUTLIER = {"llama": 4096, "gpt2": 1024}  # GPT-2's longest position; either's attention scores outgrow the device
+
+
+def run(arch: str, outlier_at: int | None, room: int = 24 * MiB):
+    """Train SHORT (and the outlier before batch `outlier_at`, caught and skipped as the README shows).
+    Returns the plans of the SHORT steps, the manager, what the outlier raised, and the state around it."""
+    torch.manual_seed(0)
+    model = ARCHS[arch]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    plans, caught, around = [], None, None
+    with dev, adaptmem.manage(model, device=dev, budget=None) as mem:
+        for i, seq in enumerate(SHORT):
+            if i == 1:  # the optimizer's state exists now: the device is what it holds plus `room`
+                dev.set_capacity(dev.allocated_bytes + room)
+                mem.set_budget("90%")
+            if i == outlier_at:
+                with host_allocations():  # the copies are the test's, not the device's
+                    before = (training_state(model, opt), torch.get_rng_state(), mem.state_dict(), dev.allocated_bytes)
+                try:
+                    mem.run_step(lambda: model(**hf_batch(1, OUTLIER[arch], VOCAB)).loss.backward())
+                except StepOutOfMemoryError as err:  # skip the batch and go on
+                    caught = err
+                opt.zero_grad(set_to_none=True)
+                with host_allocations():
+                    around = before, (training_state(model, opt), torch.get_rng_state(), mem.state_dict(),
+                                      dev.allocated_bytes)
+            mem.run_step(lambda: model(**hf_batch(1, seq, VOCAB)).loss.backward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            last = mem.last_step
+            plans.append((tuple(last["plan"]), last["head"], last["predicted_peak_bytes"]))
+        final = mem.state_dict()
+    return plans, final, caught, around, mem
+
+
+def _learned(state: dict) -> dict:
+    """What the controller plans from: everything in its state but the counters."""
+    return {k: v for k, v in state.items() if k not in ("counters", "run")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_an_outlier_fails_fast_and_later_plans_are_as_without_it(arch):
+    plain, plain_state, _, _, _ = run(arch, None)
+    with_outlier, state, err, (before, after), mem = run(arch, 4)
+    assert err is not None, "the outlier should not fit"
+    # fast: one attempt at most (a size never measured runs once under the tightest plan)
+    assert len(err.attempts) <= 1
+    text = str(err)
+    assert f"batch 1 x {OUTLIER[arch]:,} tokens" in text and "floor" in text and "budget" in text
+    assert "longest sequence predicted to fit at batch 1" in text
+    assert isinstance(err, torch.OutOfMemoryError)
+    # no trace: weights, gradients, optimizer, RNG and the controller's learned state as before the batch
+    assert_same_state(after[0], before[0])
+    assert torch.equal(after[1], before[1])
+    assert _learned(after[2]) == _learned(before[2])
+    assert after[3] == before[3]  # and nothing of it left on the device
+    # and every later batch is planned as in the run without the outlier
+    assert with_outlier == plain
+    # (the cost models differ in their timings, wall-clock figures of two runs; not in what decides)
+    assert state["decider"] == plain_state["decider"] and state["lengths"] == plain_state["lengths"]
+    assert mem.decider.headroom >= mem.policy.headroom  # never lowered by the outlier
+    assert mem.events.of_type("refused")[-1]["attempts"] == len(err.attempts)
+
+
+def test_a_measured_shape_predicted_far_over_the_device_is_refused_before_any_block_runs():
+    torch.manual_seed(0)
+    model = llama(layers=4, hidden=128, vocab=VOCAB)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    ran = []
+    model.model.layers[0].register_forward_hook(lambda *a: ran.append(1))  # the first block finished
+    with dev, adaptmem.manage(model, device=dev, budget=None) as mem:
+        for _ in range(3):
+            mem.run_step(lambda: model(**hf_batch(2, 512, VOCAB)).loss.backward())
+            model.zero_grad(set_to_none=True)
+        dev.set_capacity(dev.allocated_bytes + MiB)  # the card is now far too small for this shape
+        mem.set_budget("90%")
+        headroom = mem.decider.headroom
+        ran.clear()
+        with pytest.raises(StepOutOfMemoryError) as err:
+            mem.run_step(lambda: model(**hf_batch(2, 512, VOCAB)).loss.backward())
+        assert err.value.attempts == [] and ran == []  # no attempt: refused at the plan point
+        assert mem.ooms == 0 and mem.decider.headroom == headroom
+        assert "the tightest plan is predicted over the device's usable memory" in str(err.value)
+        assert mem.events.of_type("refused")[-1]["attempts"] == 0
+        # step() refuses alike, and the next batch that fits runs
+        with pytest.raises(StepOutOfMemoryError), mem.step():
+            model(**hf_batch(2, 512, VOCAB)).loss.backward()
+        assert not mem.in_step and mem.ooms == 0
+        dev.set_capacity(dev.allocated_bytes + 64 * MiB)  # a card that holds it: the same batch trains
+        mem.set_budget("90%")
+        mem.run_step(lambda: model(**hf_batch(2, 512, VOCAB)).loss.backward())
+        assert mem.last_step["batch"] == 2 and mem.ooms == 0
