@@ -137,7 +137,7 @@ class MemoryManager(Reactions):
         self._last_failure: dict = {}
         self._attempts: list[dict] = []  # the failures of the batch in hand (since the last step that ran)
         self._trace: Trace | None = None  # the controller as it was before that batch (adaptmem.control.unfit)
-        self._refused: str | None = None  # the step in hand was given up: no plan can fit it
+        self._refused = False  # the step in hand was given up: no plan can fit it
         self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
         self._runtime = get_instrumentation(model).runtime
         self._sampler = Sampler(self._tick, self.events.flush, p.sample_interval_s)
@@ -238,10 +238,10 @@ class MemoryManager(Reactions):
         sample = self.recorder.end()
         self._check_device_counted(sample)
         error = self._agree_on_failure(error)
-        refused, self._refused = self._refused, None
+        refused, self._refused = self._refused, False
         with self._lock:
             self._in_step = False
-            if refused is not None:  # given up before a block ran: the batch leaves no trace
+            if refused:  # given up before a block ran: the batch leaves no trace
                 self._trace.restore(self)
                 set_rng_state(self._rng)
                 return None

@@ -128,20 +128,26 @@ class Reactions:
 
     def _refuse_unfittable(self, record: PlanRecord, shape: InputShape, start: int) -> None:
         """Give the step up before a block runs when no plan can fit it (see `adaptmem.control.unfit`).
-        With other ranks, only a retry's verdict counts, and all give up when one does."""
+        With other ranks, only a retry's verdict counts, and all give up when one does. A plan predicted
+        to fit, and not a retry's, is let through before reading the device (every step comes here)."""
+        if self._agree is not None:
+            if self.plans.failed is None:
+                return
+        elif record.feasible and not record.exhausted:
+            return
         available = self._reading(self.budgets.available, None)
         then = self._attempts[-1].get("available_bytes") if self._attempts else None
         # others have freed memory since the last attempt failed: the tightest plan is worth running again
         lifted = available is not None and then is not None and available > then + RETRY_STEP * self.budget
         if self._agree is not None:
-            if self.plans.failed is None or not self._agree.any(record.exhausted and not lifted):
+            if not self._agree.any(record.exhausted and not lifted):
                 return
         elif not ((record.exhausted and not lifted)
                   or unfittable(record, start, available, self.costs.measured(shape.batch, shape.extent))):
             return
         message = refusal(self, record, shape.batch, shape.extent, shape.seq if shape.width else 0, start,
                           self._attempts)
-        self._refused = message
+        self._refused = True
         self.events.emit("refused", step=self.steps + 1, label=self._label, batch=shape.batch, seq=shape.seq,
                          sample_elements=shape.extent, predicted_peak_bytes=record.predicted, floor_bytes=start,
                          budget_bytes=self.budget, exhausted=record.exhausted, attempts=len(self._attempts))

@@ -213,13 +213,18 @@ def failure_record(err: BaseException, sample: Any, executed: tuple, predicted: 
     }
 
 
+def counts_text(counts: dict[str, int]) -> str:
+    """A plan's modes counted, as the messages write them: "2 x CHECKPOINT, 2 x NONE"."""
+    return ", ".join(f"{n} x {m}" for m, n in sorted(counts.items()))
+
+
 def oom_report(attempts: list[dict], max_retries: int) -> str:
     lines = [
         f"adaptmem: the step ran out of memory {len(attempts)} time(s) "
         f"(max_retries={max_retries}); plans tried:"
     ]
     for i, a in enumerate(attempts, 1):
-        counts = ", ".join(f"{n} x {m}" for m, n in sorted(a["plan_counts"].items()))
+        counts = counts_text(a["plan_counts"])
         lines.append(
             f"  attempt {i}: {counts or 'no managed block ran'}; predicted peak "
             f"{format_bytes(a['predicted_peak_bytes'])} against budget {format_bytes(a['budget_bytes'])} "

@@ -34,13 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaptmem.config.units import format_bytes
-from adaptmem.control.plans import RETRY_STEP, PlanRecord
+from adaptmem.control.plans import PlanRecord
+from adaptmem.control.retry import counts_text
 
 #: A measured shape is refused without running when even this share of its predicted bytes above
 #: the step's start, taken off, leaves the tightest plan over the device's usable memory.
 REFUSE_MARGIN = 0.25
 
-__all__ = ["REFUSE_MARGIN", "RETRY_STEP", "Trace", "refusal", "unfittable"]
+__all__ = ["REFUSE_MARGIN", "Trace", "refusal", "unfittable"]
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Trace:
 
     decider: dict
     cache: Any
-    measured: Any  # the MeasureSchedule
+    measuring: Any  # the MeasureSchedule
     warned: set
     current: tuple
     current_head: Any
@@ -73,7 +74,7 @@ class Trace:
         mgr.decider.load_state_dict(self.decider)
         mgr.plans.cache = self.cache.copy()
         mgr.plans._warned = set(self.warned)
-        mgr.measuring = self.measured.copy()
+        mgr.measuring = self.measuring.copy()
         mgr._replan_when_warm = self.replan_when_warm
         if self.costs is not None:
             mgr.costs.load_state_dict(self.costs)
@@ -103,7 +104,7 @@ def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, sta
     size = f"batch {batch} x {seq:,} tokens" if seq else f"batch {batch} x {extent:,} input elements"
     why = (f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step"
            if record.exhausted else "the tightest plan is predicted over the device's usable memory")
-    counts = ", ".join(f"{n} x {m}" for m, n in sorted(Counter(m.label for m in record.modes).items()))
+    counts = counts_text(Counter(m.label for m in record.modes))
     head = f", head {record.head.label}" if record.head is not None else ""
     lines = [
         f"adaptmem: {size} cannot fit under any plan ({why}); given up without running again.",
@@ -114,7 +115,7 @@ def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, sta
         + (f"; device usable {format_bytes(limit)}" if limit is not None else ""),
     ]
     for i, a in enumerate(attempts, 1):
-        tried = ", ".join(f"{n} x {m}" for m, n in sorted(a["plan_counts"].items()))
+        tried = counts_text(a["plan_counts"])
         lines.append(f"  attempt {i}: {tried or 'no managed block ran'}; predicted peak "
                      f"{format_bytes(a['predicted_peak_bytes'])}; out of memory in {a['phase']}")
     fits = _longest(mgr, batch) if seq else None
