@@ -109,3 +109,43 @@ def test_a_measured_shape_predicted_far_over_the_device_is_refused_before_any_bl
         mem.set_budget("90%")
         mem.run_step(lambda: model(**hf_batch(2, 512, VOCAB)).loss.backward())
         assert mem.last_step["batch"] == 2 and mem.ooms == 0
+
+
+def test_after_an_oom_episode_the_plan_is_all_none_again_within_seven_steps():
+    """An OOM (here injected, once) backs the headroom off to 0.94 x 0.8 of the budget, under what
+    all-NONE needs; the calm steps after it recover the headroom, and the plan is all-NONE again
+    within the 7 steps the recovery rule states."""
+    from adaptmem import Mode
+    from adaptmem.testing import measure_peak
+    from helpers import tiny, tiny_batch
+
+    model = tiny(n_layers=4)
+    batch = tiny_batch(model, batch=4, seq=64)
+    none_peak = measure_peak(tiny(n_layers=4), lambda: batch)
+    budget = int(none_peak / 0.86)  # all-NONE fits at 0.94 of the budget, not at 0.94 x 0.8
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    fail = []
+
+    def once(module, args):
+        if fail:
+            fail.pop()
+            raise torch.OutOfMemoryError("injected")
+
+    model.blocks[2].register_forward_pre_hook(once)
+    with dev, adaptmem.manage(model, budget=budget, device=dev) as mem:
+        for _ in range(4):
+            mem.run_step(lambda: model(**batch).loss.backward())
+            model.zero_grad(set_to_none=True)
+        assert set(mem.plan.values()) == {Mode.NONE}
+        fail.append(1)
+        plans = []
+        for _ in range(8):
+            mem.run_step(lambda: model(**batch).loss.backward())
+            model.zero_grad(set_to_none=True)
+            plans.append(set(mem.last_step["plan"]))
+        assert mem.ooms == 1 and mem.summary()["ooms_recovered"] == 1
+        assert plans[0] != {"NONE"}  # the retry and the steps right after aim lower
+        back = plans.index({"NONE"})
+        assert back <= 7 and all(p == {"NONE"} for p in plans[back:]), plans
+        assert mem.decider.headroom == pytest.approx(mem.policy.headroom)
