@@ -223,7 +223,7 @@ class Reactions:
             handle.mode = mode
         head = self.head
         if head is not None and record.head is not None:
-            head.mode, head.chunk_tokens = record.head.mode, record.head.chunk
+            head.planned(record.head.mode, record.head.chunk)
             if self._in_step and self.recorder.sample is not None:
                 self.recorder.sample.head = record.head
         if record.modes != self._current or record.head != self._current_head:

@@ -56,7 +56,7 @@ def load_manager_state(mgr: Any, state: dict[str, Any]) -> None:
         head = state.get("current_head")
         if head is not None and mgr.head is not None:
             mgr._current_head = choice = HeadChoice.parse(head)
-            mgr.head.mode, mgr.head.chunk_tokens = choice.mode, choice.chunk
+            mgr.head.planned(choice.mode, choice.chunk)
         started_as = mgr.events.run_id
         mgr.events.run_id = state.get("run") or started_as
     mgr.events.emit("resume", step=mgr.steps, started_as=started_as,

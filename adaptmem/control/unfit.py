@@ -85,7 +85,7 @@ class Trace:
         for handle, mode in zip(mgr.handles, self.current):
             handle.mode = mode
         if mgr.head is not None and self.current_head is not None:
-            mgr.head.mode, mgr.head.chunk_tokens = self.current_head.mode, self.current_head.chunk
+            mgr.head.planned(self.current_head.mode, self.current_head.chunk)
 
 
 def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool) -> bool:

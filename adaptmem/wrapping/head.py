@@ -51,7 +51,8 @@ class HeadHandle:
         self.owner = owner
         self.runtime = runtime
         self._mode = HeadMode.KEPT
-        self.chunk_tokens: int | None = None
+        self._chunk: int | None = None
+        self._chunk_planned = True  # the planner's choice (never warned about) or the user's
         self.chunkable = type(module).forward is nn.Linear.forward
         self.armed = owner is None
         self.calls = self.chunked_calls = self.last_tokens = self.last_chunks = 0
@@ -64,6 +65,20 @@ class HeadHandle:
     @mode.setter
     def mode(self, value: HeadMode | str) -> None:
         self._mode = HeadMode.parse(value)
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        """Tokens per chunk in CHUNKED mode; None: `DEFAULT_CHUNK_TOKENS` (a manager's planner sets its own)."""
+        return self._chunk
+
+    @chunk_tokens.setter
+    def chunk_tokens(self, value: int | None) -> None:
+        self._chunk = _chunk_size(value)
+        self._chunk_planned = False
+
+    def planned(self, mode: HeadMode | str, chunk: int | None) -> None:
+        """Set by the planner: its chunk is sized to the batch, a user's may not be (see `_HeadForward`)."""
+        self.mode, self._chunk, self._chunk_planned = mode, _chunk_size(chunk), True
 
     @property
     def vocab(self) -> int:
@@ -112,6 +127,13 @@ class _HeadForward:
             return forward(*args, **kwargs)
         handle.chunked_calls += 1
         chunk = handle.chunk_tokens or DEFAULT_CHUNK_TOKENS
+        tokens = args[0].numel() // max(1, args[0].shape[-1])
+        if not handle._chunk_planned and chunk > tokens:
+            handle.runtime.warn_once(f"head-chunk-{chunk}", (
+                f"adaptmem: the loss head {handle.name} has chunk_tokens={chunk}, more than this batch's {tokens} "
+                f"tokens: its logits are made in one chunk, as large as KEPT's. Set a chunk below the tokens per "
+                f"batch (head.chunk_tokens = {_below(tokens)}), or leave it to the planner (head.chunk_tokens = None "
+                "under a manager)"))
         return ChunkedLogits.of(args[0], module.weight, module.bias, chunk, on_loss=handle.loss_taken)
 
     def belongs_to(self, handle: HeadHandle) -> bool:
@@ -128,6 +150,20 @@ class _HeadForward:
 
     def __reduce__(self) -> tuple:
         return (_rebuild_forward, (self._module(), self._handle(), self.previous))
+
+
+def _chunk_size(value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"chunk_tokens must be a positive number of tokens or None (the planner's choice), "
+                         f"got {value!r}")
+    return value
+
+
+def _below(tokens: int) -> int:
+    """The largest power of two under `tokens` (at least 1): a chunk that makes two or more."""
+    return 1 << max(0, (tokens - 1).bit_length() - 1)
 
 
 def _dead() -> None:

@@ -232,3 +232,25 @@ def test_bad_input_is_named_and_changes_nothing():
     assert logits.shape == (2, 40, 384)
     adaptmem.restore(model)
     assert "forward" not in model.lm_head.__dict__ and not model._forward_pre_hooks
+
+
+def test_a_chunk_of_ones_own_larger_than_the_batch_warns_with_the_fix_and_the_planners_never(caplog):
+    model = hf_model("llama")
+    reference = copy.deepcopy(model)
+    head = chunked(model, chunk=4096)  # 80 tokens a batch
+    batch = labels_for()
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        loss, grads = one_step(model, batch)
+    warned = [r.getMessage() for r in caplog.records if "chunk_tokens=4096" in r.getMessage()]
+    assert len(warned) == 1 and "80 tokens" in warned[0] and "head.chunk_tokens = 64" in warned[0]
+    loss_ref, grads_ref = one_step(reference, batch)  # still right: one chunk, as large as KEPT's
+    assert relative(loss, loss_ref) <= BOUND and max(relative(grads[n], grads_ref[n]) for n in grads) <= BOUND
+    caplog.clear()
+    head.planned(HeadMode.CHUNKED, 2048)  # the planner's own choice, for a batch it may not have seen
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        one_step(model, labels_for(seed=2))
+    assert not [r for r in caplog.records if "chunk_tokens" in r.getMessage()]
+    for bad in (0, -8, 12.5, "64", True):
+        with pytest.raises(ValueError, match="chunk_tokens must be a positive number of tokens"):
+            head.chunk_tokens = bad
+    assert head.chunk_tokens == 2048 and head.mode is HeadMode.CHUNKED  # a bad value changes nothing
