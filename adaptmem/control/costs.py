@@ -55,8 +55,6 @@ _FROM_MEASURED = (Mode.NONE, Mode.CHECKPOINT, _REC)  # modes whose derivations f
 _QUANTITIES = ("held", "fx", "wx", "seconds")
 _TIE_BREAK = 1e-6  # seconds per ladder rung: far below any measured cost
 _TIME_SPAN = 4  # observations a time is averaged over (`Fit.span`); bytes keep the default 2
-#: Sizes measured at a batch before the others are predicted from the fits rather than measured.
-GENERALISE_AFTER = 3
 
 
 def _fit(name: str) -> Fit:
@@ -98,8 +96,9 @@ class CostModel(ModeTimes):
         self.head_costs = head_costs  # the managed loss head's modes (None: no head is managed)
         self.elem_size = 4
         self.steps_learned = 0
-        self.provisional = False  # the last step learned held a first offload, whose time stands only until the next
+        self.provisional = False  # the last step run held a first offload, whose time stands only until the next
         self._offloaded: set[tuple[int, Mode]] = set()  # (block, mode) with OFFLOAD that has run in this process
+        self.cold: set[tuple[int, Mode]] = set()  # (block, mode) whose only time reading is its first offload's
         self._pool_key: tuple | None = None  # (batch, extent, steps_learned) the pooled overheads are for
         self._pool: dict = {}
         self._alike: dict = {}
@@ -112,12 +111,11 @@ class CostModel(ModeTimes):
         """This very shape has been measured block by block (among the shapes the fits keep)."""
         return bool(self.latent) and (int(batch), int(extent)) in self.latent[0]["input_bytes"].points
 
-    def covers(self, batch: int, extent: int) -> bool:
-        """The fits cover this shape without measuring it: `GENERALISE_AFTER` sizes or more measured at
-        this batch, and this one at most the policy's `bucket_ratio` past the largest (further out is
-        extrapolation)."""
-        extents = {s for b, s in self.latent[0]["input_bytes"].points if b == batch} if self.latent else set()
-        return len(extents) >= GENERALISE_AFTER and extent <= max(extents) * self.policy.bucket_ratio
+    def ran(self, modes: tuple[Mode, ...]) -> None:
+        """A step not measured block by block runs `modes`: its offloads allocate their host memory,
+        and it is the last step run, so none of its offloads is a first one learned (`provisional`)."""
+        self._offloaded.update((i, m) for i, m in enumerate(modes) if m & Mode.OFFLOAD)
+        self.provisional = False
 
     # ---------------------------------------------------------------- learn
     def learn(self, sample: StepSample) -> None:
@@ -183,6 +181,9 @@ class CostModel(ModeTimes):
             if first:
                 self._offloaded.add((blk.index, mode))
                 self.provisional = True
+                self.cold.add((blk.index, mode))
+            else:
+                self.cold.discard((blk.index, mode))
             total = blk.fwd_seconds + blk.bwd_seconds
             if mode is Mode.NONE:
                 lat["none_s"].add(b, s, total)

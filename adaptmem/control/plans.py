@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from adaptmem.control.costs import CostModel
+from adaptmem.control.coverage import covers
 from adaptmem.control.decisions import Decider
 from adaptmem.control.headcosts import HeadChoice
 from adaptmem.modes import HeadMode, Mode, ladder, step_up
@@ -139,7 +140,7 @@ class PlanBook:
         if record.learned == self.costs.steps_learned or self.policy.static_plan != "none":
             return False
         if record.extent > record.seen and (self.costs.measured(record.key[0], record.seen)
-                                            or self.costs.covers(record.key[0], record.seen)):
+                                            or covers(self.costs, record.key[0], record.seen)):
             return True
         if not record.feasible:
             return False
@@ -160,7 +161,7 @@ class PlanBook:
         bucket's top), made for the bucket's top while that shape has not been measured."""
         p = self.policy
         seen = key[1] if extent is None else extent
-        known = self.costs.measured(key[0], seen) or self.costs.covers(key[0], seen)
+        known = self.costs.measured(key[0], seen) or covers(self.costs, key[0], seen)
         extent = seen if known else max(seen, key[1])
         shape = (key[0], extent)
         fixed = {**self.pinned, **fixed}

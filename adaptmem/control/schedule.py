@@ -5,16 +5,20 @@ CUDA, waits for the device): it teaches the cost model each block's bytes and
 time. A light step reads the step's peak only, which is compared with the
 prediction. A step is measured when it has something to teach:
 
-  - the cost model is young (under 3 steps learned) or holds a first offload's
-    cold time;
+  - the cost model is young (under 3 steps learned);
   - an escalation or an out-of-memory error asked (the next step, and the next
     step of every shape bucket seen), or the bucket's last prediction missed the
     observed peak by more than `replan_tolerance` of the budget;
-  - the bucket was never measured, or under another plan or for a smaller
-    input, and the fits do not cover it (`CostModel.covers`: 3 sizes
-    measured at this batch, this one at most one bucket past the largest) and every
-    block's mode and the head's was measured: a new length among lengths already
-    seen is predicted;
+  - its plan offloads a block whose only time reading is its first offload's
+    (cold: it allocated its host memory) while no block of its class has a warm
+    one, so the warm time replaces it;
+  - the fits do not generalise to its shape (`coverage.generalises`: 2 sizes
+    measured at its batch, and it at most twice the largest, 4 times with 3
+    sizes), and this bucket was never measured, or under another plan or for a
+    smaller input. Where they do, a new length is predicted, and so is a mode
+    no block has run yet (from the priors): a light step's peak checks the
+    prediction, a miss measures the bucket's next step, and an out-of-memory
+    error retries the step measured;
   - the bucket's schedule: every `measure_every`-th of its own steps (twice that
     where its steps alternate with those that find the gradients kept).
 """
@@ -23,8 +27,8 @@ from __future__ import annotations
 
 from adaptmem.config.policy import Policy
 from adaptmem.control.costs import CostModel
+from adaptmem.control.coverage import generalises, needs_warm
 from adaptmem.control.plans import MAX_CACHED_PLANS, Key, PlanRecord
-from adaptmem.modes import HeadMode
 
 
 class MeasureSchedule:
@@ -40,32 +44,21 @@ class MeasureSchedule:
         last = self.buckets.get(key)
         batch, bucket, kept = key
         period = self.policy.measure_every * (2 if (batch, bucket, not kept) in self.buckets else 1)
-        young = self.costs.steps_learned < 3 or self.costs.provisional or self.next
+        young = self.costs.steps_learned < 3 or self.next or needs_warm(self.costs, record.modes)
         self.next = False
         if len(self.buckets) >= MAX_CACHED_PLANS:
             self.buckets.clear()
         if not young and last is not None and last[0] == record.modes and last[2] == record.seen \
                 and last[1] + 1 < period:
             self.buckets[key] = (last[0], last[1] + 1, last[2])
+            self.costs.ran(record.modes)
             return False
-        if not young and (last is not None or key not in self.buckets) and self._covered(record):
+        if not young and (last is not None or key not in self.buckets) and generalises(self.costs, batch, record.seen):
             self.buckets[key] = (record.modes, 1, record.seen)
+            self.costs.ran(record.modes)
             return False
         self.buckets[key] = (record.modes, 0, record.seen)
         return True
-
-    def _covered(self, record: PlanRecord) -> bool:
-        """The fits cover the shape (`CostModel.covers`), and every block's mode, and the head's, has
-        been measured at some size."""
-        costs = self.costs
-        if not costs.covers(record.key[0], record.seen):
-            return False
-        if any(m not in costs.direct[i] for i, m in enumerate(record.modes)):
-            return False
-        if record.head is None or costs.head_costs is None:
-            return True
-        fit = costs.head_costs.kept if record.head.mode is HeadMode.KEPT else costs.head_costs.chunked
-        return bool(fit.points)
 
     def missed(self, key: Key | None) -> None:
         """The bucket's prediction missed: its next step is measured."""

@@ -68,7 +68,7 @@ class Trace:
         """The step ran out of memory and is about to learn from it: keep the cost model as it was."""
         if self.costs is None:
             self.costs, self.lengths = mgr.costs.state_dict(), mgr.lengths.state_dict()
-            self.cost_flags = (mgr.costs.provisional, set(mgr.costs._offloaded))
+            self.cost_flags = (mgr.costs.provisional, set(mgr.costs._offloaded), set(mgr.costs.cold))
 
     def restore(self, mgr: Any) -> None:
         mgr.decider.load_state_dict(self.decider)
@@ -79,7 +79,7 @@ class Trace:
         if self.costs is not None:
             mgr.costs.load_state_dict(self.costs)
             mgr.lengths.load_state_dict(self.lengths)
-            mgr.costs.provisional, mgr.costs._offloaded = self.cost_flags
+            mgr.costs.provisional, mgr.costs._offloaded, mgr.costs.cold = self.cost_flags
             mgr.plans._predicted_for = None  # its predictions are kept per steps learned, gone back now
         mgr._current, mgr._current_head = self.current, self.current_head
         for handle, mode in zip(mgr.handles, self.current):

@@ -612,3 +612,28 @@ def test_a_checkpoints_constant_backward_part_is_carried_as_a_constant_not_scale
     far, truth = 16000, 3 * 16000 + constant
     wx = costs.figures(0, Mode.CHECKPOINT, 1, far).wx  # with the measured margin on what is added
     assert truth <= wx <= 1.1 * truth
+
+
+def test_only_a_step_that_offloads_a_cold_block_is_measured_for_its_warm_reading():
+    """After a measured step holding a block's first offload, a step whose plan does not offload
+    that block is not measured for it (it would not read it); the next one that does is."""
+    from adaptmem.control.plans import PlanRecord
+    from adaptmem.control.schedule import MeasureSchedule
+
+    policy = load_policy("balanced")
+    costs = CostModel(["Layer"] * 2, policy, cuda=False)
+    schedule = MeasureSchedule(policy, costs)
+    for extent in (1000, 2000, 1000):
+        costs.learn(_timed_step([Mode.NONE] * 2, [0.040] * 2, [extent] * 2, extent=extent))
+    record = lambda modes, extent: PlanRecord(modes, (2, extent, False), extent, 0, None, "test", seen=extent)  # noqa: E731
+    assert not schedule.worth(record((Mode.NONE,) * 2, 1500))  # two sizes measured: a third is predicted
+    costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE], [0.300, 0.040], [1000] * 2))  # a first offload: cold
+    assert costs.cold == {(0, Mode.OFFLOAD)}
+    assert not schedule.worth(record((Mode.NONE, Mode.OFFLOAD), 1200))  # block 1's first offload: light
+    assert schedule.worth(record((Mode.OFFLOAD, Mode.NONE), 1300))  # block 0's warm reading
+    costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE], [0.046, 0.040], [1000] * 2))
+    assert costs.cold == set() and (1, Mode.OFFLOAD) in costs._offloaded  # block 1 ran it, unmeasured
+    costs._offloaded.discard((1, Mode.OFFLOAD))
+    costs.learn(_timed_step([Mode.OFFLOAD, Mode.OFFLOAD], [0.046, 0.300], [1000] * 2))  # block 1 cold
+    assert costs.cold == {(1, Mode.OFFLOAD)}
+    assert not schedule.worth(record((Mode.OFFLOAD,) * 2, 1400))  # block 0, alike, has a warm reading

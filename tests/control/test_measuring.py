@@ -277,22 +277,25 @@ def test_a_probe_that_reads_peak_and_allocation_at_once_is_read_once_per_boundar
     assert reads[1] <= reads[0] - 2 * 2 * 6, reads  # at least two readings fewer at two boundaries a block
 
 
-def test_new_lengths_among_measured_ones_are_predicted_not_measured():
-    """Once 3 sizes are measured at a batch, a new size up to one bucket past the largest is
-    predicted from the fits (its peak read and compared), not measured block by block; one further
-    out is extrapolation, and is measured; so is the next step of a bucket whose prediction missed."""
+def test_new_lengths_are_predicted_not_measured_once_two_sizes_are():
+    """Once 2 sizes are measured at a batch, every other size, between them or far past them, is
+    predicted from the fits (its peak read and compared), not measured block by block; the next
+    step of a bucket whose prediction missed is."""
     model, dev, probe, budget, policy = managed(every=1000)
     with dev, adaptmem.manage(model, budget=4 * budget, device=probe, policy=policy) as mem:  # all NONE
-        run(mem, model, probe, [64, 128, 256, 64, 128, 256])  # calibration, then every size under NONE
-        assert len({s for b, s in mem.costs.latent[0]["input_bytes"].points if b == 4}) >= 3
-        new = [96, 160, 200, 112, 240, 72, 180, 144]
-        records = [r for r, _, _ in run(mem, model, probe, new)]
+        run(mem, model, probe, [64, 256, 64, 256])  # calibration, then both sizes under NONE
+        assert {s for b, s in mem.costs.latent[0]["input_bytes"].points if b == 4} == {64 * 128, 256 * 128}
+        records = [r for r, _, _ in run(mem, model, probe, [96, 160, 200, 112, 240, 72, 180, 144])]
         how = [(r["measured"][0], round(r["prediction_error"], 3), r["seq"]) for r in records]
         assert sum(r["measured"] == "blocks" for r in records) <= 1, how  # at most one, after a miss
         errors = sorted(abs(r["prediction_error"]) for r in records)
-        assert errors[len(errors) // 2] <= 0.05, errors  # the median prediction within 5%
-        far = run(mem, model, probe, [512])[0][0]  # twice the largest measured: extrapolated
-        assert far["measured"] == "blocks"
+        assert errors[len(errors) // 2] <= 0.05, how  # the median prediction within 5%
+        far = [r for r, _, _ in run(mem, model, probe, [384, 512])]  # up to twice the largest measured
+        how = [(r["measured"][0], round(r["prediction_error"], 3), r["seq"]) for r in far]
+        assert [r["measured"] for r in far] == ["peak"] * 2, how
+        assert min(r["prediction_error"] for r in records + far) >= -0.05, how  # none under the peak by more
+        assert run(mem, model, probe, [1100])[0][0]["measured"] == "blocks"  # past twice: measured
+        assert run(mem, model, probe, [1600])[0][0]["measured"] == "peak"  # three sizes or more: up to four times
         # a miss: the bucket's next step is measured
         key = mem.plans.bucket(4, 96 * 128)
         mem.measuring.missed(key)

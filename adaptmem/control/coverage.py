@@ -1,0 +1,50 @@
+"""What the cost model's fits know, and so which steps need measuring: the sizes measured at a
+batch, how far past them a size is predicted, and the offloads whose only time is a cold one.
+"""
+
+from __future__ import annotations
+
+from adaptmem.control.costs import CostModel
+from adaptmem.modes import Mode
+
+#: Sizes measured at a batch before the others are predicted from the fits rather than measured:
+#: two fix both terms of an activation's fit (tokens, and tokens x sequence for attention's scores).
+GENERALISE_AFTER = 2
+#: How far past the largest size measured at a batch a new one is still predicted rather than
+#: measured: with two sizes, whose fit they fix but do not check, twice it; with three or more, the
+#: third a check of the fit, four times. Further out, the step is measured: the far fits answer
+#: "how long can I go" (`reach`), where a few percent of the peak is a long stretch of tokens.
+PREDICT_PAST = {2: 2.0, 3: 4.0}
+
+
+def sizes(costs: CostModel, batch: int) -> set[int]:
+    """The input sizes (elements per sample) measured block by block at `batch`."""
+    return {s for b, s in costs.latent[0]["input_bytes"].points if b == batch} if costs.latent else set()
+
+
+def covers(costs: CostModel, batch: int, extent: int) -> bool:
+    """The fits cover this shape closely: `generalises` at this batch, and this one at most the
+    policy's `bucket_ratio` past the largest size measured (further out is extrapolation, which a
+    plan makes with the bucket's margin)."""
+    measured = sizes(costs, batch)
+    return len(measured) >= GENERALISE_AFTER and extent <= max(measured) * costs.policy.bucket_ratio
+
+
+def generalises(costs: CostModel, batch: int, extent: int) -> bool:
+    """`GENERALISE_AFTER` sizes or more are measured at this batch, and this one is no further past
+    the largest than `PREDICT_PAST` allows: it is predicted, not measured."""
+    measured = sizes(costs, batch)
+    if len(measured) < GENERALISE_AFTER:
+        return False
+    return extent <= max(measured) * PREDICT_PAST[min(len(measured), max(PREDICT_PAST))]
+
+
+def needs_warm(costs: CostModel, modes: tuple[Mode, ...]) -> bool:
+    """Some block offloaded under `modes` has only its first (cold) time reading, and no block of
+    its class a warm one: the pooled figures stand for a cold block while another has one."""
+    def warm_reading(i: int, m: Mode) -> bool:
+        fit = costs.direct[i].get(m, {}).get("seconds")
+        return (i, m) not in costs.cold and fit is not None and fit.settled
+
+    warm = {(costs.classes[i], m) for i, m in costs._offloaded if warm_reading(i, m)}
+    return any((i, m) in costs.cold and (costs.classes[i], m) not in warm for i, m in enumerate(modes))
