@@ -247,13 +247,23 @@ class PlanBook:
         host_limit = p.host_fraction * self.probe.host_available()
         # the bias aims the predictions higher, never past max_headroom of the budget as predicted
         aim = min((target - start) / self.decider.bias, p.max_headroom * budget - start)
+        # after the blocks' backward the step peaks whatever the plan (the weights' gradients all
+        # there): where that is over the aim, no block need be held under it, as it cuts no byte of
+        # the step's peak (a layer-heavy model on a tight device checkpointed a block for nothing).
+        # Only where the fits cover the shape: extrapolated from one size, the tail grows with the
+        # tokens, and an aim raised to it would let the blocks run out of memory
+        known = self.costs.measured(batch, extent) or covers(self.costs, batch, extent)
+        tail = self.costs.tail_bytes(batch, extent) if known else 0.0
         for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
-            result = solve(options + ([head_row] if head_row else []), aim, final, p.planner_bins)
+            result = solve(options + ([head_row] if head_row else []), max(aim, tail), final, p.planner_bins)
             chosen = [next(o for o in row if o.mode is m) for row, m in zip(options, result.modes)]
             if sum(o.host for o in chosen) <= host_limit:
                 break
             worst = max(range(len(chosen)), key=lambda i: chosen[i].host)
             options[worst] = [o for o in options[worst] if o.host == 0] or options[worst]
+        if tail > aim:
+            peak = max(result.peak, tail)
+            result = replace(result, peak=peak, feasible=False, shortfall=peak - aim)
         measured = self.costs.measured(batch, extent)
         # once per shape bucket, whatever the gradient state; a size first extrapolated warns again once measured
         if warn and not result.feasible and (key[:2], measured) not in self._warned:

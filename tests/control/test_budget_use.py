@@ -10,7 +10,7 @@ from adaptmem import Mode
 from adaptmem.config.policy import load_policy
 from adaptmem.testing import SimulatedDevice
 
-from helpers import budget_between, tiny, tiny_batch
+from helpers import budget_between, hf_batch, llama, tiny, tiny_batch
 
 
 def small():
@@ -183,3 +183,31 @@ def test_an_input_no_plan_fits_does_not_leave_the_budget_unused_for_the_inputs_t
     assert all(r["observed_peak_bytes"] <= budget for r in short)
     assert "relax" in [r["decision"] for r in short]
     assert any("no plan is predicted to fit" in r.getMessage() for r in caplog.records)
+
+
+def test_no_block_is_held_under_the_peak_that_follows_the_blocks_whatever_the_plan():
+    """After the blocks' backward the step holds every weight's gradient whatever the plan (the
+    tail): with a large vocabulary and short inputs it is the step's peak. A budget whose aim lies
+    under the blocks' peak at all-NONE, itself under the tail, leaves the blocks at NONE, as no
+    plan lowers the step's peak (before, a block was checkpointed for nothing)."""
+    from adaptmem.control.planner import predicted_peak
+
+    model = llama(layers=4, hidden=128, dropout=0.0, vocab=8192)
+    with SimulatedDevice() as dev:
+        dev.track(model)
+        mem = adaptmem.manage(model, device=dev, budget=dev.allocated_bytes + 2**30)
+        for seq in (64, 128, 64, 128):
+            with mem.step():
+                model(**hf_batch(1, seq, 8192)).loss.backward()
+            model.zero_grad(set_to_none=True)
+        extent = 64 * 128
+        tail = mem.costs.tail_bytes(1, extent)
+        rows = mem.costs.options(1, extent, (Mode.NONE,), {})
+        blocks = predicted_peak([row[0] for row in rows], mem.costs.head_bytes(1, extent))
+        assert tail > 1.2 * blocks, (tail, blocks)
+        key, start, headroom = mem.plans.bucket(1, extent), dev.allocated_bytes, mem.decider.headroom
+        for aim in (0.8 * blocks, 0.4 * blocks):
+            mem.plans.cache.clear()
+            record = mem.plans.make(key, start, int((start + aim) / headroom), fixed={}, reason="test", extent=extent)
+            assert set(record.modes) == {Mode.NONE}, record.modes
+            assert not record.feasible and record.predicted == pytest.approx(start + tail)  # over by the tail alone
