@@ -22,6 +22,11 @@ def sizes(costs: CostModel, batch: int) -> set[int]:
     return {s for b, s in costs.latent[0]["input_bytes"].points if b == batch} if costs.latent else set()
 
 
+def known(costs: CostModel, batch: int, extent: int) -> bool:
+    """This shape is measured, or `covers` holds: a plan is made for it, not for its bucket's top."""
+    return costs.measured(batch, extent) or covers(costs, batch, extent)
+
+
 def covers(costs: CostModel, batch: int, extent: int) -> bool:
     """The fits cover this shape closely: `generalises` at this batch, and this one at most the
     policy's `bucket_ratio` past the largest size measured (further out is extrapolation, which a
@@ -42,6 +47,9 @@ def generalises(costs: CostModel, batch: int, extent: int) -> bool:
 def needs_warm(costs: CostModel, modes: tuple[Mode, ...]) -> bool:
     """Some block offloaded under `modes` has only its first (cold) time reading, and no block of
     its class a warm one: the pooled figures stand for a cold block while another has one."""
+    if not costs.cold:  # every step asks: most have nothing cold
+        return False
+
     def warm_reading(i: int, m: Mode) -> bool:
         fit = costs.direct[i].get(m, {}).get("seconds")
         return (i, m) not in costs.cold and fit is not None and fit.settled

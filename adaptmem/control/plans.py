@@ -11,7 +11,7 @@ top of its bucket (up to `bucket_ratio` larger, which would leave that much of
 the budget unused). A shape the cost
 model has not measured yet is planned for the bucket's top (its predictions are
 inter- or extrapolated, and the top is their margin), and planned for again at
-its own size once it has been measured, or once the fits cover it (three sizes
+its own size once it has been measured, or once the fits cover it (two sizes
 measured at its batch, it at most one bucket past the largest). Before anything
 is known, every block
 is checkpointed (the calibration step); static policies give their fixed plan;
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from adaptmem.control.costs import CostModel
-from adaptmem.control.coverage import covers
+from adaptmem.control.coverage import covers, known
 from adaptmem.control.decisions import Decider
 from adaptmem.control.headcosts import HeadChoice
 from adaptmem.modes import HeadMode, Mode, ladder, step_up
@@ -139,8 +139,7 @@ class PlanBook:
         budget (it would not fit). Checked once per step learned."""
         if record.learned == self.costs.steps_learned or self.policy.static_plan != "none":
             return False
-        if record.extent > record.seen and (self.costs.measured(record.key[0], record.seen)
-                                            or covers(self.costs, record.key[0], record.seen)):
+        if record.extent > record.seen and known(self.costs, record.key[0], record.seen):
             return True
         if not record.feasible:
             return False
@@ -161,8 +160,7 @@ class PlanBook:
         bucket's top), made for the bucket's top while that shape has not been measured."""
         p = self.policy
         seen = key[1] if extent is None else extent
-        known = self.costs.measured(key[0], seen) or covers(self.costs, key[0], seen)
-        extent = seen if known else max(seen, key[1])
+        extent = seen if known(self.costs, key[0], seen) else max(seen, key[1])
         shape = (key[0], extent)
         fixed = {**self.pinned, **fixed}
         predicted, feasible, shortfall, head = None, True, 0.0, None
@@ -252,8 +250,8 @@ class PlanBook:
         # the step's peak (a layer-heavy model on a tight device checkpointed a block for nothing).
         # Only where the fits cover the shape: extrapolated from one size, the tail grows with the
         # tokens, and an aim raised to it would let the blocks run out of memory
-        known = self.costs.measured(batch, extent) or covers(self.costs, batch, extent)
-        tail = self.costs.tail_bytes(batch, extent) if known else 0.0
+        measured = self.costs.measured(batch, extent)
+        tail = self.costs.tail_bytes(batch, extent) if measured or covers(self.costs, batch, extent) else 0.0
         for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
             result = solve(options + ([head_row] if head_row else []), max(aim, tail), final, p.planner_bins)
             chosen = [next(o for o in row if o.mode is m) for row, m in zip(options, result.modes)]
@@ -264,7 +262,6 @@ class PlanBook:
         if tail > aim:
             peak = max(result.peak, tail)
             result = replace(result, peak=peak, feasible=False, shortfall=peak - aim)
-        measured = self.costs.measured(batch, extent)
         # once per shape bucket, whatever the gradient state; a size first extrapolated warns again once measured
         if warn and not result.feasible and (key[:2], measured) not in self._warned:
             self._warned.add((key[:2], measured))
