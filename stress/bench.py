@@ -54,17 +54,13 @@ from adaptmem import Mode
 from adaptmem.config.units import format_bytes
 from stress.bench_controller import controller_fraction
 from stress.benchkit import (ORACLE_MODES, VOCAB, ModeFigures, batch_for, bootstrap_medians, build,
-                             find_oracle, keep_host_memory, make_runner, paired, pick_oracle, plan_label,
+                             find_oracle, keep_host_memory, log, make_runner, paired, pick_oracle, plan_label,
                              rotate, rotated_seconds, settle)
 
 LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / reference step
 REFERENCE_FLOPS_PER_S = 50e9  # one core of the machine the README's figures come from, training these models
 FRACTIONS = (0.3, 0.5, 0.7)
 VS_ORACLE = 1.05  # the target: adaptmem's step at most this many times the oracle's
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def bench_config(name: str, seq: int, batch: int, links: list[str], reps: int, steps: int, extra: int,

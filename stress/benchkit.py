@@ -17,6 +17,7 @@ import gc
 import itertools
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,11 @@ from adaptmem import Mode
 from adaptmem.testing import SimulatedDevice
 
 ORACLE_MODES = (Mode.NONE, Mode.SELECTIVE, Mode.CHECKPOINT, Mode.OFFLOAD, Mode.CHECKPOINT | Mode.OFFLOAD)
+
+
+def log(msg: str) -> None:
+    """A benchmark's progress, on stderr (its results go to stdout)."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ models

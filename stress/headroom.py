@@ -38,16 +38,13 @@ from adaptmem.config.units import format_bytes
 from adaptmem.demo.longest import hf_checkpointing
 from adaptmem.devices.tiers import host_allocations
 from adaptmem.testing import SimulatedDevice
+from stress.benchkit import log
 
 METHODS = ("unmanaged", "hf_gc", "hf_gc_offload", "adaptmem")
 STEPS = 3
 GRAIN = 64
 PRECISION = 1.05  # the bisection stops once the failing length is within 5% of the training one
 DEVICE_MIB = {32000: 640, 128256: 1600}  # fixed per vocabulary: room for the weights and AdamW state
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def build(vocab: int) -> torch.nn.Module:

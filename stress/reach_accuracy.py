@@ -24,16 +24,13 @@ import torch
 
 import adaptmem
 from adaptmem.testing import SimulatedDevice
+from stress.benchkit import log
 
 ARCHS = ("qwen3", "starcoder2")
 DEVICE_MIB = 200
 CALIBRATION = (128, 256, 512)
 VOCAB = 8000
 TOLERANCE = 0.05
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def build(arch: str) -> torch.nn.Module:

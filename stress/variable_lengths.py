@@ -47,6 +47,7 @@ import adaptmem
 from adaptmem.config.units import format_bytes
 from adaptmem.demo.longest import hf_checkpointing
 from adaptmem.testing import SimulatedDevice
+from stress.benchkit import log
 
 HF_LONGEST = 768
 METHODS = ("hf_gc", "adaptmem", "unmanaged")
@@ -55,10 +56,6 @@ ARCHS = {
     "llama-deep": dict(kind="llama", vocab=4096, hidden=384, intermediate=1024, layers=8, heads=6, kv=2),
 }
 TARGETS = {"share": 0.6, "vs_hf": 1.15, "gain_for_vs_hf": 1.25, "measured": 0.10, "error": 0.05, "first_seen": 1.03}
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def build(arch: str) -> torch.nn.Module:
