@@ -142,8 +142,10 @@ class CostModel(ModeTimes):
             else:
                 self.head.add(b, s, above)
         if sample.completed:
+            # above the first block's start, where plans add it: from the step's start, what runs before
+            # the blocks (a ResNet's stem) was counted twice
             tail = self.tail_kept if sample.grads_resident else self.tail
-            tail.add(b, s, max(sample.tail_top, sample.start) - sample.start)
+            tail.add(b, s, max(sample.tail_top, start0) - start0)
         self.steps_learned += 1
 
     def _learn_block(self, blk: BlockSample, b: int, s: int) -> None:

@@ -17,13 +17,15 @@ def measure_peak(model: torch.nn.Module, make_batch: Callable[[], dict], *, mode
 
     `make_batch()` returns the keyword arguments of one forward, whose output
     has a `.loss`. With `mode`, every block runs in it (a plain model is
-    instrumented for the measurement and restored after; an instrumented one
-    gets its own modes back). With `optimizer`, each step also steps it, so after
+    instrumented with the automatic blocks for the measurement and restored
+    after; an instrumented one keeps its blocks and gets its own modes back). With `optimizer`, each step also steps it, so after
     the first step its state is counted too. The peak of the last of `steps`
     steps is returned; gradients are cleared after.
     """
-    owned = mode is not None and get_instrumentation(model) is None
-    handles = instrument(model) if mode is not None else []
+    existing = get_instrumentation(model)
+    owned = mode is not None and existing is None
+    # a model instrumented already keeps its own blocks (its `blocks=` choice, not the automatic one)
+    handles = [] if mode is None else list(existing.handles) if existing is not None else instrument(model)
     before = [h.mode for h in handles]
     for handle in handles:
         handle.mode = mode

