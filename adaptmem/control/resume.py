@@ -33,6 +33,15 @@ def manager_state(mgr: Any) -> dict[str, Any]:
 
 
 def load_manager_state(mgr: Any, state: dict[str, Any]) -> None:
+    """Load `state` into a running manager (`load_state_dict`), then log a `resume` record."""
+    started_as = restore_manager_state(mgr, state)
+    announce_resume(mgr, started_as)
+
+
+def restore_manager_state(mgr: Any, state: dict[str, Any]) -> str:
+    """Put `state` into the manager's collaborators and take its run id; returns the run id the
+    manager had before. Logs nothing: a manager built with `state=` restores before its `start`
+    record, so that record, like all that follow, is under the saved run id."""
     names = [h.name for h in mgr.handles]
     if state.get("blocks") != names:
         raise ValueError(
@@ -59,6 +68,12 @@ def load_manager_state(mgr: Any, state: dict[str, Any]) -> None:
             mgr.head.planned(choice.mode, choice.chunk)
         started_as = mgr.events.run_id
         mgr.events.run_id = state.get("run") or started_as
+    return started_as
+
+
+def announce_resume(mgr: Any, started_as: str) -> None:
+    """The `resume` record: the plan the saved run continues with, and the run id the manager
+    had before it took the saved one (the saved one itself for a manager built with `state=`)."""
     mgr.events.emit("resume", step=mgr.steps, started_as=started_as,
                     plan={h.name: h.mode.label for h in mgr.handles})
 

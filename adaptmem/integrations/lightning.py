@@ -2,18 +2,23 @@
 
 A thin adapter over `MemoryManager`; every decision is the manager's.
 
-  setup            the manager is built on the LightningModule (so a resumed fit can
-                   load its state: Lightning calls `load_state_dict` after `setup`)
+  fit start        the manager is built on the LightningModule once the checkpoint, if any,
+                   is restored (`on_fit_start`; `on_train_start` for strategies that restore
+                   after setup, FSDP and DeepSpeed), so a resumed run is built from its saved
+                   state and logs under its saved run id from its first record. A resume from
+                   a checkpoint without adaptmem's state says so, and starts cold.
   each micro-batch the optimizer closure (training_step, zero_grad, backward) runs as one
                    managed step through `run_step`: an out-of-memory error in it is
                    retried under a tighter plan, with the gradients left exact also
                    inside an accumulation window. With manual optimization there is no
                    closure: the step is bracketed from `on_train_batch_start` to
                    `on_after_backward`, and an OOM is recorded, not retried.
-  batch end        peak, budget, plan changes and recovered OOMs go to the loggers
+  batch end        peak, budget, plan changes and recovered OOMs go to the loggers (when the
+                   Trainer has any: Lightning warns of each figure logged to none)
   checkpoints      the manager's state (costs, decisions, counters, run id) is saved with
                    the callback and loaded on resume, which continues the same log
-  fit end / error  the manager is closed and the model given back
+  fit end / error  the manager is closed and the model given back; its last state is kept,
+                   so a checkpoint saved after the fit (`trainer.save_checkpoint`) resumes it
 
 The closure is reached through Lightning's automatic-optimization loop
 (`fit_loop.epoch_loop.automatic_optimization._make_closure`), the one place a
@@ -24,6 +29,7 @@ as won't-fix).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +42,8 @@ except ImportError:  # pragma: no cover - the older package name
 from adaptmem.control.manager import MemoryManager
 
 __all__ = ["AdaptMemCallback"]
+
+log = logging.getLogger("adaptmem")
 
 
 class AdaptMemCallback(pl.Callback):
@@ -52,18 +60,33 @@ class AdaptMemCallback(pl.Callback):
                         "head": head}
         self.log_every_n_steps = log_every_n_steps
         self.manager: MemoryManager | None = None
-        self._pending_state: dict | None = None
+        self._pending_state: dict | None = None  # loaded from a checkpoint, for the manager to be built
+        self._final_state: dict | None = None  # the closed manager's last, for checkpoints saved after fit
         self._bracketed = False
         self._loop: Any = None
 
     # ------------------------------------------------------------ lifecycle
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.manager is not None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.strategy.restore_checkpoint_after_setup:  # the checkpoint, if any, is restored
+            self._build(trainer, pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._build(trainer, pl_module)  # FSDP, DeepSpeed: restored after on_fit_start, before this
+
+    def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The manager, from the saved state when the fit resumed one. Built no earlier: Lightning
+        restores callbacks after `setup`, and a manager built before its state was known would
+        log its `start` under a fresh run id; and `trainer.ckpt_path` (the checkpoint this fit
+        restored) is known only now, so a resume without adaptmem's state can be told apart."""
+        if self.manager is not None:
             return
-        self.manager = MemoryManager(pl_module, **self.options)
-        if self._pending_state is not None:
-            self.manager.load_state_dict(self._pending_state)
-            self._pending_state = None
+        if trainer.ckpt_path and self._pending_state is None:
+            log.warning("adaptmem: the fit resumed from %s, which holds no adaptmem state (no %r entry among "
+                        "its callbacks' states: saved without AdaptMemCallback, or empty); the controller starts "
+                        "cold: a new run id, steps counted from 0, costs learned again", trainer.ckpt_path,
+                        self.state_key)
+        self.manager = MemoryManager(pl_module, **self.options, state=self._pending_state)
+        self._pending_state = None
         if pl_module.automatic_optimization:
             self._wrap_closures(trainer)
 
@@ -81,8 +104,11 @@ class AdaptMemCallback(pl.Callback):
 
     def _close(self) -> None:
         self._unwrap_closures()
-        if self.manager is not None:
-            self.manager.close()
+        if self.manager is not None and not self.manager.closed:
+            try:
+                self._final_state = self.manager.state_dict()
+            finally:
+                self.manager.close()
 
     # ------------------------------------------------------------ steps
     def _wrap_closures(self, trainer: pl.Trainer) -> None:
@@ -120,7 +146,7 @@ class AdaptMemCallback(pl.Callback):
         if self._bracketed and self.manager is not None:  # manual optimization without a backward
             self._bracketed = False
             self.manager.end_step()
-        if self.manager is None or trainer.global_step % max(1, self.log_every_n_steps):
+        if self.manager is None or not trainer.loggers or trainer.global_step % max(1, self.log_every_n_steps):
             return
         summary = self.manager.summary()
         pl_module.log_dict({
@@ -132,9 +158,12 @@ class AdaptMemCallback(pl.Callback):
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """The live manager's state; after the fit, the closed manager's last (a checkpoint saved
+        then resumes the run); before the manager is built, the state loaded for it."""
         if self.manager is not None and not self.manager.closed:
             return {"manager": self.manager.state_dict()}
-        return {"manager": self._pending_state} if self._pending_state is not None else {}
+        state = self._final_state if self._final_state is not None else self._pending_state
+        return {"manager": state} if state is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict.get("manager")
@@ -143,7 +172,7 @@ class AdaptMemCallback(pl.Callback):
         if self.manager is not None and not self.manager.closed:
             self.manager.load_state_dict(state)
         else:
-            self._pending_state = state
+            self._pending_state, self._final_state = state, None
 
 
 def _retrying(closure: Any, manager: MemoryManager, label: dict) -> Callable[..., Any]:

@@ -15,10 +15,14 @@ the figures it adds to each log.
 The manager's state rides in the Trainer's checkpoint (`trainer_state.json`, the
 callback being an `ExportableState`) and is restored on resume with no extra
 flag: the resumed Trainer loads it into `state.stateful_callbacks`, where the
-callback finds it. With `restore_callback_states_from_checkpoint=True` the
-Trainer also rebuilds callbacks from their saved arguments; arguments that are
-not JSON (a `SimulatedDevice`, a `Policy` object) are then taken from the
-callback the user passed, when it is still alive in this process.
+callback finds it, and the manager is built from it (its log goes on under the
+saved run id). A resume that finds none says so and starts cold. At train end
+the closed manager's last state is kept and put in `state.stateful_callbacks`,
+which `trainer.save_state()` writes as it is. With
+`restore_callback_states_from_checkpoint=True` the Trainer also rebuilds
+callbacks from their saved arguments; arguments that are not JSON (a
+`SimulatedDevice`, a `Policy` object) are then taken from the callback the user
+passed, when it is still alive in this process.
 
 The model's own gradient checkpointing (`TrainingArguments(gradient_checkpointing=True)`,
 which the Trainer switches on before `on_train_begin`) is switched off with one log
@@ -83,7 +87,8 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
                         "head": head}
         self.keep_model_checkpointing = keep_model_checkpointing
         self.manager: MemoryManager | None = None
-        self.pending_state: dict | None = None
+        self.pending_state: dict | None = None  # restored by the Trainer, for the manager to be built
+        self.final_state: dict | None = None  # the closed manager's last, for what is saved after train
         self.retrying = False  # AdaptMemTrainerMixin runs each micro-batch through run_step
         self.micro = 0  # the micro-batch within the current optimizer step
         self._token = uuid.uuid4().hex
@@ -94,17 +99,25 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
         if self.manager is not None and not self.manager.closed:
             return
         self._own_checkpointing_off(model)
-        self.manager = MemoryManager(model, **self.options)
         saved = self.pending_state or _saved_state(state, type(self).__name__)
-        if saved is not None:
-            self.manager.load_state_dict(saved)
-            self.pending_state = None
+        if saved is None and getattr(state, "global_step", 0) > 0:
+            log.warning("adaptmem: the Trainer resumed at step %d from a checkpoint that holds no adaptmem state "
+                        "(no %s entry with a manager state in its trainer_state.json stateful_callbacks: saved "
+                        "without this callback, or after train ended); the controller starts cold: a new run id, "
+                        "steps counted from 0, costs learned again", state.global_step, type(self).__name__)
+        self.manager = MemoryManager(model, **self.options, state=saved)
+        self.pending_state = self.final_state = None
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.manager is not None:
-            if self.manager.in_step:
-                self.manager.end_step()
+        if self.manager is None or self.manager.closed:
+            return
+        if self.manager.in_step:
+            self.manager.end_step()
+        try:
+            self.final_state = self.manager.state_dict()
+        finally:
             self.manager.close()
+        _publish(state, self)
 
     def _own_checkpointing_off(self, model: Any) -> None:
         if self.keep_model_checkpointing or not own_checkpointing_on(model):
@@ -153,11 +166,13 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> dict:
+        """What the Trainer saves of the callback: its JSON arguments, and as `pending_state` the
+        live manager's state (after train, the closed manager's last; before it, what was loaded)."""
         manager_state = self.manager.state_dict() if self.manager is not None and not self.manager.closed else None
         args = {k: v for k, v in self.options.items() if isinstance(v, _JSON)}
         args["keep_model_checkpointing"] = self.keep_model_checkpointing
         args["_origin"] = self._token
-        return {"args": args, "attributes": {"pending_state": manager_state or self.pending_state}}
+        return {"args": args, "attributes": {"pending_state": manager_state or self.final_state or self.pending_state}}
 
 
 class AdaptMemTrainerMixin:
@@ -181,6 +196,23 @@ class AdaptMemTrainerMixin:
             callback.manager.end_step(error=RuntimeError("handed to run_step"))
         return callback.manager.run_step(super().training_step, model, inputs, num_items_in_batch,
                                          label=callback.label(self.state))
+
+
+def _publish(state: Any, callback: AdaptMemTrainerCallback) -> None:
+    """Put the callback's state in `state.stateful_callbacks`: the Trainer refreshes it only when
+    it saves a checkpoint, and `trainer.save_state()` after train writes it as it is (else as it
+    was at the last checkpoint, or at train begin: no manager state at all)."""
+    saved = getattr(state, "stateful_callbacks", None)
+    if not isinstance(saved, dict):
+        return
+    name = type(callback).__name__
+    entry = saved.get(name)
+    if isinstance(entry, list):  # several callbacks of this class: replace this one's entry
+        mine = [i for i, e in enumerate(entry) if ((e or {}).get("args") or {}).get("_origin") == callback._token]
+        for i in mine:
+            entry[i] = callback.state()
+    else:
+        saved[name] = callback.state()
 
 
 def _saved_state(state: Any, name: str) -> dict | None:

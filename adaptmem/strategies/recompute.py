@@ -13,6 +13,7 @@ the checkpoint (inside the checkpoint, checkpoint's own hooks are innermost).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from adaptmem.strategies.call import BlockCall, main_input
 from adaptmem.strategies.packing import Packer
 from adaptmem.strategies.payloads import backward_entry
 
+log = logging.getLogger("adaptmem")
 _aten = torch.ops.aten
 _SAVE_NAMES = (  # weight matmuls, convolutions, fused attention: never activation x activation matmuls
     "mm.default",
@@ -119,7 +121,9 @@ class _BackwardCounter:
 
     def __call__(self, grad: torch.Tensor) -> None:
         self.passes += 1
-        if self.passes > 1:
+        # grad mode on inside backward is create_graph=True: the graph it makes is for a second
+        # backward, which would fail in the recompute with PyTorch's own message; said here, first
+        if self.passes > 1 or torch.is_grad_enabled():
             raise SelectiveBackwardError(
                 "adaptmem: a block in SELECTIVE mode is being backwarded a second time "
                 "(retain_graph=True or create_graph=True), which PyTorch's selective activation "
@@ -253,15 +257,43 @@ def without_cache(call: BlockCall) -> tuple[tuple, dict]:
     uses_cache = bool(kwargs.get("use_cache"))
     if not dropped and not positions and not uses_cache:
         return args, kwargs
+    caches = [kwargs[k] for k in dropped] + [args[i] for i in positions]
     kwargs = dict(kwargs)
     for key in dropped:
         kwargs[key] = None
     if uses_cache:
         kwargs["use_cache"] = False
     args = tuple(None if i in positions else a for i, a in enumerate(args))
-    call.warn_once(
-        f"cache:{type(module).__name__}",
-        f"adaptmem: {type(module).__name__} recomputes in backward, so its KV cache is not written in training "
-        "(set use_cache=False to silence this)",
-    )
+    name = type(module).__name__
+    # Only a cache that already holds tokens for this block shows that the caller passed one.
+    # `use_cache=True` from a model's config (True by default) and from the caller look the same
+    # here: the model fills it in from its config and builds an empty cache itself, on every
+    # training call. Telling of those at WARNING warned every user who never asked for a cache;
+    # they are told at DEBUG, on each call: the once-per-model record (`warn_once`) is at WARNING.
+    if any(_holds_past(module, c) for c in caches):
+        call.warn_once(
+            f"cache:{name}",
+            f"adaptmem: {name} recomputes in backward, so its KV cache is not written in training, and the "
+            "cached tokens passed to it are not attended to (Hugging Face's own gradient checkpointing drops the "
+            f"cache alike); pass no cache in training, or leave {name} out of `blocks=`",
+        )
+    elif log.isEnabledFor(logging.DEBUG):
+        log.debug("adaptmem: %s recomputes in backward, so its KV cache is not written in training "
+                  "(use_cache=True, from the model's config or from the caller)", name)
     return args, kwargs
+
+
+def _holds_past(module: torch.nn.Module, cache: Any) -> bool:
+    """`cache` holds tokens of earlier calls for this block: the caller passed it filled. The
+    block's slot is found by the `layer_idx` Hugging Face gives each layer's attention; a model
+    building a cache for itself builds it empty, and a block's slot is empty until it runs."""
+    if isinstance(cache, (tuple, list)):
+        return len(cache) > 0  # a legacy (key, value) pair: only ever the caller's past
+    length = getattr(cache, "get_seq_length", None)
+    index = next((m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
+    if length is None or index is None:
+        return False
+    try:
+        return length(index) > 0
+    except (ValueError, IndexError):  # a slot with no sequence (a linear-attention layer's state)
+        return False

@@ -270,7 +270,7 @@ def test_hf_cache_is_dropped_for_recomputed_blocks(caplog):
     model.config.use_cache = True
     adaptmem.instrument(model, mode=Mode.CHECKPOINT)
     batch = hf_batch()
-    with caplog.at_level("WARNING", logger="adaptmem"):
+    with caplog.at_level("DEBUG", logger="adaptmem"):
         out = model(**batch, use_cache=True)
         out.loss.backward()
     assert "KV cache is not written in training" in caplog.text
@@ -293,7 +293,7 @@ def test_a_cache_handed_positionally_is_dropped_for_recomputed_blocks(mode, capl
         adaptmem.instrument(model, mode=mode)
         dev = SimulatedDevice()
         dev.track(model)
-        with caplog.at_level("WARNING", logger="adaptmem"), dev:
+        with caplog.at_level("DEBUG", logger="adaptmem"), dev:
             got = step(model, batch)
         peaks[use_cache] = dev.peak_bytes
         assert_same(got, expected)
