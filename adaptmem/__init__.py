@@ -5,7 +5,8 @@ The public face only; see README.md for use.
 
 from adaptmem.config.policy import Policy, PolicyError, load_policy
 from adaptmem.control.events import read_log
-from adaptmem.control.manager import MemoryManager, manage
+from adaptmem.control.manage import manage
+from adaptmem.control.manager import MemoryManager
 from adaptmem.control.retry import InexactRetryError, StepOutOfMemoryError
 from adaptmem.modes import ALLOWED_MODES, LOSSLESS_MODES, HeadMode, Mode
 from adaptmem.strategies import CompressOptions, OffloadOptions, SelectiveBackwardError

@@ -1,6 +1,7 @@
 """The controller: what decides each block's mode, step by step.
 
-  manager.py     MemoryManager and manage(): lifecycle, steps, run_step, set_budget, resume
+  manage.py      manage(): the one call users make
+  manager.py     MemoryManager: lifecycle, steps, run_step, set_budget, resume
   reactions.py   the manager's reactions: blocks starting, steps ending, OOMs, outside pressure
   recorder.py    StepRecorder: a step cut at block boundaries, per-block measurements (or only its peak)
   samples.py     BlockSample, StepSample, InputShape: what one step looked like

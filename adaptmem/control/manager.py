@@ -39,10 +39,11 @@ from adaptmem.control.plans import PlanBook
 from adaptmem.control.reach import LengthsSeen, Reach, Reacher, end_record
 from adaptmem.control.priors import priors_for
 from adaptmem.control.reactions import Reactions
-from adaptmem.control.resume import load_manager_state, manager_state, manager_summary
+from adaptmem.control.resume import (announce_resume, load_manager_state, manager_state, manager_summary,
+                                     restore_manager_state)
 from adaptmem.control.recorder import StepRecorder
-from adaptmem.control.retry import (BufferCopies, StepGuard, StepOutOfMemoryError, oom_report, rng_state,
-                                   set_rng_state)
+from adaptmem.control.retry import (RETRY_NOTE, BufferCopies, StepGuard, StepOutOfMemoryError, add_note, oom_report,
+                                   rng_state, set_rng_state)
 from adaptmem.control.sampler import Sampler
 from adaptmem.control.schedule import MeasureSchedule
 from adaptmem.control.unfit import Trace
@@ -50,7 +51,7 @@ from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.host import HostProbe
 from adaptmem.devices.select import make_probe
 from adaptmem.modes import Mode
-from adaptmem.strategies import CompressOptions
+from adaptmem.strategies import CompressOptions, SelectiveBackwardError
 from adaptmem.wrapping import (BlockHandle, BlockSelection, HeadHandle, HeadSelection, find_blocks, find_head,
                                get_instrumentation, instrument, restore, tell_observer, unwrap)
 
@@ -65,7 +66,9 @@ class MemoryManager(Reactions):
 
     def __init__(self, model: nn.Module, *, policy: str | Policy | None = None, budget: Budget = None,
                  device: Any = None, blocks: BlockSelection = "auto", log: str | None = None,
-                 head: HeadSelection = "auto") -> None:
+                 head: HeadSelection = "auto", state: dict[str, Any] | None = None) -> None:
+        """`state`: a saved `state_dict()` to continue, loaded before the `start` record so that the
+        whole run is logged under the saved run id (`load_state_dict` comes after a fresh `start`)."""
         self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
         model = unwrap(model)  # blocks are named inside DDP / torch.compile wrappers
         self.policy = p = load_policy(policy)
@@ -79,7 +82,7 @@ class MemoryManager(Reactions):
         if not reuse:
             find_blocks(model, blocks)  # a bad selection is refused here, before anything changes
             find_head(model, head)
-        self.events = EventLog(log)
+        self.events = EventLog(log, run_id=state.get("run") if state is not None else None)
         self.model = model
         self._owns_instrumentation = existing is None
         self.handles: list[BlockHandle] = (
@@ -89,13 +92,13 @@ class MemoryManager(Reactions):
         )
         self._user_modes = None if existing is None else tuple(h.mode for h in self.handles)
         try:
-            self._setup(model)
+            self._setup(model, state)
         except BaseException:
             self.events.close()
             self._give_back()
             raise
 
-    def _setup(self, model: nn.Module) -> None:
+    def _setup(self, model: nn.Module, state: dict[str, Any] | None) -> None:
         p = self.policy
         self.recorder = StepRecorder(self.probe, get_instrumentation(model).runtime.offload.in_flight_bytes)
         cuda = isinstance(self.probe, CudaProbe)
@@ -139,6 +142,8 @@ class MemoryManager(Reactions):
         self._trace: Trace | None = None  # the controller as it was before that batch (adaptmem.control.unfit)
         self._refused = False  # the step in hand was given up: no plan can fit it
         self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
+        if state is not None:  # a state for other blocks is refused here, before the thread starts
+            restore_manager_state(self, state)
         self._runtime = get_instrumentation(model).runtime
         self._sampler = Sampler(self._tick, self.events.flush, p.sample_interval_s)
         self._sampler.start()
@@ -154,6 +159,8 @@ class MemoryManager(Reactions):
                          blocks=[h.name for h in self.handles],
                          start_plan="user" if self._user_modes is not None else "calibrate",
                          modes=[m.label for m in self.plans.allowed])
+        if state is not None:
+            announce_resume(self, self.events.run_id)
 
     # ------------------------------------------------------------ public
     @property
@@ -245,7 +252,7 @@ class MemoryManager(Reactions):
                 self._trace.restore(self)
                 set_rng_state(self._rng)
                 return None
-            if sample is not None and sample.double_backward:
+            if (sample is not None and sample.double_backward) or isinstance(error, SelectiveBackwardError):
                 self._no_second_backward_for(Mode.SELECTIVE)
             if sample is not None and sample.blocks and sample.detailed and not sample.unmeasured:
                 if isinstance(error, torch.OutOfMemoryError):
@@ -260,13 +267,21 @@ class MemoryManager(Reactions):
 
     @contextlib.contextmanager
     def step(self, label: Any = None) -> Iterator["MemoryManager"]:
-        """Mark one forward + backward. An OOM inside is recorded (the next step plans
-        tighter) and re-raised; use `run_step` to have it retried."""
+        """Mark one forward + backward. An OOM inside is recorded and re-raised, with a note
+        that `run_step` retries; the next step runs under a plan predicted lower than the one
+        that failed when it is the same batch again, and plans afresh for another batch."""
+        with self._step(label, retried=False):
+            yield self
+
+    @contextlib.contextmanager
+    def _step(self, label: Any, *, retried: bool) -> Iterator["MemoryManager"]:
         self.begin_step(label)
         try:
             yield self
         except BaseException as err:
             self.end_step(error=err)
+            if not retried and isinstance(err, torch.OutOfMemoryError) and not isinstance(err, StepOutOfMemoryError):
+                add_note(err, RETRY_NOTE)
             raise
         else:
             record = self.end_step()
@@ -279,18 +294,27 @@ class MemoryManager(Reactions):
         guard = StepGuard(self.model, self.policy.accumulation_snapshot, buffer_limit=self.policy.buffer_snapshot_limit,
                           copies=self._buffer_copies)
         self.plans.succeeded()  # a new batch: not a retry of whatever failed before
+        reruns = 0  # runs again for a second backward, not for memory
         try:
             for attempt in range(self.policy.max_retries + 1):
-                self.plans.attempt = attempt
+                self.plans.attempt = attempt - reruns
                 try:
-                    with self.step(label), self._no_sync():
+                    with self._step(label, retried=True), self._no_sync():
                         result = fn(*args, **kwargs)
                 except StepOutOfMemoryError as err:  # given up before a block ran: no plan can fit it
                     refused = err.with_traceback(None)  # its frames would keep the forward's tensors alive
                 except torch.OutOfMemoryError:
                     refused = None
+                except SelectiveBackwardError:
+                    # the step backwards twice through a SELECTIVE block, which PyTorch cannot: SELECTIVE is
+                    # never planned again (end_step said so), and the step runs again from where it began
+                    if Mode.SELECTIVE in self.plans.allowed:
+                        raise
+                    guard.restore()
+                    reruns += 1
+                    continue
                 else:
-                    self.ooms_recovered += attempt
+                    self.ooms_recovered += attempt - reruns
                     self._average_gradients()
                     return result
                 guard.restore()
@@ -374,26 +398,3 @@ def _shut_down(sampler: Sampler, events: EventLog, probe: Any) -> None:
     if closer is not None:
         closer()
 
-
-def manage(model: nn.Module, policy: str | Policy | None = None, budget: Budget = None,
-           device: Any = None, blocks: BlockSelection = "auto", log: str | None = None,
-           head: HeadSelection = "auto") -> MemoryManager:
-    """Manage `model`'s activation memory; use it as ``with adaptmem.manage(model) as mem:``
-    (the model is restored on exit) or keep it and `close()` it.
-
-    Args:
-        model: the model to train.
-        policy: a preset name ("balanced", the default; "max-savings", "long-context", "every-2",
-            "sqrt-n"), a path to a TOML policy, or a `Policy`. ADAPTMEM_POLICY overrides.
-        budget: ceiling for the device's peak allocated bytes in a step: bytes, "12GiB",
-            "80%" of capacity, or None for the policy's share of what others leave free.
-            ADAPTMEM_BUDGET overrides.
-        device: None (the current CUDA device, or the host), "cuda:N", or a SimulatedDevice.
-        blocks: which submodules are blocks (see `adaptmem.instrument`); with a model you
-            instrumented yourself, "auto" keeps your blocks and your modes as the starting plan.
-        log: path of a JSONL decision log (appended to), or None.
-        head: the loss head ("auto": a Hugging Face language model's output projection, chunked in
-            calls with labels= when the budget needs it; the name of an nn.Linear, or the module, for
-            a model of one's own; None: not managed). See `adaptmem.wrapping.head`.
-    """
-    return MemoryManager(model, policy=policy, budget=budget, device=device, blocks=blocks, log=log, head=head)
