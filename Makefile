@@ -11,6 +11,7 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.adaptmem-installed
+CONSTRAINTS := $(VENV)/constraints.txt
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-cuda bench stress venv clean
@@ -38,10 +39,14 @@ stress: $(STAMP)
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# $(CONSTRAINTS) pins the torch the venv has (the pinned CPU build, or the one you brought), so
+# that no later install swaps it for another build: add packages with
+#     .venv/bin/pip install -c .venv/constraints.txt timm
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[dev]"
+	@$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(CONSTRAINTS)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[dev]"
 	@touch $@
 
 clean:
