@@ -154,10 +154,10 @@ class MemoryManager(Reactions):
         made_here = self.probe is not self._device  # a probe the user passed in stays open for them
         self._finalizer = weakref.finalize(self, _shut_down, self._sampler, self.events,
                                            self.probe if made_here else None)
-        self.events.emit("start", step=0, schema=SCHEMA_VERSION, policy=p.name, device=self.probe.name,
+        self.events.emit("start", step=self.steps, schema=SCHEMA_VERSION, policy=p.name, device=self.probe.name,
                          budget_bytes=self.budget, capacity_bytes=self.budgets.capacity,
                          blocks=[h.name for h in self.handles],
-                         start_plan="user" if self._user_modes is not None else "calibrate",
+                         start_plan="resume" if state else "user" if self._user_modes is not None else "calibrate",
                          modes=[m.label for m in self.plans.allowed])
         if state is not None:
             announce_resume(self, self.events.run_id)

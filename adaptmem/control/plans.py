@@ -296,8 +296,8 @@ class PlanBook:
             plan_text(modes, head), format_bytes(predicted), format_bytes(max(0.0, predicted - target)),
             ": the peak after the blocks' backward, which no plan lowers" if bound else "",
             "lower the batch or input size, or raise the budget." if measured else
-            "this size has not run yet, so its figures are extrapolated from other sizes (with a margin) "
-            "and this step measures them; if it runs out of memory, run_step retries it tighter.",
+            "this size has not run yet, so its figures are extrapolated from other sizes (with a margin); "
+            "if it runs out of memory, run_step retries it tighter.",
         )
 
     def head_row(self, shape: Shape) -> list[Option]:

@@ -222,11 +222,12 @@ RETRY_NOTE = (
 
 
 def add_note(err: BaseException, note: str) -> None:
-    """Append `note` to what `err` prints (`add_note` from Python 3.11, the message before)."""
-    if hasattr(err, "add_note"):
-        err.add_note(note)
-    elif err.args and isinstance(err.args[0], str):  # pragma: no cover - Python 3.10
+    """Append `note` to `err`'s message, so `str(err)` says it too (a `__notes__` entry is shown only
+    in tracebacks), keeping the error's type and traceback."""
+    if err.args and isinstance(err.args[0], str):
         err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
+    elif hasattr(err, "add_note"):
+        err.add_note(note)
 
 
 def counts_text(counts: dict[str, int]) -> str:

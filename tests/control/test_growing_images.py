@@ -125,3 +125,4 @@ def test_an_oom_inside_step_names_run_step_and_the_same_batch_next_runs_lower():
         other = train(mem, model, opt, 48)  # another batch after the failure: planned afresh, not refused
         assert other["type"] == "step"
         assert mem.summary()["ooms"] == 1
+
