@@ -17,7 +17,7 @@ Methods, each on its own copy of the model and its own stand-in device:
 Link speeds are set from the model: `hidden` moves all of offload_all's bytes in 5% of a
 reference step (the copies hide behind compute), `one-block` in 35% (about one block's
 forward and backward shows), `several` in 120% (several blocks' worth shows). The reference
-step is the step's FLOPs (counted) at 50 GFLOP/s, one core of the machine the README's figures
+step is the step's FLOPs (counted) at 50 GFLOP/s, one core of the machine docs/results.md's figures
 come from: the same links in every run, whatever the machine's speed that minute. Step time is
 CPU time of the training thread plus simulated link waits (`stress.benchkit.VirtualClock`), over 10
 rotated rounds in which every method steps once. A ratio is the median over rounds of the two
@@ -58,7 +58,7 @@ from stress.benchkit import (ORACLE_MODES, VOCAB, ModeFigures, batch_for, bootst
                              rotate, rotated_seconds, settle)
 
 LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / reference step
-REFERENCE_FLOPS_PER_S = 50e9  # one core of the machine the README's figures come from, training these models
+REFERENCE_FLOPS_PER_S = 50e9  # one core of the machine docs/results.md's figures come from, training these models
 FRACTIONS = (0.3, 0.5, 0.7)
 VS_ORACLE = 1.05  # the target: adaptmem's step at most this many times the oracle's
 
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: stand-in devices at three link speeds; cuda: the GPU and its real link")
     p.add_argument("--render", type=Path, default=None, metavar="JSON",
-                   help="print the Markdown of a --json file (the README's Results section) and exit")
+                   help="print the Markdown of a --json file (docs/results.md) and exit")
     p.add_argument("--compare", type=Path, nargs=2, default=None, metavar=("A", "B"),
                    help="set the ratios of two --json files side by side, with their differences, and exit")
     args = p.parse_args(argv)

@@ -2,7 +2,7 @@
 
 Records are queued by the manager as they happen and written by the
 background thread (or at close). Every record has `type`, `time` (seconds since
-the epoch), `run` (the run id) and `step`; the README lists the fields of each
+the epoch), `run` (the run id) and `step`; docs/usage.md lists the fields of each
 type. A log file is appended to, never truncated: a resumed run continues it
 under its original run id, and `read_log(path, run=...)` picks one run out.
 """
