@@ -14,13 +14,22 @@ STAMP      := $(VENV)/.adaptmem-installed
 CONSTRAINTS := $(VENV)/constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-cuda bench stress venv clean
+.PHONY: demo test test-cuda lint format bench stress venv clean
 
 demo: $(STAMP)
 	$(PY) -m adaptmem.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff's lint and its formatter's check (the configuration is in pyproject.toml); `make format` formats
+lint: $(STAMP)
+	$(VENV)/bin/ruff check adaptmem tests stress
+	$(VENV)/bin/ruff format --check adaptmem tests stress
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix adaptmem tests stress
+	$(VENV)/bin/ruff format adaptmem tests stress
 
 test-cuda: $(STAMP)
 	$(PY) -m pytest -q -m cuda $(PYTEST_ARGS)

@@ -45,7 +45,7 @@ class Mode(enum.Flag):
         return bool(self & (Mode.SELECTIVE | Mode.CHECKPOINT))
 
     @classmethod
-    def parse(cls, value: "Mode | str") -> "Mode":
+    def parse(cls, value: Mode | str) -> Mode:
         """A `Mode` from a `Mode` or its text (``"checkpoint"``, ``"CHECKPOINT+OFFLOAD"``).
 
         Raises ValueError naming the allowed modes for anything else, including
@@ -54,9 +54,7 @@ class Mode(enum.Flag):
         if isinstance(value, Mode):
             return _check_allowed(value)
         if not isinstance(value, str):
-            raise TypeError(
-                f"mode must be an adaptmem.Mode or its name, got {type(value).__name__} {value!r}"
-            )
+            raise TypeError(f"mode must be an adaptmem.Mode or its name, got {type(value).__name__} {value!r}")
         parts = [p.strip().upper() for p in value.replace("|", "+").split("+")]
         mode = Mode.NONE
         for part in parts:
@@ -93,9 +91,7 @@ def allowed_labels() -> str:
 
 def _check_allowed(mode: Mode) -> Mode:
     if mode not in ALLOWED_MODES:
-        raise ValueError(
-            f"mode {mode.label} is not supported: allowed modes are {allowed_labels()}"
-        )
+        raise ValueError(f"mode {mode.label} is not supported: allowed modes are {allowed_labels()}")
     return mode
 
 
@@ -144,7 +140,7 @@ class HeadMode(enum.Enum):
         return self.name
 
     @classmethod
-    def parse(cls, value: "HeadMode | str") -> "HeadMode":
+    def parse(cls, value: HeadMode | str) -> HeadMode:
         if isinstance(value, HeadMode):
             return value
         if isinstance(value, str) and value.strip().lower() in ("kept", "chunked"):

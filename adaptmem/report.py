@@ -144,12 +144,21 @@ def picture(run: RunFigures, out: Path) -> Path:
     top.legend(loc="upper left", fontsize=8)
     top.set_title(f"adaptmem run {run.run}: peak per step against the budget")
     labels = [m for m in MODE_ORDER]
-    grid = [[labels.index(s["plan"][b]) if "plan" in s and b < len(s["plan"]) else 0
-             for s in run.steps] for b in range(len(run.blocks) or max((len(s.get("plan", [])) for s in run.steps), default=0))]
+    grid = [
+        [labels.index(s["plan"][b]) if "plan" in s and b < len(s["plan"]) else 0 for s in run.steps]
+        for b in range(len(run.blocks) or max((len(s.get("plan", [])) for s in run.steps), default=0))
+    ]
     colors = ["#e8e8e8", "#9ecae1", "#fdd49e", "#3182bd", "#31a354", "#a1d99b", "#e6550d"][: len(labels)]
     if grid:
-        bottom.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(colors),
-                      vmin=-0.5, vmax=len(labels) - 0.5, extent=(steps[0] - 0.5, steps[-1] + 0.5, len(grid) - 0.5, -0.5))
+        bottom.imshow(
+            grid,
+            aspect="auto",
+            interpolation="nearest",
+            cmap=ListedColormap(colors),
+            vmin=-0.5,
+            vmax=len(labels) - 0.5,
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(grid) - 0.5, -0.5),
+        )
         bottom.set_yticks(range(len(grid)), run.blocks or [str(i) for i in range(len(grid))], fontsize=6)
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
         bottom.legend(handles, labels, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))

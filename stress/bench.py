@@ -53,9 +53,24 @@ import torch
 from adaptmem import Mode
 from adaptmem.config.units import format_bytes
 from stress.bench_controller import controller_fraction
-from stress.benchkit import (ORACLE_MODES, VOCAB, ModeFigures, batch_for, bootstrap_medians, build,
-                             find_oracle, keep_host_memory, log, make_runner, paired, pick_oracle, plan_label,
-                             rotate, rotated_seconds, settle)
+from stress.benchkit import (
+    ORACLE_MODES,
+    VOCAB,
+    ModeFigures,
+    batch_for,
+    bootstrap_medians,
+    build,
+    find_oracle,
+    keep_host_memory,
+    log,
+    make_runner,
+    paired,
+    pick_oracle,
+    plan_label,
+    rotate,
+    rotated_seconds,
+    settle,
+)
 
 LINKS = {"hidden": 0.05, "one-block": 0.35, "several": 1.2}  # seconds to move offload_all's bytes / reference step
 REFERENCE_FLOPS_PER_S = 50e9  # one core of the machine docs/results.md's figures come from, training these models
@@ -63,8 +78,9 @@ FRACTIONS = (0.3, 0.5, 0.7)
 VS_ORACLE = 1.05  # the target: adaptmem's step at most this many times the oracle's
 
 
-def bench_config(name: str, seq: int, batch: int, links: list[str], reps: int, steps: int, extra: int,
-                 device: str = "cpu") -> list[dict]:
+def bench_config(
+    name: str, seq: int, batch: int, links: list[str], reps: int, steps: int, extra: int, device: str = "cpu"
+) -> list[dict]:
     base = build(name, device)
     data = batch_for(batch, seq, VOCAB[name], device)
     blocks = 8
@@ -118,8 +134,9 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, extra, r
         alone.append(make_runner("plan", base, data, speed, plan=(mode,) * blocks))
         alone[-1].step()
         alone[-1].measure_peak()
-    figures = {m: ModeFigures(r.peaks[-1], s)
-               for m, r, s in zip(ORACLE_MODES, alone, rotated_seconds(alone, steps + 2))}
+    figures = {
+        m: ModeFigures(r.peaks[-1], s) for m, r, s in zip(ORACLE_MODES, alone, rotated_seconds(alone, steps + 2))
+    }
     runners, finals = list(fixed.values()), {}
     for frac in FRACTIONS:
         budget = int(ck + frac * (un - ck))
@@ -128,10 +145,21 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, extra, r
             managed.step()
         managed.measure_peak(3)
         mine = tuple(map(Mode.parse, managed.manager.last_step["plan"]))
-        finals[frac], tried = find_oracle(figures, blocks, budget, lambda plan: make_runner(
-            "plan", base, data, speed, plan=plan, budget=(frac, budget)), steps, also=(mine,))
-        log(f"  oracle at {frac:.0%}: tried " + ", ".join(
-            f"{p} {q / budget:.2f}x budget " + (f"{s * 1e3:.0f} ms" if s is not None else "(over)") for p, q, s in tried))
+        finals[frac], tried = find_oracle(
+            figures,
+            blocks,
+            budget,
+            lambda plan: make_runner("plan", base, data, speed, plan=plan, budget=(frac, budget)),
+            steps,
+            also=(mine,),
+        )
+        log(
+            f"  oracle at {frac:.0%}: tried "
+            + ", ".join(
+                f"{p} {q / budget:.2f}x budget " + (f"{s * 1e3:.0f} ms" if s is not None else "(over)")
+                for p, q, s in tried
+            )
+        )
         runners += [*finals[frac], managed]
     for r, times in zip(runners, rotate(runners, reps)):  # each method takes every position in turn
         r.times += times
@@ -139,16 +167,20 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, extra, r
     oracles = {}
     for frac, plans in finals.items():  # the finalist fastest over the timed rounds is the oracle
         oracles[frac] = pick_oracle(plans, fixed["unmanaged"].times)
-        log(f"  oracle at {frac:.0%}: " + ", ".join(
-            f"{plan_label(r.plan)} {paired(r.times, fixed['unmanaged'].times)[0]:.3f}x" for r in plans)
-            + f" over the timed rounds: {plan_label(oracles[frac].plan)}")
+        log(
+            f"  oracle at {frac:.0%}: "
+            + ", ".join(f"{plan_label(r.plan)} {paired(r.times, fixed['unmanaged'].times)[0]:.3f}x" for r in plans)
+            + f" over the timed rounds: {plan_label(oracles[frac].plan)}"
+        )
     against = {}
     for r in runners:
         if r.manager is not None:
             against[r.budget_frac] = mine, theirs = settle(r, oracles[r.budget_frac], VS_ORACLE, extra)
             if len(mine) > len(r.times):
-                log(f"  adaptmem at {r.budget_frac:.0%}: {paired(mine, theirs)[0]:.3f}x the oracle over "
-                    f"{len(mine)} rounds ({paired(r.times, oracles[r.budget_frac].times)[0]:.3f}x over the timed ones)")
+                log(
+                    f"  adaptmem at {r.budget_frac:.0%}: {paired(mine, theirs)[0]:.3f}x the oracle over "
+                    f"{len(mine)} rounds ({paired(r.times, oracles[r.budget_frac].times)[0]:.3f}x over the timed ones)"
+                )
             r.measure_peak(2)  # the peaks of the timed steps count too
         r.close()
     gc.collect()
@@ -157,11 +189,23 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, extra, r
     rows = []
     for r in runners:
         ratio, spread = paired(r.times, base_times)
-        rows.append({"model": name, "seq": seq, "method": r.method, "budget_frac": r.budget_frac, "link": link,
-                     "link_bytes_per_s": int(rate or speed), "peak_bytes": max(r.peaks), "budget_bytes": r.budget_bytes,
-                     "step_s": statistics.median(r.times), "ratio": ratio, "spread": spread,
-                     "times": [round(t, 5) for t in r.times],
-                     "plan": plan_label(r.plan) if r.plan else None})
+        rows.append(
+            {
+                "model": name,
+                "seq": seq,
+                "method": r.method,
+                "budget_frac": r.budget_frac,
+                "link": link,
+                "link_bytes_per_s": int(rate or speed),
+                "peak_bytes": max(r.peaks),
+                "budget_bytes": r.budget_bytes,
+                "step_s": statistics.median(r.times),
+                "ratio": ratio,
+                "spread": spread,
+                "times": [round(t, 5) for t in r.times],
+                "plan": plan_label(r.plan) if r.plan else None,
+            }
+        )
     for row, r in zip(rows, runners):
         if r.method == "adaptmem":
             mine, theirs = against[r.budget_frac]
@@ -189,12 +233,19 @@ def compare(a: dict, b: dict, within: float = 0.03) -> str:
     """Two runs' ratios side by side (against unmanaged, and adaptmem's against the oracle), the
     difference of each, and how many agree `within`; beside it, the difference two runs show as
     a rule from the rounds' noise alone (each run's `ratio_error`, combined)."""
+
     def key(r):
         return r["model"], r["seq"], r["link"], r["method"], r["budget_frac"]
 
     theirs = {key(r): r for r in b["rows"]}
-    lines, agree, total = ["| model | seq | link | method | budget | ratio | A | B | difference |",
-                           "|---|---|---|---|---|---|---|---|---|"], 0, 0
+    lines, agree, total = (
+        [
+            "| model | seq | link | method | budget | ratio | A | B | difference |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ],
+        0,
+        0,
+    )
     for r in a["rows"]:
         o = theirs.get(key(r))
         for field in ("ratio", "vs_oracle"):
@@ -204,11 +255,16 @@ def compare(a: dict, b: dict, within: float = 0.03) -> str:
             total += 1
             agree += abs(diff) <= within
             budget = f"{r['budget_frac']:.0%}" if r["budget_frac"] is not None else ""
-            lines.append(f"| {r['model']} | {r['seq']} | {r['link']} | {r['method']} | {budget} | {field} | "
-                         f"{r[field]:.3f} | {o[field]:.3f} | {diff:+.1%} |")
+            lines.append(
+                f"| {r['model']} | {r['seq']} | {r['link']} | {r['method']} | {budget} | {field} | "
+                f"{r[field]:.3f} | {o[field]:.3f} | {diff:+.1%} |"
+            )
     noise = (ratio_error(a["rows"]) ** 2 + ratio_error(b["rows"]) ** 2) ** 0.5
-    lines += ["", f"{agree} of {total} ratios agree within {within:.0%}. From the rounds' noise alone, two runs "
-              f"differ by {noise:.1%} on a ratio as a rule (one standard deviation)."]
+    lines += [
+        "",
+        f"{agree} of {total} ratios agree within {within:.0%}. From the rounds' noise alone, two runs "
+        f"differ by {noise:.1%} on a ratio as a rule (one standard deviation).",
+    ]
     return "\n".join(lines)
 
 
@@ -221,27 +277,34 @@ def planner_ms() -> float:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | seq | link | method | budget | peak | peak/budget | step vs unmanaged | vs oracle | plan |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| model | seq | link | method | budget | peak | peak/budget | step vs unmanaged | vs oracle | plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         budget = f"{r['budget_frac']:.0%}" if r["budget_frac"] is not None else ""
         within = f"{r['peak_bytes'] / r['budget_bytes']:.3f}" if r["budget_bytes"] else ""
         vs = f"{r['vs_oracle']:.3f} ± {r['vs_oracle_spread']:.3f}" if "vs_oracle" in r else ""
-        out.append(f"| {r['model']} | {r['seq']} | {r['link']} | {r['method']} | {budget} | "
-                   f"{format_bytes(r['peak_bytes'])} | {within} | {r['ratio']:.3f} ± {r['spread']:.3f} | {vs} | "
-                   f"{r['plan'] or ''} |")
+        out.append(
+            f"| {r['model']} | {r['seq']} | {r['link']} | {r['method']} | {budget} | "
+            f"{format_bytes(r['peak_bytes'])} | {within} | {r['ratio']:.3f} ± {r['spread']:.3f} | {vs} | "
+            f"{r['plan'] or ''} |"
+        )
     return "\n".join(out)
 
 
 def render(result: dict) -> str:
     """The table, the controller's and planner's figures, the targets, the machine and the command."""
-    lines = [table(result["rows"]), "",
-             f"controller_fraction {result['controller_fraction']:.2%} of a steady-state step in the controller's "
-             f"code (host probe; {result.get('controller_background_fraction', 0):.2%} more on another core in its "
-             f"background thread; side by side {result.get('controller_ab_fraction', 0):+.2%}); "
-             f"planner {result['planner_ms_100x6']:.2f} ms for 100 blocks x 6 modes; a step ratio's standard "
-             f"error over its rounds {ratio_error(result['rows']):.1%} (median; `--compare` sets two runs side by side)",
-             ""]
+    lines = [
+        table(result["rows"]),
+        "",
+        f"controller_fraction {result['controller_fraction']:.2%} of a steady-state step in the controller's "
+        f"code (host probe; {result.get('controller_background_fraction', 0):.2%} more on another core in its "
+        f"background thread; side by side {result.get('controller_ab_fraction', 0):+.2%}); "
+        f"planner {result['planner_ms_100x6']:.2f} ms for 100 blocks x 6 modes; a step ratio's standard "
+        f"error over its rounds {ratio_error(result['rows']):.1%} (median; `--compare` sets two runs side by side)",
+        "",
+    ]
     checks = targets(result["rows"], result["controller_fraction"], result["planner_ms_100x6"])
     lines += [f"- {'met' if ok else '**missed**'}: {what}" for what, ok in checks]
     lines += ["", f"Machine: {result['machine']}. Command: `{result['command']}` ({result['seconds']} s)."]
@@ -249,25 +312,39 @@ def render(result: dict) -> str:
 
 
 def targets(rows: list[dict], fraction: float, planner: float) -> list[tuple[str, bool]]:
-    over = [r for r in rows if r["budget_bytes"] and r["method"] in ("adaptmem", "oracle")
-            and r["peak_bytes"] > r["budget_bytes"]]
+    over = [
+        r
+        for r in rows
+        if r["budget_bytes"] and r["method"] in ("adaptmem", "oracle") and r["peak_bytes"] > r["budget_bytes"]
+    ]
     mine = [r for r in rows if r["method"] == "adaptmem"]
-    checks = [("peak <= budget everywhere", not over),
-              ("adaptmem <= 1.05x the oracle everywhere", all(r["vs_oracle"] <= VS_ORACLE for r in mine))]
+    checks = [
+        ("peak <= budget everywhere", not over),
+        ("adaptmem <= 1.05x the oracle everywhere", all(r["vs_oracle"] <= VS_ORACLE for r in mine)),
+    ]
     for r in (r for r in mine if r["budget_frac"] == 0.7):
         ck = _beside(rows, "checkpoint_all", r)
-        checks.append((f"{r['model']} {r['seq']} {r['link']} 70%: overhead <= half of checkpoint_all's",
-                       r["ratio"] - 1 <= (ck["ratio"] - 1) / 2))
-    checks.append(("peak >= 93% of the budget wherever a plan that fills more (the oracle's) is faster beyond the spread",
-                   not [r for r in mine if _fuller_and_faster(r, rows)]))
+        checks.append(
+            (
+                f"{r['model']} {r['seq']} {r['link']} 70%: overhead <= half of checkpoint_all's",
+                r["ratio"] - 1 <= (ck["ratio"] - 1) / 2,
+            )
+        )
+    checks.append(
+        (
+            "peak >= 93% of the budget wherever a plan that fills more (the oracle's) is faster beyond the spread",
+            not [r for r in mine if _fuller_and_faster(r, rows)],
+        )
+    )
     checks += [("controller <= 1% of a step", fraction <= 0.01), ("planner <= 5 ms for 100 x 6", planner <= 5.0)]
     return checks
 
 
 def _beside(rows: list[dict], method: str, row: dict, *keys: str) -> dict:
     """The row of `method` measured beside `row`: the same model, length and link (and `keys`)."""
-    return next(o for o in rows if o["method"] == method
-                and all(o[k] == row[k] for k in ("model", "seq", "link", *keys)))
+    return next(
+        o for o in rows if o["method"] == method and all(o[k] == row[k] for k in ("model", "seq", "link", *keys))
+    )
 
 
 def _fuller_and_faster(row: dict, rows: list[dict]) -> bool:
@@ -286,12 +363,27 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the rows and figures here")
     p.add_argument("--reps", type=int, default=None, help="rotated repetitions per method (default 10)")
     p.add_argument("--models", default=None, help="default tiny,llama; on cuda llama-1b")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cpu: stand-in devices at three link speeds; cuda: the GPU and its real link")
-    p.add_argument("--render", type=Path, default=None, metavar="JSON",
-                   help="print the Markdown of a --json file (docs/results.md) and exit")
-    p.add_argument("--compare", type=Path, nargs=2, default=None, metavar=("A", "B"),
-                   help="set the ratios of two --json files side by side, with their differences, and exit")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu: stand-in devices at three link speeds; cuda: the GPU and its real link",
+    )
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="print the Markdown of a --json file (docs/results.md) and exit",
+    )
+    p.add_argument(
+        "--compare",
+        type=Path,
+        nargs=2,
+        default=None,
+        metavar=("A", "B"),
+        help="set the ratios of two --json files side by side, with their differences, and exit",
+    )
     args = p.parse_args(argv)
     if args.render:
         print(render(json.loads(args.render.read_text())))
@@ -315,22 +407,32 @@ def main(argv=None) -> int:
     rows = []
     for name in models.split(","):
         for seq in seqs:
-            rows += bench_config(name, seq, batch, links, reps, steps=4, extra=8 if args.quick else 30,
-                                 device=args.device)
+            rows += bench_config(
+                name, seq, batch, links, reps, steps=4, extra=8 if args.quick else 30, device=args.device
+            )
     torch.set_num_threads(1)  # the controller's figures are the stand-in's, on one thread, as on a CPU run
     controller = controller_fraction(10 if args.quick else 30)
     fraction = controller["direct"]
     planner = planner_ms()
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    machine = f"{cpu}, {torch.get_num_threads()} torch thread, torch {torch.__version__}"
     if gpu:
         from stress.benchkit_cuda import machine as gpu_machine
 
         machine = gpu_machine()
     command = "python -m stress.bench" + (" --device cuda" if gpu else "") + (" --quick" if args.quick else "")
     checks = targets(rows, fraction, planner)
-    result = {"rows": rows, "controller_fraction": fraction, "planner_ms_100x6": planner, "machine": machine,
-              "controller_background_fraction": controller["background"], "controller_ab_fraction": controller["ab"],
-              "command": command, "seconds": round(time.perf_counter() - started), "targets": dict(checks)}
+    result = {
+        "rows": rows,
+        "controller_fraction": fraction,
+        "planner_ms_100x6": planner,
+        "machine": machine,
+        "controller_background_fraction": controller["background"],
+        "controller_ab_fraction": controller["ab"],
+        "command": command,
+        "seconds": round(time.perf_counter() - started),
+        "targets": dict(checks),
+    }
     print(render(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

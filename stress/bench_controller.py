@@ -103,14 +103,13 @@ def controller_fraction(steps: int = 20, seq: int = 512, measure_every: int | No
         ab = _side_by_side(mem, model, work, runtime, max(6, steps // 2))
     finally:
         mem.close()
-    return {"direct": direct, "ab": ab, "steps": steps, "measured": measured,
-            "background": background / stepped}
+    return {"direct": direct, "ab": ab, "steps": steps, "measured": measured, "background": background / stepped}
 
 
 def _side_by_side(mem, model, work, runtime, reps: int) -> float:
     managed, static = [], []
     for rep in range(reps):
-        for which in ((0, 1) if rep % 2 == 0 else (1, 0)):
+        for which in (0, 1) if rep % 2 == 0 else (1, 0):
             t = time.process_time()
             if which == 0:
                 with mem.step():
@@ -132,10 +131,12 @@ def main() -> int:
     every = controller_fraction(measure_every=1)
     print(f"measuring every step block by block: {every['direct']:.3%} of a step in the controller's code")
     got = controller_fraction()
-    print(f"controller: {got['direct']:.3%} of a steady-state step in its own code "
-          f"(its background thread: {got['background']:.3%} of a step's CPU on another core; "
-          f"{got['measured']} of {got['steps']} steps measured block by block); "
-          f"side by side {got['ab']:+.2%}")
+    print(
+        f"controller: {got['direct']:.3%} of a steady-state step in its own code "
+        f"(its background thread: {got['background']:.3%} of a step's CPU on another core; "
+        f"{got['measured']} of {got['steps']} steps measured block by block); "
+        f"side by side {got['ab']:+.2%}"
+    )
     return 0
 
 

@@ -22,18 +22,19 @@ from pathlib import Path
 
 import torch
 
-
 import adaptmem
 from adaptmem import ALLOWED_MODES, Mode
-from adaptmem.testing import SimulatedDevice
 from adaptmem.config.units import format_bytes
+from adaptmem.testing import SimulatedDevice
 
 PRESETS = {
     # TinyLlama-1.1B's shape
-    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-               num_attention_heads=32, num_key_value_heads=4),
-    "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=4),
+    "1b": dict(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4
+    ),
+    "small": dict(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+    ),
 }
 
 
@@ -42,8 +43,13 @@ def build(preset: str, vocab: int, device: str, dtype: torch.dtype, **overrides)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=8192, use_cache=False,
-                      attention_dropout=0.0, **{**PRESETS[preset], **overrides})
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        use_cache=False,
+        attention_dropout=0.0,
+        **{**PRESETS[preset], **overrides},
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
 
@@ -124,28 +130,48 @@ def render(paths: list[Path]) -> str:
     where = f"{first['device']}, Llama preset {first['preset']!r}, vocab {first['vocab']}"
     if first.get("link_gbps"):
         where += f"; pinned copies {first['link_gbps'][0]:.0f} GB/s each way"
-    nones = ", ".join(f"{format_bytes(r['rows'][0]['peak_bytes'])} in {r['rows'][0]['step_s'] * 1e3:.0f} ms" for r in runs)
+    nones = ", ".join(
+        f"{format_bytes(r['rows'][0]['peak_bytes'])} in {r['rows'][0]['step_s'] * 1e3:.0f} ms" for r in runs
+    )
     return "\n".join(lines) + f"\n\n{where}; NONE: {nones}."
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--preset", choices=list(PRESETS), default=None, help="model shape (default: 1b on CUDA, small on CPU)")
+    p.add_argument(
+        "--preset", choices=list(PRESETS), default=None, help="model shape (default: 1b on CUDA, small on CPU)"
+    )
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048 on CUDA, 512 on CPU)")
-    p.add_argument("--vocab", type=int, default=None,
-                   help="vocabulary (default 32000 on CUDA; 4096 on CPU, where a large vocabulary's "
-                        "gradients and logits would hide the activations)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="vocabulary (default 32000 on CUDA; 4096 on CPU, where a large vocabulary's "
+        "gradients and logits would hide the activations)",
+    )
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 1 on CUDA, 4 on CPU)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode and round")
     p.add_argument("--repeat", type=int, default=3, help="rounds over every mode (rotated repetitions)")
-    p.add_argument("--modes", default=",".join(m.label for m in ALLOWED_MODES),
-                   help="comma-separated modes to time, each block in that mode")
-    p.add_argument("--no-peer", action="store_true",
-                   help=f"leave out the {HF_CHECKPOINTING!r} row (the model's own gradient_checkpointing_enable())")
+    p.add_argument(
+        "--modes",
+        default=",".join(m.label for m in ALLOWED_MODES),
+        help="comma-separated modes to time, each block in that mode",
+    )
+    p.add_argument(
+        "--no-peer",
+        action="store_true",
+        help=f"leave out the {HF_CHECKPOINTING!r} row (the model's own gradient_checkpointing_enable())",
+    )
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
-                   help="print the Markdown table of runs saved with --json, and exit")
+    p.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="print the Markdown table of runs saved with --json, and exit",
+    )
     args = p.parse_args(argv)
     if args.render:
         print(render(args.render))
@@ -162,7 +188,11 @@ def main(argv=None) -> int:
     handles = adaptmem.instrument(model)
     ids = torch.randint(0, vocab, (args.batch, seq), device=args.device)
     where = torch.cuda.get_device_name() if cuda else "CPU (peak from SimulatedDevice, time measured without it)"
-    print(f"Llama preset {preset!r} (vocab {vocab}), {len(handles)} blocks, batch {args.batch} x {seq}, {dtype}, on {where}", flush=True)
+    print(
+        f"Llama preset {preset!r} (vocab {vocab}), {len(handles)} blocks, batch {args.batch} x {seq}, {dtype}, "
+        f"on {where}",
+        flush=True,
+    )
     link = link_gbps() if cuda else None
     if link:
         print(f"pinned copies: device to host {link[0]:.1f} GB/s, host to device {link[1]:.1f} GB/s", flush=True)
@@ -170,24 +200,47 @@ def main(argv=None) -> int:
     for i, mode in enumerate(modes, 1):
         set_mode(model, handles, mode)
         peaks[mode] = peak_of(model, ids, args.device)
-        print(f"  [{i}/{len(modes)}] {getattr(mode, 'label', mode):<20} peak {format_bytes(peaks[mode]):>12}", flush=True)
+        print(
+            f"  [{i}/{len(modes)}] {getattr(mode, 'label', mode):<20} peak {format_bytes(peaks[mode]):>12}", flush=True
+        )
     for r in range(args.repeat):  # rotated: each round times every mode once, so drift hits all alike
         for mode in modes:
             set_mode(model, handles, mode)
             times[mode] += times_of(model, ids, args.steps, args.device)
         print(f"  round {r + 1}/{args.repeat} timed", flush=True)
-    rows = [{"mode": getattr(m, "label", m), "peak_bytes": peaks[m], "step_s": statistics.median(times[m]),
-             "spread": (max(times[m]) - min(times[m])) / statistics.median(times[m])} for m in modes]
+    rows = [
+        {
+            "mode": getattr(m, "label", m),
+            "peak_bytes": peaks[m],
+            "step_s": statistics.median(times[m]),
+            "spread": (max(times[m]) - min(times[m])) / statistics.median(times[m]),
+        }
+        for m in modes
+    ]
     base = next((r for r in rows if r["mode"] == "NONE"), rows[0])
     print(f"\n{'mode':<20} {'peak':>12} {'peak/NONE':>10} {'step':>10} {'step/NONE':>10}")
     for r in rows:
         r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
         r["time_ratio"] = r["step_s"] / base["step_s"]
-        print(f"{r['mode']:<20} {format_bytes(r['peak_bytes']):>12} {r['peak_ratio']:>10.1%} "
-              f"{r['step_s'] * 1e3:>8.1f}ms {r['time_ratio']:>9.2f}x")
+        print(
+            f"{r['mode']:<20} {format_bytes(r['peak_bytes']):>12} {r['peak_ratio']:>10.1%} "
+            f"{r['step_s'] * 1e3:>8.1f}ms {r['time_ratio']:>9.2f}x"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"preset": preset, "vocab": vocab, "seq": seq, "batch": args.batch,
-                                         "device": where, "link_gbps": link, "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "preset": preset,
+                    "vocab": vocab,
+                    "seq": seq,
+                    "batch": args.batch,
+                    "device": where,
+                    "link_gbps": link,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -21,13 +21,19 @@ import random
 import sys
 import time
 
-
-from adaptmem.modes import ALLOWED_MODES
 from adaptmem.control.planner import Option, plan, predicted_peak
+from adaptmem.modes import ALLOWED_MODES
 
 # (saved share of activations, need share, overhead share of a block's forward time), per mode
-SHAPES = [(1.0, 1.05, 0.0), (0.45, 1.1, 0.25), (0.03, 1.1, 1.0), (0.01, 0.8, 0.6), (0.27, 1.3, 0.3),
-          (0.0, 1.1, 1.1), (0.0, 1.3, 0.5)]
+SHAPES = [
+    (1.0, 1.05, 0.0),
+    (0.45, 1.1, 0.25),
+    (0.03, 1.1, 1.0),
+    (0.01, 0.8, 0.6),
+    (0.27, 1.3, 0.3),
+    (0.0, 1.1, 1.1),
+    (0.0, 1.3, 0.5),
+]
 
 
 def instance(rng: random.Random, blocks: int, modes: int):
@@ -35,8 +41,12 @@ def instance(rng: random.Random, blocks: int, modes: int):
     for _ in range(blocks):
         act = rng.uniform(0.9, 1.1) * 300e6
         fwd = rng.uniform(0.9, 1.1) * 4e-3
-        options.append([Option(ALLOWED_MODES[m], s * act, max(s * act, n * act) + 50e6, t * fwd)
-                        for m, (s, n, t) in enumerate(SHAPES[:modes])])
+        options.append(
+            [
+                Option(ALLOWED_MODES[m], s * act, max(s * act, n * act) + 50e6, t * fwd)
+                for m, (s, n, t) in enumerate(SHAPES[:modes])
+            ]
+        )
     capacity = 0.35 * blocks * 300e6 + 400e6
     return options, capacity
 
@@ -55,11 +65,19 @@ def exactness(trials: int = 20) -> int:
     rng = random.Random(1)
     agree = 0
     for _ in range(trials):
-        options = [[Option(ALLOWED_MODES[m], rng.randint(0, 40), rng.randint(20, 90), rng.randint(0, 30))
-                    for m in range(6)] for _ in range(8)]
+        options = [
+            [Option(ALLOWED_MODES[m], rng.randint(0, 40), rng.randint(20, 90), rng.randint(0, 30)) for m in range(6)]
+            for _ in range(8)
+        ]
         capacity, final = rng.randint(120, 400), rng.randint(0, 30)
-        brute = min((sum(o.seconds for o in c) for c in itertools.product(*options)
-                     if predicted_peak(list(c), final) <= capacity), default=None)
+        brute = min(
+            (
+                sum(o.seconds for o in c)
+                for c in itertools.product(*options)
+                if predicted_peak(list(c), final) <= capacity
+            ),
+            default=None,
+        )
         result = plan(options, capacity, final)
         agree += (brute is None and not result.feasible) or (result.feasible and result.seconds == brute)
     return agree
@@ -77,8 +95,10 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     options, capacity = instance(rng, args.blocks, args.modes)
     seconds, feasible = timed(options, capacity, args.repeats)
-    print(f"planner, {args.blocks} blocks x {args.modes} modes: {seconds * 1e3:.2f} ms "
-          f"(fastest of {args.repeats}; feasible={feasible})")
+    print(
+        f"planner, {args.blocks} blocks x {args.modes} modes: {seconds * 1e3:.2f} ms "
+        f"(fastest of {args.repeats}; feasible={feasible})"
+    )
     print("sweep (blocks x 6 modes):")
     for blocks in (8, 32, 64, 100, 200):
         s, _ = timed(*instance(rng, blocks, 6), repeats=max(5, args.repeats // 3))

@@ -55,9 +55,17 @@ def build(name: str, device: str = "cpu") -> torch.nn.Module:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
-                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
-                          attention_dropout=0.0, use_cache=False)
+        cfg = LlamaConfig(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=4096,
+            attention_dropout=0.0,
+            use_cache=False,
+        )
         return LlamaForCausalLM(cfg).to(device)
     raise ValueError(f"unknown model {name!r}: tiny, llama or llama-1b")
 
@@ -169,9 +177,17 @@ class Runner:
             self.manager.close()
 
 
-def make_runner(method: str, base: torch.nn.Module, batch: dict, speed: float | None, *, plan=None,
-                budget: tuple[float | None, int] | None = None, capacity: int | None = None,
-                policy=None) -> Runner:
+def make_runner(
+    method: str,
+    base: torch.nn.Module,
+    batch: dict,
+    speed: float | None,
+    *,
+    plan=None,
+    budget: tuple[float | None, int] | None = None,
+    capacity: int | None = None,
+    policy=None,
+) -> Runner:
     """`method` on a copy of `base`: on its own stand-in with a link of `speed` bytes/s, or, where
     `base` lives on a GPU, on that device and its real link (`stress.benchkit_cuda`)."""
     on_gpu = next(base.parameters()).is_cuda
@@ -253,8 +269,15 @@ def _compositions(total: int, parts: int):
         yield tuple(bounds[i + 1] - bounds[i] - 1 for i in range(parts))
 
 
-def find_oracle(figures: dict[Mode, ModeFigures], blocks: int, budget: int, run: Callable[[tuple], Runner],
-                steps: int, also: tuple[tuple[Mode, ...], ...] = (), finalists: int = 2) -> tuple[list[Runner], list]:
+def find_oracle(
+    figures: dict[Mode, ModeFigures],
+    blocks: int,
+    budget: int,
+    run: Callable[[tuple], Runner],
+    steps: int,
+    also: tuple[tuple[Mode, ...], ...] = (),
+    finalists: int = 2,
+) -> tuple[list[Runner], list]:
     """The fixed plans that fit and go on to the timed rounds, where `pick_oracle` takes the
     fastest: the fastest of the predicted best candidates and the plans in `also`, every plan
     of `also` that fits (adaptmem's: the oracle is never slower than the plan of the method it
@@ -285,7 +308,7 @@ def find_oracle(figures: dict[Mode, ModeFigures], blocks: int, budget: int, run:
     tried += [(plan_label(r.plan), max(r.peaks), s) for r, s in zip(fitting, seconds)]
     ranked = [r for _, r in sorted(zip(seconds, fitting), key=lambda pair: pair[0])]
     kept = [ranked[0], *(r for r in ranked[1:] if r.plan in also)]  # the search's best and the judged plan
-    kept += [r for r in ranked if r not in kept][:max(0, finalists - len(kept))]
+    kept += [r for r in ranked if r not in kept][: max(0, finalists - len(kept))]
     return kept, tried
 
 

@@ -25,7 +25,6 @@ import time
 
 import torch
 
-
 GPU_RUN = 3  # steps a reading covers on a GPU, back to back
 
 

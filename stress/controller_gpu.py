@@ -73,8 +73,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=30, help="synchronized steps per runner")
-    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
-                   help="also write Chrome traces of a light and a measured managed step here")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write Chrome traces of a light and a measured managed step here",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (torch.cuda.is_available() is False)")
@@ -86,8 +91,9 @@ def main(argv=None) -> int:
     for _ in range(3):
         fixed.step()
     peak = fixed.measure_peak()
-    managed = make_runner("adaptmem", base, data, None, budget=(None, int(peak / 0.95)),
-                          policy=Policy(modes=("NONE", "CHECKPOINT")))
+    managed = make_runner(
+        "adaptmem", base, data, None, budget=(None, int(peak / 0.95)), policy=Policy(modes=("NONE", "CHECKPOINT"))
+    )
     managed.run = 1
     for _ in range(12):  # calibration and settling
         managed.step()
@@ -104,13 +110,19 @@ def main(argv=None) -> int:
     f_loop, m_loop = min(f for f, _ in loops), min(m for _, m in loops)
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}: Llama 1b shape, 8 layers, batch {args.batch} x {args.seq}, bf16")
-    print(f"plan {plan_label(plan)} fixed, managed chose {plan_label(chosen)}"
-          + ("" if same else "  (not the same plan: the figures below compare different plans)"))
-    print(f"synchronized: fixed {statistics.median(theirs) * 1e3:.1f} ms, managed {statistics.median(mine) * 1e3:.1f} ms,"
-          f" paired median ratio {ratio:.3f}")
+    print(
+        f"plan {plan_label(plan)} fixed, managed chose {plan_label(chosen)}"
+        + ("" if same else "  (not the same plan: the figures below compare different plans)")
+    )
+    print(
+        f"synchronized: fixed {statistics.median(theirs) * 1e3:.1f} ms, managed {statistics.median(mine) * 1e3:.1f} ms,"
+        f" paired median ratio {ratio:.3f}"
+    )
     if extra:
-        print(f"a step measured block by block ({len(extra)} of {len(mine)}): {statistics.mean(extra) * 1e3:.1f} ms"
-              " longer than the fixed plan's, on average")
+        print(
+            f"a step measured block by block ({len(extra)} of {len(mine)}): {statistics.mean(extra) * 1e3:.1f} ms"
+            " longer than the fixed plan's, on average"
+        )
     print(f"back to back: fixed {f_loop * 1e3:.1f} ms, managed {m_loop * 1e3:.1f} ms, ratio {m_loop / f_loop:.3f}")
     if args.trace is not None:
         for kind, text in trace_steps(managed, args.trace).items():

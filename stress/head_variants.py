@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
             peaks[name] = dev.peak_bytes - base
     times: dict[str, list[float]] = {name: [] for name in table}
     for r in range(args.rounds):
-        for name in list(table)[r % len(table):] + list(table)[:r % len(table)]:
+        for name in list(table)[r % len(table) :] + list(table)[: r % len(table)]:
             start = time.process_time()
             run(table[name], h, w, t)
             times[name].append(time.process_time() - start)

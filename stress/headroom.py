@@ -53,9 +53,17 @@ def build(vocab: int) -> torch.nn.Module:
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1 << 17,
-                      attention_dropout=0.0, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1 << 17,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -166,10 +174,17 @@ def main(argv: list[str] | None = None) -> int:
             row["vs_hf_gc"] = found["adaptmem"] / found["hf_gc"]
             row["time_at_hf_gc_longest"] = paired_time(vocab, capacity, found["hf_gc"])
         results.append(row)
-        print(f"vocab {vocab}, device {format_bytes(capacity)}: "
-              + ", ".join(f"{m} {n:,}" for m, n in found.items())
-              + (f"; adaptmem {row['vs_hf_gc']:.2f}x hf_gc's length, its step {row['time_at_hf_gc_longest']:.2f}x "
-                 f"hf_gc's at {found['hf_gc']:,}" if "vs_hf_gc" in row else ""), flush=True)
+        print(
+            f"vocab {vocab}, device {format_bytes(capacity)}: "
+            + ", ".join(f"{m} {n:,}" for m, n in found.items())
+            + (
+                f"; adaptmem {row['vs_hf_gc']:.2f}x hf_gc's length, its step {row['time_at_hf_gc_longest']:.2f}x "
+                f"hf_gc's at {found['hf_gc']:,}"
+                if "vs_hf_gc" in row
+                else ""
+            ),
+            flush=True,
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -60,10 +60,14 @@ def summarize(events: list[dict]) -> dict:
         secs = sum(c["dur"] for c in copies) / 1e6
         nbytes = sum(c["args"].get("bytes", 0) for c in copies)
         hidden = sum(covered((c["ts"], c["ts"] + c["dur"]), others(c["args"].get("stream"))) for c in copies) / 1e6
-        out[key] = {"copies": len(copies), "bytes": nbytes, "ms": secs * 1e3,
-                    "gbps": nbytes / secs / 1e9 if secs else 0.0,
-                    "overlapped": hidden / secs if secs else 0.0,
-                    "pageable": sum("Pageable" in c.get("name", "") for c in copies)}
+        out[key] = {
+            "copies": len(copies),
+            "bytes": nbytes,
+            "ms": secs * 1e3,
+            "gbps": nbytes / secs / 1e9 if secs else 0.0,
+            "overlapped": hidden / secs if secs else 0.0,
+            "pageable": sum("Pageable" in c.get("name", "") for c in copies),
+        }
     return out
 
 
@@ -103,15 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     trace = args.trace or Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(trace))
     s = summarize(json.loads(trace.read_text())["traceEvents"])
-    s.update(mode=args.mode, batch=args.batch, seq=args.seq, blocks=len(handles), step_ms=wall * 1e3,
-             link_gbps=[d2h, h2d])
+    s.update(
+        mode=args.mode, batch=args.batch, seq=args.seq, blocks=len(handles), step_ms=wall * 1e3, link_gbps=[d2h, h2d]
+    )
     print(json.dumps(s, indent=1))
     print(f"{args.mode}: step {wall * 1e3:.1f} ms (unprofiled); compute stream busy {s['compute_ms']:.1f} ms")
     for key in ("d2h", "h2d"):
         c = s[key]
-        print(f"  {key}: {c['copies']} copies, {c['bytes'] / 2**30:.2f} GiB in {c['ms']:.1f} ms "
-              f"({c['gbps']:.1f} GB/s; a lone pinned copy: {s['link_gbps'][key == 'h2d']:.1f}), "
-              f"{c['overlapped']:.0%} of it beside compute, {c['pageable']} pageable")
+        print(
+            f"  {key}: {c['copies']} copies, {c['bytes'] / 2**30:.2f} GiB in {c['ms']:.1f} ms "
+            f"({c['gbps']:.1f} GB/s; a lone pinned copy: {s['link_gbps'][key == 'h2d']:.1f}), "
+            f"{c['overlapped']:.0%} of it beside compute, {c['pageable']} pageable"
+        )
     return 0
 
 

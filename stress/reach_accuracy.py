@@ -39,9 +39,17 @@ def build(arch: str) -> torch.nn.Module:
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(arch, vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1 << 15,
-                               use_cache=False)
+    cfg = AutoConfig.for_model(
+        arch,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1 << 15,
+        use_cache=False,
+    )
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
@@ -85,8 +93,10 @@ def empirical(arch: str, guess: int) -> tuple[int, int]:
         mid = (low + high) // 2
         began = time.perf_counter()
         good = trains(arch, mid)
-        log(f"  {arch}: {mid:,} tokens {'trains' if good else 'runs out of memory'} "
-            f"({time.perf_counter() - began:.0f} s)")
+        log(
+            f"  {arch}: {mid:,} tokens {'trains' if good else 'runs out of memory'} "
+            f"({time.perf_counter() - began:.0f} s)"
+        )
         low, high = (mid, high) if good else (low, mid)
     return low, high
 
@@ -108,10 +118,22 @@ def main(argv: list[str] | None = None) -> int:
         ratio = reach.length / low
         met = 1 - TOLERANCE <= ratio <= 1 + TOLERANCE
         ok &= met
-        rows.append({"arch": arch, "predicted": reach.length, "empirical_low": low, "empirical_high": high,
-                     "ratio": round(ratio, 4), "met": met, "plan": str(reach)})
-        print(f"{arch:<11} predicted {reach.length:>6,}  trains up to {low:>6,} (not {high:,})  "
-              f"predicted / empirical {ratio:.3f}  {'ok' if met else 'MISSED'} (within {TOLERANCE:.0%})", flush=True)
+        rows.append(
+            {
+                "arch": arch,
+                "predicted": reach.length,
+                "empirical_low": low,
+                "empirical_high": high,
+                "ratio": round(ratio, 4),
+                "met": met,
+                "plan": str(reach),
+            }
+        )
+        print(
+            f"{arch:<11} predicted {reach.length:>6,}  trains up to {low:>6,} (not {high:,})  "
+            f"predicted / empirical {ratio:.3f}  {'ok' if met else 'MISSED'} (within {TOLERANCE:.0%})",
+            flush=True,
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device_mib": DEVICE_MIB, "calibration": CALIBRATION, "rows": rows}, indent=2))

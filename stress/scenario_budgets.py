@@ -20,11 +20,10 @@ import sys
 
 import torch
 
-
 import adaptmem
 from adaptmem import Mode
-from adaptmem.testing import SimulatedDevice, measure_peak
 from adaptmem.demo.tiny import TinyConfig, TinyTransformer, random_batch
+from adaptmem.testing import SimulatedDevice, measure_peak
 
 
 def tiny_model():
@@ -39,8 +38,16 @@ def llama_model():
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
-                      num_attention_heads=8, num_key_value_heads=4, attention_dropout=0.1, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        attention_dropout=0.1,
+        use_cache=False,
+    )
     model = LlamaForCausalLM(cfg)
 
     def batch():
@@ -90,16 +97,20 @@ def main(argv=None) -> int:
             budget = int(low + fraction * (high - low))
             peaks, s = run(make, budget, args.steps)
             worst = max(peaks[1:]) / budget
-            settled = sorted(peaks[-max(1, len(peaks) // 3):])
+            settled = sorted(peaks[-max(1, len(peaks) // 3) :])
             use = settled[len(settled) // 2] / budget
             worst_all = max(worst_all, worst)
             uses.append(use)
-            print(f"  budget {fraction:.0%} of the way ({budget / 2**20:7.1f} MiB): worst peak/budget after "
-                  f"step 1 {worst:6.1%}; steady use {use:6.1%}; prediction error mean {s['prediction_error_mean']:.1%}, last "
-                  f"{s['prediction_error_last']:+.1%}; {s['plan_changes']} plan changes; decisions "
-                  f"{s['decisions']}; OOMs {s['ooms']}; final plan {s['plan_counts']}")
-    print(f"worst peak/budget over every run after step 1: {worst_all:.1%}; "
-          f"steady use {min(uses):.1%} to {max(uses):.1%}")
+            print(
+                f"  budget {fraction:.0%} of the way ({budget / 2**20:7.1f} MiB): worst peak/budget after "
+                f"step 1 {worst:6.1%}; steady use {use:6.1%}; "
+                f"prediction error mean {s['prediction_error_mean']:.1%}, last "
+                f"{s['prediction_error_last']:+.1%}; {s['plan_changes']} plan changes; decisions "
+                f"{s['decisions']}; OOMs {s['ooms']}; final plan {s['plan_counts']}"
+            )
+    print(
+        f"worst peak/budget over every run after step 1: {worst_all:.1%}; steady use {min(uses):.1%} to {max(uses):.1%}"
+    )
     return 0 if worst_all <= 1.0 else 1
 
 

@@ -47,8 +47,10 @@ def run(short: bool = False) -> list[str]:
     lossy_mean = sum(b for _, b in last) / len(last)
     drift = abs(lossy_mean - exact_mean) / exact_mean
     differ = sum(a != b for a, b in losses)
-    print(f"{len(losses)} steps: loss {losses[0][0]:.3f} -> exact {exact_mean:.5f}, int8 {lossy_mean:.5f} "
-          f"over the last {tail} steps (drift {drift:.3%}; {differ} steps' losses differ)")
+    print(
+        f"{len(losses)} steps: loss {losses[0][0]:.3f} -> exact {exact_mean:.5f}, int8 {lossy_mean:.5f} "
+        f"over the last {tail} steps (drift {drift:.3%}; {differ} steps' losses differ)"
+    )
     if not differ:
         violations.append("the compressed run never differed: nothing was compressed")
     if drift > 0.02:

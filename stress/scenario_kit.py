@@ -46,7 +46,7 @@ class Scenario:
         try:
             step()
             return True
-        except Exception as err:  # noqa: BLE001 - any escape is the violation
+        except Exception as err:
             self.violations.append(f"step {i}{what} failed: {type(err).__name__}: {err}")
             return False
 

@@ -40,8 +40,9 @@ def run(short: bool = False) -> list[str]:
             seq = lengths[i]
             meter.reset_peak()
             data = batch(model, seq, seed=i)
-            if not scenario.survived(i, lambda: mem.run_step(lambda: model(**data).loss.backward()),
-                                     f" (length {seq})"):
+            if not scenario.survived(
+                i, lambda: mem.run_step(lambda: model(**data).loss.backward()), f" (length {seq})"
+            ):
                 break
             model.zero_grad(set_to_none=True)
             peak = meter.peak_bytes
@@ -50,8 +51,10 @@ def run(short: bool = False) -> list[str]:
             firsts += seq not in seen and peak > budget
             seen.add(seq)
         s = mem.summary()
-    print(f"{len(lengths)} steps over lengths {min(lengths)}..{top}: {s['ooms']} OOMs, {s['ooms_recovered']} recovered, "
-          f"{firsts} first sights over the budget, {s['plan_changes']} plan changes")
+    print(
+        f"{len(lengths)} steps over lengths {min(lengths)}..{top}: {s['ooms']} OOMs, {s['ooms_recovered']} recovered, "
+        f"{firsts} first sights over the budget, {s['plan_changes']} plan changes"
+    )
     scenario.all_recovered(s)
     return violations
 

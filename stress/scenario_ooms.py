@@ -50,8 +50,12 @@ class Injector:
             self._fire()
 
     def _post(self, i: int, out: torch.Tensor) -> None:
-        if self.armed is not None and self.armed == (i, "backward") and out.requires_grad \
-                and torch._C._current_graph_task_id() == -1:
+        if (
+            self.armed is not None
+            and self.armed == (i, "backward")
+            and out.requires_grad
+            and torch._C._current_graph_task_id() == -1
+        ):
             out.register_hook(lambda grad: self._fire() if self.armed == (i, "backward") else None)
 
 
@@ -78,10 +82,12 @@ def train(steps: int, inject: int | None, scenario: Scenario) -> tuple[dict, int
             model(**b).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    state = {**{f"p.{n}": p.detach().clone() for n, p in model.named_parameters()},
-             **{f"b.{n}": t.clone() for n, t in model.named_buffers()},
-             **{f"o.{i}.{k}": v.clone() for i, st in enumerate(opt.state.values()) for k, v in st.items()},
-             "rng": torch.get_rng_state()}
+    state = {
+        **{f"p.{n}": p.detach().clone() for n, p in model.named_parameters()},
+        **{f"b.{n}": t.clone() for n, t in model.named_buffers()},
+        **{f"o.{i}.{k}": v.clone() for i, st in enumerate(opt.state.values()) for k, v in st.items()},
+        "rng": torch.get_rng_state(),
+    }
     recovered = 0
     if mem is not None:
         recovered = mem.summary()["ooms_recovered"]
@@ -104,8 +110,10 @@ def run(short: bool = False) -> list[str]:
     differ = [k for k in expected if not torch.equal(expected[k], got[k])]
     if differ:
         violations.append(f"{len(differ)} state tensors differ from unmanaged training, e.g. {differ[:3]}")
-    print(f"{steps} steps, {fired} OOMs injected and {fired - unrecovered} recovered; "
-          f"state compared over {len(expected)} tensors")
+    print(
+        f"{steps} steps, {fired} OOMs injected and {fired - unrecovered} recovered; "
+        f"state compared over {len(expected)} tensors"
+    )
     return violations
 
 

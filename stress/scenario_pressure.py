@@ -49,8 +49,10 @@ def run(short: bool = False) -> list[str]:
         s = mem.summary()
         if mem.budget < user:
             violations.append(f"budget {mem.budget} not given back to {user} by the end")
-    print(f"{steps} steps, pressure from {on} to {off}: {s['pressure_events']} pressure events, {s['ooms']} OOMs "
-          f"({s['ooms_recovered']} recovered), {s['plan_changes']} plan changes")
+    print(
+        f"{steps} steps, pressure from {on} to {off}: {s['pressure_events']} pressure events, {s['ooms']} OOMs "
+        f"({s['ooms_recovered']} recovered), {s['plan_changes']} plan changes"
+    )
     scenario.all_recovered(s)
     return violations
 

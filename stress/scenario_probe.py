@@ -84,8 +84,10 @@ def run(short: bool = False) -> list[str]:
             reference.zero_grad(set_to_none=True)
             managed.zero_grad(set_to_none=True)
         failures = mem.recorder.probe.failures
-    print(f"{steps} steps; the probe raised {probe.raised} times ({failures} counted in steps), "
-          f"all of its readings failed for steps {down.start}..{down.stop - 1}")
+    print(
+        f"{steps} steps; the probe raised {probe.raised} times ({failures} counted in steps), "
+        f"all of its readings failed for steps {down.start}..{down.stop - 1}"
+    )
     if probe.raised and not failures:
         violations.append("the probe raised, and no failure was counted")
     return violations

@@ -52,8 +52,10 @@ def run(short: bool = False) -> list[str]:
         dev.link.poll()
         end = (dev.allocated_bytes, dev.host_bytes, pool.pinned_bytes)
     in_flight = dev.link.in_flight_bytes
-    print(f"{steps} steps, {flips} mode flips: device bytes {baseline[0]} -> {end[0]}, host bytes "
-          f"{baseline[1]} -> {end[1]}, pinned pool {baseline[2]} -> {end[2]}, copies in flight {in_flight}")
+    print(
+        f"{steps} steps, {flips} mode flips: device bytes {baseline[0]} -> {end[0]}, host bytes "
+        f"{baseline[1]} -> {end[1]}, pinned pool {baseline[2]} -> {end[2]}, copies in flight {in_flight}"
+    )
     for what, before, after in zip(("device bytes", "host bytes", "pinned pool bytes"), baseline, end):
         if after > before:
             violations.append(f"{what} grew from {before} to {after}")

@@ -65,9 +65,16 @@ def build(arch: str) -> torch.nn.Module:
     hf_logging.set_verbosity_error()
     a = ARCHS[arch]
     torch.manual_seed(0)
-    common = dict(vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["intermediate"],
-                  num_hidden_layers=a["layers"], num_attention_heads=a["heads"], num_key_value_heads=a["kv"],
-                  max_position_embeddings=1 << 15, use_cache=False)
+    common = dict(
+        vocab_size=a["vocab"],
+        hidden_size=a["hidden"],
+        intermediate_size=a["intermediate"],
+        num_hidden_layers=a["layers"],
+        num_attention_heads=a["heads"],
+        num_key_value_heads=a["kv"],
+        max_position_embeddings=1 << 15,
+        use_cache=False,
+    )
     if a["kind"] == "mistral":
         return MistralForCausalLM(MistralConfig(sliding_window=None, **common))
     return LlamaForCausalLM(LlamaConfig(**common))
@@ -82,8 +89,9 @@ def stream(count: int, top: int, seed: int = 0) -> list[int]:
     """`count` lengths from 128 to `top` (multiples of 64), most short: 128 x (top/128)^(u^3) for
     uniform u, with the longest among them once."""
     gen = torch.Generator().manual_seed(seed)
-    lengths = [max(128, int(128 * (top / 128) ** (torch.rand((), generator=gen).item() ** 3)) // 64 * 64)
-               for _ in range(count)]
+    lengths = [
+        max(128, int(128 * (top / 128) ** (torch.rand((), generator=gen).item() ** 3)) // 64 * 64) for _ in range(count)
+    ]
     lengths[count // 2] = top
     return lengths
 
@@ -160,67 +168,107 @@ def measure(arch: str, lengths: list[int], passes: int) -> dict:
                 records.append(run.records)
                 longest.append(run.longest)
             log(f"  pass {p + 1} {name}: {time.perf_counter() - began:.0f} s")
-    both = [i for i in range(len(lengths))
-            if all(s[i] is not None for m in ("hf_gc", "adaptmem") for s in seconds[m])]
+    both = [i for i in range(len(lengths)) if all(s[i] is not None for m in ("hf_gc", "adaptmem") for s in seconds[m])]
     tokens = sum(lengths[i] for i in both)
     rate = {m: tokens * len(runs) / sum(s[i] for s in runs for i in both) for m, runs in seconds.items()}
-    failed = {m: sum(s[i] is None for s in runs for i in range(len(lengths))) // len(runs)
-              for m, runs in seconds.items()}
+    failed = {
+        m: sum(s[i] is None for s in runs for i in range(len(lengths))) // len(runs) for m, runs in seconds.items()
+    }
     # adaptmem's failures within the longest length it predicts (those past it are refused at once, as promised)
-    within = sum(s[i] is None and lengths[i] <= top for s, top in zip(seconds["adaptmem"], longest)
-                 for i in range(len(lengths))) // len(longest)
+    within = sum(
+        s[i] is None and lengths[i] <= top for s, top in zip(seconds["adaptmem"], longest) for i in range(len(lengths))
+    ) // len(longest)
     gain, vs_hf = rate["unmanaged"] / rate["hf_gc"], rate["adaptmem"] / rate["hf_gc"]
     share = (vs_hf - 1) / (gain - 1) if gain > 1 else float("nan")
     later = [r for recs in records for r in recs[5:] if r is not None]
     measured = sum(r["measured"] == "blocks" for r in later) / max(1, len(later))
-    errors = [abs(r["prediction_error"]) for recs in records for r in recs[5:]
-              if r is not None and r["prediction_error"] is not None]
+    errors = [
+        abs(r["prediction_error"])
+        for recs in records
+        for r in recs[5:]
+        if r is not None and r["prediction_error"] is not None
+    ]
     # adaptmem's all-NONE steps on a length it had not seen before, against unmanaged's same steps
     first, seen = [], set()
     for i, n in enumerate(lengths):
         if n not in seen and i >= 5 and all(r[i] is not None and set(r[i]["plan"]) == {"NONE"} for r in records):
             first.append(i)
         seen.add(n)
-    first_seen = (sum(s[i] for s in seconds["adaptmem"] for i in first)
-                  / sum(s[i] for s in seconds["unmanaged"] for i in first)) if first else float("nan")
+    first_seen = (
+        (sum(s[i] for s in seconds["adaptmem"] for i in first) / sum(s[i] for s in seconds["unmanaged"] for i in first))
+        if first
+        else float("nan")
+    )
     row = {
-        "arch": arch, "device_bytes": capacity, "lengths": lengths, "both": len(both), "failed": failed,
-        "adaptmem_longest": min(longest), "adaptmem_failed_within_longest": within,
-        "tokens_per_s": rate, "gain": gain, "vs_hf_gc": vs_hf, "share": share, "measured_after_5": measured,
-        "median_error": statistics.median(errors) if errors else None, "first_seen_none_vs_unmanaged": first_seen,
-        "first_seen_steps": len(first), "plans": [plan_letters(r) for r in records[-1]],
+        "arch": arch,
+        "device_bytes": capacity,
+        "lengths": lengths,
+        "both": len(both),
+        "failed": failed,
+        "adaptmem_longest": min(longest),
+        "adaptmem_failed_within_longest": within,
+        "tokens_per_s": rate,
+        "gain": gain,
+        "vs_hf_gc": vs_hf,
+        "share": share,
+        "measured_after_5": measured,
+        "median_error": statistics.median(errors) if errors else None,
+        "first_seen_none_vs_unmanaged": first_seen,
+        "first_seen_steps": len(first),
+        "plans": [plan_letters(r) for r in records[-1]],
     }
-    row["met"] = bool(within == 0 and share >= TARGETS["share"]
-                      and (gain < TARGETS["gain_for_vs_hf"] or vs_hf >= TARGETS["vs_hf"])
-                      and measured <= TARGETS["measured"] and (row["median_error"] or 0) <= TARGETS["error"]
-                      and not first_seen > TARGETS["first_seen"])
+    row["met"] = bool(
+        within == 0
+        and share >= TARGETS["share"]
+        and (gain < TARGETS["gain_for_vs_hf"] or vs_hf >= TARGETS["vs_hf"])
+        and measured <= TARGETS["measured"]
+        and (row["median_error"] or 0) <= TARGETS["error"]
+        and not first_seen > TARGETS["first_seen"]
+    )
     return row
 
 
 def show(row: dict) -> None:
     n = len(row["lengths"])
-    print(f"{row['arch']}: {n} batches of {min(row['lengths'])}..{max(row['lengths'])} tokens on a "
-          f"{format_bytes(row['device_bytes'])} stand-in (HF gradient checkpointing's longest: {HF_LONGEST})")
+    print(
+        f"{row['arch']}: {n} batches of {min(row['lengths'])}..{max(row['lengths'])} tokens on a "
+        f"{format_bytes(row['device_bytes'])} stand-in (HF gradient checkpointing's longest: {HF_LONGEST})"
+    )
     for m in METHODS:
-        print(f"  {m:<9} trained {n - row['failed'][m]:>2} of {n}, {row['tokens_per_s'][m]:,.0f} tokens/s "
-              f"on the {row['both']} batches hf_gc and adaptmem both trained")
+        print(
+            f"  {m:<9} trained {n - row['failed'][m]:>2} of {n}, {row['tokens_per_s'][m]:,.0f} tokens/s "
+            f"on the {row['both']} batches hf_gc and adaptmem both trained"
+        )
     past = row["failed"]["adaptmem"] - row["adaptmem_failed_within_longest"]
-    print(f"  adaptmem's predicted longest: {row['adaptmem_longest']:,} tokens; it failed "
-          f"{row['adaptmem_failed_within_longest']} batch(es) within it" + (f", refused {past} past it" if past else ""))
+    print(
+        f"  adaptmem's predicted longest: {row['adaptmem_longest']:,} tokens; it failed "
+        f"{row['adaptmem_failed_within_longest']} batch(es) within it" + (f", refused {past} past it" if past else "")
+    )
     err = row["median_error"]
-    print(f"  skipping recompute gains {row['gain']:.2f}x over hf_gc; adaptmem {row['vs_hf_gc']:.2f}x hf_gc, "
-          f"{row['share']:.0%} of that gain")
-    print(f"  after the first 5 steps: {row['measured_after_5']:.0%} measured block by block, median prediction "
-          f"error {err:.1%}" if err is not None else "  no predictions after the first 5 steps")
-    print(f"  first-seen lengths at all-NONE ({row['first_seen_steps']} steps): "
-          f"{row['first_seen_none_vs_unmanaged']:.2f}x unmanaged's time")
+    print(
+        f"  skipping recompute gains {row['gain']:.2f}x over hf_gc; adaptmem {row['vs_hf_gc']:.2f}x hf_gc, "
+        f"{row['share']:.0%} of that gain"
+    )
+    print(
+        f"  after the first 5 steps: {row['measured_after_5']:.0%} measured block by block, median prediction "
+        f"error {err:.1%}"
+        if err is not None
+        else "  no predictions after the first 5 steps"
+    )
+    print(
+        f"  first-seen lengths at all-NONE ({row['first_seen_steps']} steps): "
+        f"{row['first_seen_none_vs_unmanaged']:.2f}x unmanaged's time"
+    )
     print("  plan per batch (blocks N/S/C/O/R=CHECKPOINT+OFFLOAD, then the head):")
     width = max(row["lengths"])
     for n, plan in zip(row["lengths"], row["plans"]):
         print(f"    {n:>5} {'#' * max(1, round(24 * n / width)):<24} {plan}")
-    print(f"  {'ok' if row['met'] else 'MISSED'} (targets: every batch up to its longest; >= {TARGETS['share']:.0%} of the gain; "
-          f">= {TARGETS['vs_hf']}x hf_gc where the gain is >= {TARGETS['gain_for_vs_hf']}x; <= "
-          f"{TARGETS['measured']:.0%} measured; error <= {TARGETS['error']:.0%}; first-seen <= {TARGETS['first_seen']}x)")
+    print(
+        f"  {'ok' if row['met'] else 'MISSED'} (targets: every batch up to its longest; "
+        f">= {TARGETS['share']:.0%} of the gain; "
+        f">= {TARGETS['vs_hf']}x hf_gc where the gain is >= {TARGETS['gain_for_vs_hf']}x; <= "
+        f"{TARGETS['measured']:.0%} measured; error <= {TARGETS['error']:.0%}; first-seen <= {TARGETS['first_seen']}x)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,10 +32,15 @@ def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1, vocab: int =
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
-        num_hidden_layers=layers, num_attention_heads=max(2, hidden // 32),
-        num_key_value_heads=max(1, hidden // 64), max_position_embeddings=2048,
-        attention_dropout=dropout, use_cache=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.6875),
+        num_hidden_layers=layers,
+        num_attention_heads=max(2, hidden // 32),
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=2048,
+        attention_dropout=dropout,
+        use_cache=False,
     )
     return LlamaForCausalLM(cfg)
 
@@ -48,9 +53,17 @@ def gpt2(layers: int = 3, hidden: int = 64, dropout: float = 0.1, use_cache: boo
 
     torch.manual_seed(0)
     cfg = GPT2Config(
-        n_layer=layers, n_embd=hidden, n_head=4, vocab_size=512, n_positions=1024,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=use_cache,
-        bos_token_id=0, eos_token_id=0,
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=4,
+        vocab_size=512,
+        n_positions=1024,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        use_cache=use_cache,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(cfg)
 
@@ -82,7 +95,9 @@ def assert_same(a: tuple, b: tuple) -> None:
 
 def min_cosine(grads: dict, reference: dict) -> float:
     return min(
-        torch.nn.functional.cosine_similarity(grads[n].flatten().double(), reference[n].flatten().double(), dim=0).item()
+        torch.nn.functional.cosine_similarity(
+            grads[n].flatten().double(), reference[n].flatten().double(), dim=0
+        ).item()
         for n in reference
     )
 
@@ -100,8 +115,12 @@ class ConvBlock(torch.nn.Module):
         super().__init__()
         nn = torch.nn
         self.body = nn.Sequential(
-            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
-            nn.Dropout2d(dropout), nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Dropout2d(dropout),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,8 +191,10 @@ def cnn(**kwargs) -> SmallCNN:
 
 def image_batch(batch: int = 4, size: int = 16, classes: int = 10, seed: int = 1) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    return {"images": torch.randn(batch, 3, size, size, generator=gen),
-            "labels": torch.randint(0, classes, (batch,), generator=gen)}
+    return {
+        "images": torch.randn(batch, 3, size, size, generator=gen),
+        "labels": torch.randint(0, classes, (batch,), generator=gen),
+    }
 
 
 def mixed(**kwargs) -> MixedModel:
@@ -197,8 +218,10 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     }
     if optimizer is not None:
         state["optimizer"] = {
-            (i, k): v.detach().clone() for i, s in enumerate(optimizer.state.values())
-            for k, v in s.items() if isinstance(v, torch.Tensor)
+            (i, k): v.detach().clone()
+            for i, s in enumerate(optimizer.state.values())
+            for k, v in s.items()
+            if isinstance(v, torch.Tensor)
         }
     return state
 

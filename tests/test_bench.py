@@ -17,14 +17,19 @@ def test_every_split_of_the_blocks_over_the_modes_is_a_candidate():
 
 
 def test_candidates_are_the_fastest_predicted_to_fit():
-    figures = {Mode.NONE: ModeFigures(peak=1000, seconds=1.0),
-               Mode.CHECKPOINT: ModeFigures(peak=200, seconds=1.4),  # saves 100/block for 0.05 s
-               Mode.OFFLOAD: ModeFigures(peak=200, seconds=1.2)}  # saves 100/block for 0.025 s
+    figures = {
+        Mode.NONE: ModeFigures(peak=1000, seconds=1.0),
+        Mode.CHECKPOINT: ModeFigures(peak=200, seconds=1.4),  # saves 100/block for 0.05 s
+        Mode.OFFLOAD: ModeFigures(peak=200, seconds=1.2),
+    }  # saves 100/block for 0.025 s
     best = candidates(figures, blocks=8, budget=600, keep=2)
     assert best[0] == (Mode.OFFLOAD,) * 4 + (Mode.NONE,) * 4
     assert all(sum(m is not Mode.NONE for m in plan) >= 4 for plan in best)
     assert arrange({Mode.NONE: 1, Mode.CHECKPOINT: 2}, [Mode.CHECKPOINT, Mode.NONE]) == (
-        Mode.CHECKPOINT, Mode.CHECKPOINT, Mode.NONE)
+        Mode.CHECKPOINT,
+        Mode.CHECKPOINT,
+        Mode.NONE,
+    )
 
 
 def test_ratios_pair_each_round_so_a_slow_spell_cancels():
@@ -37,31 +42,111 @@ def test_ratios_pair_each_round_so_a_slow_spell_cancels():
 
 def test_targets_and_render_name_what_was_missed():
     rows = [
-        {"model": "m", "seq": 8, "link": "l", "method": "unmanaged", "budget_frac": None, "budget_bytes": None,
-         "peak_bytes": 100, "ratio": 1.0, "spread": 0.0, "plan": None},
-        {"model": "m", "seq": 8, "link": "l", "method": "checkpoint_all", "budget_frac": None, "budget_bytes": None,
-         "peak_bytes": 50, "ratio": 1.4, "spread": 0.0, "plan": None},
-        {"model": "m", "seq": 8, "link": "l", "method": "oracle", "budget_frac": 0.7, "budget_bytes": 90,
-         "peak_bytes": 88, "ratio": 1.1, "spread": 0.0, "plan": "CCNN"},
-        {"model": "m", "seq": 8, "link": "l", "method": "adaptmem", "budget_frac": 0.7, "budget_bytes": 90,
-         "peak_bytes": 91, "ratio": 1.3, "spread": 0.1, "vs_oracle": 1.18, "vs_oracle_spread": 0.02, "plan": "SSNN"},
-        {"model": "m", "seq": 8, "link": "l", "method": "oracle", "budget_frac": 0.5, "budget_bytes": 80,
-         "peak_bytes": 76, "ratio": 1.2, "spread": 0.0, "plan": "CCCN"},
-        {"model": "m", "seq": 8, "link": "l", "method": "adaptmem", "budget_frac": 0.5, "budget_bytes": 80,
-         "peak_bytes": 70, "ratio": 1.3, "spread": 0.1, "vs_oracle": 1.08, "vs_oracle_spread": 0.02, "plan": "CCCC"},
+        {
+            "model": "m",
+            "seq": 8,
+            "link": "l",
+            "method": "unmanaged",
+            "budget_frac": None,
+            "budget_bytes": None,
+            "peak_bytes": 100,
+            "ratio": 1.0,
+            "spread": 0.0,
+            "plan": None,
+        },
+        {
+            "model": "m",
+            "seq": 8,
+            "link": "l",
+            "method": "checkpoint_all",
+            "budget_frac": None,
+            "budget_bytes": None,
+            "peak_bytes": 50,
+            "ratio": 1.4,
+            "spread": 0.0,
+            "plan": None,
+        },
+        {
+            "model": "m",
+            "seq": 8,
+            "link": "l",
+            "method": "oracle",
+            "budget_frac": 0.7,
+            "budget_bytes": 90,
+            "peak_bytes": 88,
+            "ratio": 1.1,
+            "spread": 0.0,
+            "plan": "CCNN",
+        },
+        {
+            "model": "m",
+            "seq": 8,
+            "link": "l",
+            "method": "adaptmem",
+            "budget_frac": 0.7,
+            "budget_bytes": 90,
+            "peak_bytes": 91,
+            "ratio": 1.3,
+            "spread": 0.1,
+            "vs_oracle": 1.18,
+            "vs_oracle_spread": 0.02,
+            "plan": "SSNN",
+        },
+        {
+            "model": "m",
+            "seq": 8,
+            "link": "l",
+            "method": "oracle",
+            "budget_frac": 0.5,
+            "budget_bytes": 80,
+            "peak_bytes": 76,
+            "ratio": 1.2,
+            "spread": 0.0,
+            "plan": "CCCN",
+        },
+        {
+            "model": "m",
+            "seq": 8,
+            "link": "l",
+            "method": "adaptmem",
+            "budget_frac": 0.5,
+            "budget_bytes": 80,
+            "peak_bytes": 70,
+            "ratio": 1.3,
+            "spread": 0.1,
+            "vs_oracle": 1.08,
+            "vs_oracle_spread": 0.02,
+            "plan": "CCCC",
+        },
     ]
     checks = dict(targets(rows, fraction=0.004, planner=3.0))
     fill = "peak >= 93% of the budget wherever a plan that fills more (the oracle's) is faster beyond the spread"
-    assert checks == {"peak <= budget everywhere": False, "adaptmem <= 1.05x the oracle everywhere": False,
-                      "m 8 l 70%: overhead <= half of checkpoint_all's": False, fill: False,
-                      "controller <= 1% of a step": True, "planner <= 5 ms for 100 x 6": True}
-    for ratio, spread, peak in ((0.99, 0.02, 70),  # unused budget, but the fuller plan was not faster
-                                (1.04, 0.05, 70),  # faster within the spread: as fast as can be told
-                                (1.08, 0.02, 75)):  # faster, but 94% of the budget is used
+    assert checks == {
+        "peak <= budget everywhere": False,
+        "adaptmem <= 1.05x the oracle everywhere": False,
+        "m 8 l 70%: overhead <= half of checkpoint_all's": False,
+        fill: False,
+        "controller <= 1% of a step": True,
+        "planner <= 5 ms for 100 x 6": True,
+    }
+    for ratio, spread, peak in (
+        (0.99, 0.02, 70),  # unused budget, but the fuller plan was not faster
+        (1.04, 0.05, 70),  # faster within the spread: as fast as can be told
+        (1.08, 0.02, 75),
+    ):  # faster, but 94% of the budget is used
         rows[-1].update(vs_oracle=ratio, vs_oracle_spread=spread, peak_bytes=peak)
         assert dict(targets(rows, fraction=0.004, planner=3.0))[fill]
-    text = render({"rows": rows, "controller_fraction": 0.004, "planner_ms_100x6": 3.0, "machine": "x",
-                   "command": "python -m stress.bench", "seconds": 1, "targets": checks})
+    text = render(
+        {
+            "rows": rows,
+            "controller_fraction": 0.004,
+            "planner_ms_100x6": 3.0,
+            "machine": "x",
+            "command": "python -m stress.bench",
+            "seconds": 1,
+            "targets": checks,
+        }
+    )
     assert "| m | 8 | l | adaptmem | 70% |" in text and "**missed**: peak <= budget everywhere" in text
 
 
@@ -72,14 +157,22 @@ def test_the_offload_profile_counts_copy_time_beside_compute_on_other_streams():
         return {"cat": "kernel", "ts": ts, "dur": dur, "args": {"stream": stream}}
 
     def memcpy(ts, dur, stream, tag, nbytes):
-        return {"cat": "gpu_memcpy", "name": f"Memcpy {tag} (Device -> Pinned)", "ts": ts, "dur": dur,
-                "args": {"stream": stream, "bytes": nbytes}}
+        return {
+            "cat": "gpu_memcpy",
+            "name": f"Memcpy {tag} (Device -> Pinned)",
+            "ts": ts,
+            "dur": dur,
+            "args": {"stream": stream, "bytes": nbytes},
+        }
 
     events = [
-        kernel(0, 10, 7), kernel(5, 10, 7),  # one busy stretch, 0..15
+        kernel(0, 10, 7),
+        kernel(5, 10, 7),  # one busy stretch, 0..15
         memcpy(10, 10, 13, "DtoH", 1000),  # half beside compute
         memcpy(30, 4, 7, "DtoH", 10),  # on the compute stream itself: nothing beside it
-        memcpy(40, 10, 14, "HtoD", 500), kernel(42, 2, 14), kernel(45, 20, 7),  # 5 of 10 beside stream 7
+        memcpy(40, 10, 14, "HtoD", 500),
+        kernel(42, 2, 14),
+        kernel(45, 20, 7),  # 5 of 10 beside stream 7
     ]
     s = summarize(events)
     assert s["compute_ms"] == (15 + 2 + 20) / 1e3
@@ -111,8 +204,11 @@ def test_the_oracle_is_searched_in_rotated_rounds_so_a_quiet_spell_picks_nothing
     from stress.benchkit import find_oracle, plan_label
 
     N, O, C = Mode.NONE, Mode.OFFLOAD, Mode.CHECKPOINT
-    figures = {N: ModeFigures(peak=1000, seconds=1.0), C: ModeFigures(peak=200, seconds=1.4),
-               O: ModeFigures(peak=200, seconds=1.2)}
+    figures = {
+        N: ModeFigures(peak=1000, seconds=1.0),
+        C: ModeFigures(peak=200, seconds=1.4),
+        O: ModeFigures(peak=200, seconds=1.2),
+    }
     truth = {"OOOONNNN": 1.10, "OOOOONNN": 1.12, "COOONNNN": 1.15, "CCCONNNN": 1.16}
     quiet = set(range(9, 13))  # four quiet steps: the second plan's timed steps, were each timed alone in turn
     made = []
@@ -197,8 +293,14 @@ def test_the_controller_trace_profiles_one_light_and_one_measured_step(tmp_path)
     from stress.benchkit import batch_for, build, make_runner
     from stress.controller_gpu import trace_steps
 
-    runner = make_runner("adaptmem", build("tiny"), batch_for(1, 32), None, budget=(None, 1 << 40),
-                         policy=Policy(modes=("NONE", "CHECKPOINT"), measure_every=3))
+    runner = make_runner(
+        "adaptmem",
+        build("tiny"),
+        batch_for(1, 32),
+        None,
+        budget=(None, 1 << 40),
+        policy=Policy(modes=("NONE", "CHECKPOINT"), measure_every=3),
+    )
     try:
         for _ in range(3):
             runner.step()
@@ -232,9 +334,17 @@ def test_two_runs_are_compared_ratio_by_ratio_beside_the_noise_of_their_rounds()
         base = [1.0, 1.2, 0.9, 1.1, 1.0, 1.05]
         row = {"model": "m", "seq": 8, "link": "l", "budget_frac": None, "budget_bytes": None}
         wobble = [1 + noise * (-1) ** i * (i % 3) for i in range(len(base))]
-        return {"rows": [{**row, "method": "unmanaged", "ratio": 1.0, "times": base},
-                         {**row, "method": "checkpoint_all", "ratio": ratio,
-                          "times": [ratio * b * w for b, w in zip(base, wobble)]}]}
+        return {
+            "rows": [
+                {**row, "method": "unmanaged", "ratio": 1.0, "times": base},
+                {
+                    **row,
+                    "method": "checkpoint_all",
+                    "ratio": ratio,
+                    "times": [ratio * b * w for b, w in zip(base, wobble)],
+                },
+            ]
+        }
 
     assert ratio_error(run(1.3, 0.0)["rows"]) == 0.0  # the same ratio every round: no noise
     assert 0.01 < ratio_error(run(1.3, 0.1)["rows"]) < 0.2

@@ -1,4 +1,4 @@
-"""The house: the layers of DESIGN.md hold, no module imports another in a cycle, files stay small.
+"""The house: the layers of docs/design.md hold, no module imports another in a cycle, the top stays small.
 
 The contracts are those in pyproject.toml ([tool.importlinter]). They run here through
 import-linter's command line, `lint-imports`, on the real package, and again on a copy of
@@ -45,13 +45,16 @@ def test_every_contract_is_kept():
     assert "4 kept, 0 broken" in result.stdout, result.stdout
 
 
-@pytest.mark.parametrize("importer,imported,contract", [
-    ("adaptmem.modes", "adaptmem.control.manager", "layers"),
-    ("adaptmem.strategies.offload", "adaptmem.wrapping.handles", "layers"),
-    ("adaptmem.devices.select", "adaptmem.testing", "no-testing"),
-    ("adaptmem.control.manager", "transformers", "no-framework"),
-    ("adaptmem.strategies.payloads", "adaptmem.strategies.compress", "acyclic"),
-])
+@pytest.mark.parametrize(
+    "importer,imported,contract",
+    [
+        ("adaptmem.modes", "adaptmem.control.manager", "layers"),
+        ("adaptmem.strategies.offload", "adaptmem.wrapping.handles", "layers"),
+        ("adaptmem.devices.select", "adaptmem.testing", "no-testing"),
+        ("adaptmem.control.manager", "transformers", "no-framework"),
+        ("adaptmem.strategies.payloads", "adaptmem.strategies.compress", "acyclic"),
+    ],
+)
 def test_each_contract_catches_what_it_is_for(tmp_path, importer, imported, contract):
     shutil.copytree(PACKAGE, tmp_path / "adaptmem", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
@@ -111,12 +114,9 @@ def test_the_cycle_finder_finds_a_deferred_cycle(graph):
     assert cycles and {"adaptmem.devices.select", "adaptmem.control.manager"} <= cycles[0]
 
 
-def test_a_few_small_modules_at_the_top_and_none_large():
+def test_a_few_modules_at_the_top():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 8, top
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    large = {name: n for name, n in sizes.items() if n > 400}
-    assert not large, large
 
 
 def test_every_subpackage_says_what_it_is_for():

@@ -5,7 +5,8 @@ CODE = """
 import sys
 import torch
 import adaptmem, adaptmem.testing, adaptmem.demo.tiny, adaptmem.demo.__main__
-heavy = [m for m in ("lightning", "pytorch_lightning", "transformers", "accelerate", "torch._dynamo") if m in sys.modules]
+frameworks = ("lightning", "pytorch_lightning", "transformers", "accelerate", "torch._dynamo")
+heavy = [m for m in frameworks if m in sys.modules]
 assert not heavy, heavy
 assert not torch.cuda.is_initialized()
 print("lean")

@@ -5,18 +5,26 @@ from adaptmem import ALLOWED_MODES, LOSSLESS_MODES, Mode
 
 def test_labels_are_stable_text():
     assert [m.label for m in ALLOWED_MODES] == [
-        "NONE", "SELECTIVE", "CHECKPOINT", "OFFLOAD", "COMPRESS",
-        "CHECKPOINT+OFFLOAD", "COMPRESS+OFFLOAD",
+        "NONE",
+        "SELECTIVE",
+        "CHECKPOINT",
+        "OFFLOAD",
+        "COMPRESS",
+        "CHECKPOINT+OFFLOAD",
+        "COMPRESS+OFFLOAD",
     ]
 
 
-@pytest.mark.parametrize("text,mode", [
-    ("none", Mode.NONE),
-    ("Checkpoint", Mode.CHECKPOINT),
-    ("checkpoint+offload", Mode.CHECKPOINT | Mode.OFFLOAD),
-    ("OFFLOAD|COMPRESS", Mode.COMPRESS | Mode.OFFLOAD),
-    (" selective ", Mode.SELECTIVE),
-])
+@pytest.mark.parametrize(
+    "text,mode",
+    [
+        ("none", Mode.NONE),
+        ("Checkpoint", Mode.CHECKPOINT),
+        ("checkpoint+offload", Mode.CHECKPOINT | Mode.OFFLOAD),
+        ("OFFLOAD|COMPRESS", Mode.COMPRESS | Mode.OFFLOAD),
+        (" selective ", Mode.SELECTIVE),
+    ],
+)
 def test_parse_accepts_names_and_combinations(text, mode):
     assert Mode.parse(text) is mode
 
@@ -45,7 +53,11 @@ def test_wrong_type_is_a_type_error():
 
 def test_lossless_and_recompute_flags():
     assert set(LOSSLESS_MODES) == {
-        Mode.NONE, Mode.SELECTIVE, Mode.CHECKPOINT, Mode.OFFLOAD, Mode.CHECKPOINT | Mode.OFFLOAD,
+        Mode.NONE,
+        Mode.SELECTIVE,
+        Mode.CHECKPOINT,
+        Mode.OFFLOAD,
+        Mode.CHECKPOINT | Mode.OFFLOAD,
     }
     assert (Mode.CHECKPOINT | Mode.OFFLOAD).recomputes
     assert not Mode.OFFLOAD.recomputes

@@ -6,13 +6,12 @@ import types
 
 import pytest
 import torch
+from helpers import tiny, tiny_batch
 
 import adaptmem
 from adaptmem import read_log
 from adaptmem.report import figures, main, rows
 from adaptmem.testing import SimulatedDevice
-
-from helpers import tiny, tiny_batch
 
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
@@ -69,8 +68,12 @@ def test_the_command_prints_the_table_and_writes_the_picture(log, tmp_path, caps
 
 def test_python_dash_m_adaptmem_report(log, tmp_path):
     out = tmp_path / "cli.png"
-    done = subprocess.run([sys.executable, "-m", "adaptmem", "report", str(log), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "adaptmem", "report", str(log), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert out.exists() and "steps" in done.stdout
 
@@ -85,11 +88,14 @@ def test_a_pressure_record_names_the_other_processes_from_nvml(monkeypatch):
     """NVML cannot run here: a stand-in pynvml answers as the real one does."""
     from adaptmem.devices.cuda import CudaProbe
 
-    proc = lambda pid, used: types.SimpleNamespace(pid=pid, usedGpuMemory=used)  # noqa: E731
+    proc = lambda pid, used: types.SimpleNamespace(pid=pid, usedGpuMemory=used)
     fake = types.SimpleNamespace(
         NVMLError=RuntimeError,
-        nvmlDeviceGetComputeRunningProcesses=lambda handle: [proc(1, 2 * MiB), proc(2, 9 * MiB),
-                                                             proc(__import__("os").getpid(), 5 * MiB)],
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: [
+            proc(1, 2 * MiB),
+            proc(2, 9 * MiB),
+            proc(__import__("os").getpid(), 5 * MiB),
+        ],
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     probe = CudaProbe.__new__(CudaProbe)

@@ -151,7 +151,7 @@ class Policy(BaseModel):
         return tuple(Mode.parse(v).label for v in value)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Policy":
+    def _consistent(self) -> Policy:
         if not self.low_watermark < self.high_watermark:
             raise ValueError(
                 f"low_watermark ({self.low_watermark}) must be below high_watermark ({self.high_watermark})"
@@ -197,9 +197,7 @@ def _load(spec: str | os.PathLike, source: str | None) -> Policy:
     path = Path(text_spec)
     if path.suffix != ".toml" and not path.exists():
         where = f" (from {source})" if source else ""
-        raise PolicyError(
-            f"policy {text_spec!r}{where} is neither a preset ({', '.join(PRESETS)}) nor a TOML file"
-        )
+        raise PolicyError(f"policy {text_spec!r}{where} is neither a preset ({', '.join(PRESETS)}) nor a TOML file")
     try:
         text = path.read_text()
     except OSError as err:
@@ -250,7 +248,12 @@ def _range_text(name: str) -> str:
     info = Policy.model_fields.get(name)
     lo, hi, lo_open, hi_open = "-inf", "inf", True, True
     for meta in getattr(info, "metadata", []):
-        for attr, is_low, is_open in (("gt", True, True), ("ge", True, False), ("lt", False, True), ("le", False, False)):
+        for attr, is_low, is_open in (
+            ("gt", True, True),
+            ("ge", True, False),
+            ("lt", False, True),
+            ("le", False, False),
+        ):
             value = getattr(meta, attr, None)
             if value is not None:
                 if is_low:
@@ -266,4 +269,3 @@ def _preset_text(name: str) -> str:
     except (ModuleNotFoundError, FileNotFoundError):
         # a source checkout run without installing: the top-level policies/ folder
         return (Path(__file__).resolve().parents[2] / "policies" / f"{name}.toml").read_text()
-

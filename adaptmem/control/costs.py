@@ -69,8 +69,16 @@ class CostModel(ModeTimes):
     `weight_grad_bytes`: per block, its trainable weights' gradient bytes.
     """
 
-    def __init__(self, classes: list[str], policy: Policy, *, cuda: bool, priors: Priors | None = None,
-                 weight_grad_bytes: list[int] | None = None, head_costs: HeadCosts | None = None) -> None:
+    def __init__(
+        self,
+        classes: list[str],
+        policy: Policy,
+        *,
+        cuda: bool,
+        priors: Priors | None = None,
+        weight_grad_bytes: list[int] | None = None,
+        head_costs: HeadCosts | None = None,
+    ) -> None:
         self.classes = classes
         self.policy = policy
         self.cuda = cuda
@@ -235,8 +243,9 @@ class CostModel(ModeTimes):
             held = carry(fits["held"], derived.held, there.held)
             fx = carry(fits["fx"], derived.fx, there.fx)
             wx = carry(fits["wx"], derived.wx, there.wx) if (b0, e0) in fits["wx"].points else derived.wx
-        return Figures(held, fx, wx + self.own_grads(index), self._seconds(index, mode, batch, extent, derived),
-                       derived.host)
+        return Figures(
+            held, fx, wx + self.own_grads(index), self._seconds(index, mode, batch, extent, derived), derived.host
+        )
 
     def own_grads(self, index: int) -> float:
         """The gradients of block `index`'s own weights, allocated in its backward (none where they
@@ -245,8 +254,12 @@ class CostModel(ModeTimes):
 
     def _latents(self, index: int, batch: int, extent: int) -> Latents:
         q = self.policy.quadratic_prior
-        return Latents(**{k: self._carried(index, k, batch, extent) if _extents(f) == 1 else f.predict(batch, extent, q)
-                          for k, f in self.latent[index].items()})
+        return Latents(
+            **{
+                k: self._carried(index, k, batch, extent) if _extents(f) == 1 else f.predict(batch, extent, q)
+                for k, f in self.latent[index].items()
+            }
+        )
 
     def _carried(self, index: int, name: str, batch: int, extent: int) -> float:
         """A latent seen at one length, carried to another as a guide grows that was seen at two or
@@ -294,7 +307,9 @@ class CostModel(ModeTimes):
         """Planner cost of a lossy mode: a share of the block's forward time (policy.compress_penalty)."""
         return self.policy.compress_penalty * lat.forward_s if Mode.COMPRESS in mode else 0.0
 
-    def options(self, batch: int, extent: int, allowed: tuple[Mode, ...], fixed: dict[int, Mode] | None = None) -> list[list[Option]]:
+    def options(
+        self, batch: int, extent: int, allowed: tuple[Mode, ...], fixed: dict[int, Mode] | None = None
+    ) -> list[list[Option]]:
         """Planner input: each block's options, with its `grad` term folded into `need`."""
         fixed = fixed or {}
         out, n = [], len(self.classes)
@@ -344,8 +359,9 @@ class CostModel(ModeTimes):
     def state_dict(self) -> dict:
         return {
             "classes": self.classes,
-            "direct": [{m.label: {q: f.state_dict() for q, f in fits.items()} for m, fits in d.items()}
-                       for d in self.direct],
+            "direct": [
+                {m.label: {q: f.state_dict() for q, f in fits.items()} for m, fits in d.items()} for d in self.direct
+            ],
             "latent": [{k: f.state_dict() for k, f in lat.items()} for lat in self.latent],
             "grad": [f.state_dict() for f in self.grad],
             "grad_kept": [f.state_dict() for f in self.grad_kept],
@@ -364,13 +380,19 @@ class CostModel(ModeTimes):
                 f"({', '.join(sorted(set(state['classes'])))}), this model has {len(self.classes)} "
                 f"({', '.join(sorted(set(self.classes)))}); resume with the same model and block selection"
             )
-        self.direct = [{Mode.parse(m): {q: Fit.from_state(f) for q, f in fits.items()} for m, fits in d.items()}
-                       for d in state["direct"]]
-        self.latent = [{k: Fit.from_state(lat[k]) if k in lat else _fit(k) for k in LATENT_NAMES}
-                       for lat in state["latent"]]
+        self.direct = [
+            {Mode.parse(m): {q: Fit.from_state(f) for q, f in fits.items()} for m, fits in d.items()}
+            for d in state["direct"]
+        ]
+        self.latent = [
+            {k: Fit.from_state(lat[k]) if k in lat else _fit(k) for k in LATENT_NAMES} for lat in state["latent"]
+        ]
         self.grad = [Fit.from_state(f) for f in state["grad"]]
-        self.grad_kept = [Fit.from_state(f) for f in state["grad_kept"]] if "grad_kept" in state \
-            else [Fit("base") for _ in self.grad]  # saved before accumulating steps were learned apart
+        self.grad_kept = (
+            [Fit.from_state(f) for f in state["grad_kept"]]
+            if "grad_kept" in state
+            else [Fit("base") for _ in self.grad]
+        )  # saved before accumulating steps were learned apart
         self.head = Fit.from_state(state["head"])
         self.tail = Fit.from_state(state["tail"])
         self.tail_kept = Fit.from_state(state["tail_kept"]) if "tail_kept" in state else Fit("base")

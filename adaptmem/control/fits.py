@@ -124,11 +124,14 @@ class Fit:
         return intercept + slope * (tokens - center)
 
     def state_dict(self) -> dict:
-        return {"kind": self.kind, "span": self.span,
-                "points": [[b, s, y, self.counts.get((b, s), 1)] for (b, s), y in self.points.items()]}
+        return {
+            "kind": self.kind,
+            "span": self.span,
+            "points": [[b, s, y, self.counts.get((b, s), 1)] for (b, s), y in self.points.items()],
+        }
 
     @classmethod
-    def from_state(cls, state: dict) -> "Fit":
+    def from_state(cls, state: dict) -> Fit:
         fit = cls(state["kind"], int(state.get("span", 2)))
         rows = [(int(b), int(s), float(y), int(rest[0]) if rest else 1) for b, s, y, *rest in state["points"]]
         fit.points = OrderedDict(((b, s), y) for b, s, y, _ in rows)

@@ -55,7 +55,7 @@ class HeadChoice:
         return "KEPT" if self.mode is HeadMode.KEPT else f"CHUNKED:{self.chunk}"
 
     @classmethod
-    def parse(cls, label: str) -> "HeadChoice":
+    def parse(cls, label: str) -> HeadChoice:
         mode, _, chunk = label.partition(":")
         return cls(HeadMode.parse(mode), int(chunk) if chunk else None)
 
@@ -153,8 +153,11 @@ class HeadCosts:
             self.chunked.add(batch, extent, max(0.0, above - self.chunk_bytes(chunk)))
 
     def state_dict(self) -> dict:
-        return {"kept": self.kept.state_dict(), "chunked": self.chunked.state_dict(),
-                "chunk": [self._chunk_seen, self._chunk_logits]}
+        return {
+            "kept": self.kept.state_dict(),
+            "chunked": self.chunked.state_dict(),
+            "chunk": [self._chunk_seen, self._chunk_logits],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.kept = Fit.from_state(state["kept"])

@@ -12,9 +12,15 @@ from adaptmem.control.manager import MemoryManager
 from adaptmem.wrapping import BlockSelection, HeadSelection
 
 
-def manage(model: nn.Module, policy: str | Policy | None = None, budget: Budget = None,
-           device: Any = None, blocks: BlockSelection = "auto", log: str | None = None,
-           head: HeadSelection = "auto") -> MemoryManager:
+def manage(
+    model: nn.Module,
+    policy: str | Policy | None = None,
+    budget: Budget = None,
+    device: Any = None,
+    blocks: BlockSelection = "auto",
+    log: str | None = None,
+    head: HeadSelection = "auto",
+) -> MemoryManager:
     """Manage `model`'s activation memory; use it as ``with adaptmem.manage(model) as mem:``
     (the model is restored on exit) or keep it and `close()` it.
 

@@ -36,14 +36,27 @@ from adaptmem.control.decisions import Decider
 from adaptmem.control.events import SCHEMA_VERSION, EventLog
 from adaptmem.control.headcosts import HeadChoice, HeadCosts
 from adaptmem.control.plans import PlanBook
-from adaptmem.control.reach import LengthsSeen, Reach, Reacher, end_record
 from adaptmem.control.priors import priors_for
+from adaptmem.control.reach import LengthsSeen, Reach, Reacher, end_record
 from adaptmem.control.reactions import Reactions
-from adaptmem.control.resume import (announce_resume, load_manager_state, manager_state, manager_summary,
-                                     restore_manager_state)
 from adaptmem.control.recorder import StepRecorder
-from adaptmem.control.retry import (RETRY_NOTE, BufferCopies, StepGuard, StepOutOfMemoryError, add_note, oom_report,
-                                   rng_state, set_rng_state)
+from adaptmem.control.resume import (
+    announce_resume,
+    load_manager_state,
+    manager_state,
+    manager_summary,
+    restore_manager_state,
+)
+from adaptmem.control.retry import (
+    RETRY_NOTE,
+    BufferCopies,
+    StepGuard,
+    StepOutOfMemoryError,
+    add_note,
+    oom_report,
+    rng_state,
+    set_rng_state,
+)
 from adaptmem.control.sampler import Sampler
 from adaptmem.control.schedule import MeasureSchedule
 from adaptmem.control.unfit import Trace
@@ -52,8 +65,19 @@ from adaptmem.devices.host import HostProbe
 from adaptmem.devices.select import make_probe
 from adaptmem.modes import Mode
 from adaptmem.strategies import CompressOptions, SelectiveBackwardError
-from adaptmem.wrapping import (BlockHandle, BlockSelection, HeadHandle, HeadSelection, find_blocks, find_head,
-                               get_instrumentation, instrument, restore, tell_observer, unwrap)
+from adaptmem.wrapping import (
+    BlockHandle,
+    BlockSelection,
+    HeadHandle,
+    HeadSelection,
+    find_blocks,
+    find_head,
+    get_instrumentation,
+    instrument,
+    restore,
+    tell_observer,
+    unwrap,
+)
 
 
 class MemoryManager(Reactions):
@@ -64,9 +88,18 @@ class MemoryManager(Reactions):
     undone: a failed construction leaves the model exactly as it was.
     """
 
-    def __init__(self, model: nn.Module, *, policy: str | Policy | None = None, budget: Budget = None,
-                 device: Any = None, blocks: BlockSelection = "auto", log: str | None = None,
-                 head: HeadSelection = "auto", state: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        policy: str | Policy | None = None,
+        budget: Budget = None,
+        device: Any = None,
+        blocks: BlockSelection = "auto",
+        log: str | None = None,
+        head: HeadSelection = "auto",
+        state: dict[str, Any] | None = None,
+    ) -> None:
         """`state`: a saved `state_dict()` to continue, loaded before the `start` record so that the
         whole run is logged under the saved run id (`load_state_dict` comes after a fresh `start`)."""
         self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
@@ -86,9 +119,14 @@ class MemoryManager(Reactions):
         self.model = model
         self._owns_instrumentation = existing is None
         self.handles: list[BlockHandle] = (
-            list(existing.handles) if reuse else
-            instrument(model, blocks, compress=CompressOptions(codec=p.compress_codec, group_size=p.compress_group_size),
-                       head=head)
+            list(existing.handles)
+            if reuse
+            else instrument(
+                model,
+                blocks,
+                compress=CompressOptions(codec=p.compress_codec, group_size=p.compress_group_size),
+                head=head,
+            )
         )
         self._user_modes = None if existing is None else tuple(h.mode for h in self.handles)
         try:
@@ -105,14 +143,28 @@ class MemoryManager(Reactions):
         self.head: HeadHandle | None = get_instrumentation(model).head
         head = self.head
         head_costs = HeadCosts(head.vocab, head.hidden, head.weight_bytes, cuda=cuda) if head is not None else None
-        self.costs = CostModel([type(h.module).__name__ for h in self.handles], p, cuda=cuda,
-                               priors=priors_for(self.probe, cuda, [h.offload_options for h in self.handles]),
-                               weight_grad_bytes=[sum(w.numel() * w.element_size() for w in h.module.parameters()
-                                                      if w.requires_grad) for h in self.handles], head_costs=head_costs)
+        self.costs = CostModel(
+            [type(h.module).__name__ for h in self.handles],
+            p,
+            cuda=cuda,
+            priors=priors_for(self.probe, cuda, [h.offload_options for h in self.handles]),
+            weight_grad_bytes=[
+                sum(w.numel() * w.element_size() for w in h.module.parameters() if w.requires_grad)
+                for h in self.handles
+            ],
+            head_costs=head_costs,
+        )
         self.decider = Decider(p)
         self._lock = threading.RLock()
-        self.plans = PlanBook(len(self.handles), p, self.costs, self.decider, self.probe, start_plan=self._user_modes,
-                              one_memory=isinstance(self.probe, HostProbe))
+        self.plans = PlanBook(
+            len(self.handles),
+            p,
+            self.costs,
+            self.decider,
+            self.probe,
+            start_plan=self._user_modes,
+            one_memory=isinstance(self.probe, HostProbe),
+        )
         self._current: tuple[Mode, ...] = tuple(h.mode for h in self.handles)
         self._current_head: HeadChoice | None = None
         self._in_step = False
@@ -152,13 +204,21 @@ class MemoryManager(Reactions):
         self._runtime.tell = torch.compiler.disable(tell_observer, recursive=True)
         self._compiles = CompileCounter()
         made_here = self.probe is not self._device  # a probe the user passed in stays open for them
-        self._finalizer = weakref.finalize(self, _shut_down, self._sampler, self.events,
-                                           self.probe if made_here else None)
-        self.events.emit("start", step=self.steps, schema=SCHEMA_VERSION, policy=p.name, device=self.probe.name,
-                         budget_bytes=self.budget, capacity_bytes=self.budgets.capacity,
-                         blocks=[h.name for h in self.handles],
-                         start_plan="resume" if state else "user" if self._user_modes is not None else "calibrate",
-                         modes=[m.label for m in self.plans.allowed])
+        self._finalizer = weakref.finalize(
+            self, _shut_down, self._sampler, self.events, self.probe if made_here else None
+        )
+        self.events.emit(
+            "start",
+            step=self.steps,
+            schema=SCHEMA_VERSION,
+            policy=p.name,
+            device=self.probe.name,
+            budget_bytes=self.budget,
+            capacity_bytes=self.budgets.capacity,
+            blocks=[h.name for h in self.handles],
+            start_plan="resume" if state else "user" if self._user_modes is not None else "calibrate",
+            modes=[m.label for m in self.plans.allowed],
+        )
         if state is not None:
             announce_resume(self, self.events.run_id)
 
@@ -212,8 +272,14 @@ class MemoryManager(Reactions):
             before, after = self.budgets.set_user(value, self.budgets.available())
             self.plans.cache.clear()
             replanned = self._replan_running_forward()
-            self.events.emit("budget", step=self.steps + 1, budget_bytes_before=before, budget_bytes=after,
-                             user_budget_bytes=value, replanned_blocks=replanned)
+            self.events.emit(
+                "budget",
+                step=self.steps + 1,
+                budget_bytes_before=before,
+                budget_bytes=after,
+                user_budget_bytes=value,
+                replanned_blocks=replanned,
+            )
         return value
 
     def begin_step(self, label: Any = None) -> None:
@@ -266,7 +332,7 @@ class MemoryManager(Reactions):
             return None
 
     @contextlib.contextmanager
-    def step(self, label: Any = None) -> Iterator["MemoryManager"]:
+    def step(self, label: Any = None) -> Iterator[MemoryManager]:
         """Mark one forward + backward. An OOM inside is recorded and re-raised, with a note
         that `run_step` retries; the next step runs under a plan predicted lower than the one
         that failed when it is the same batch again, and plans afresh for another batch."""
@@ -274,7 +340,7 @@ class MemoryManager(Reactions):
             yield self
 
     @contextlib.contextmanager
-    def _step(self, label: Any, *, retried: bool) -> Iterator["MemoryManager"]:
+    def _step(self, label: Any, *, retried: bool) -> Iterator[MemoryManager]:
         self.begin_step(label)
         try:
             yield self
@@ -291,8 +357,12 @@ class MemoryManager(Reactions):
     def run_step(self, fn: Callable[..., Any], *args: Any, label: Any = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a forward and backward, no optimizer step) as one
         step; after an out-of-memory error, free, tighten the plan and run it again."""
-        guard = StepGuard(self.model, self.policy.accumulation_snapshot, buffer_limit=self.policy.buffer_snapshot_limit,
-                          copies=self._buffer_copies)
+        guard = StepGuard(
+            self.model,
+            self.policy.accumulation_snapshot,
+            buffer_limit=self.policy.buffer_snapshot_limit,
+            copies=self._buffer_copies,
+        )
         self.plans.succeeded()  # a new batch: not a retry of whatever failed before
         reruns = 0  # runs again for a second backward, not for memory
         try:
@@ -338,11 +408,16 @@ class MemoryManager(Reactions):
         return self._reacher(limit).largest_batch(length)
 
     def _reacher(self, limit: Budget) -> Reacher:
-        fits = self.budgets.available() if limit is None else resolve_budget(limit, self.policy, self.probe,
-                                                                              use_env=False)
+        fits = (
+            self.budgets.available() if limit is None else resolve_budget(limit, self.policy, self.probe, use_env=False)
+        )
         with self._lock:
-            return self.lengths.reacher(self.costs, self.plans, self.budgets.user if fits is None else fits,
-                                        0 if self._in_step else self.probe.allocated())
+            return self.lengths.reacher(
+                self.costs,
+                self.plans,
+                self.budgets.user if fits is None else fits,
+                0 if self._in_step else self.probe.allocated(),
+            )
 
     def summary(self) -> dict[str, Any]:
         """Counts and figures of the run so far (steps, peak, OOMs, decisions, prediction error, ...)."""
@@ -364,7 +439,7 @@ class MemoryManager(Reactions):
         self._finalizer()  # closes the log and the probe
         self._give_back()
 
-    def __enter__(self) -> "MemoryManager":
+    def __enter__(self) -> MemoryManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -397,4 +472,3 @@ def _shut_down(sampler: Sampler, events: EventLog, probe: Any) -> None:
     closer = getattr(probe, "close", None)
     if closer is not None:
         closer()
-

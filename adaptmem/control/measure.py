@@ -11,15 +11,22 @@ from adaptmem.modes import Mode
 from adaptmem.wrapping import get_instrumentation, instrument, restore
 
 
-def measure_peak(model: torch.nn.Module, make_batch: Callable[[], dict], *, mode: Mode | str | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, steps: int = 1) -> int:
+def measure_peak(
+    model: torch.nn.Module,
+    make_batch: Callable[[], dict],
+    *,
+    mode: Mode | str | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    steps: int = 1,
+) -> int:
     """Peak device bytes of a training step of `model`, weights counted, on a fresh stand-in.
 
     `make_batch()` returns the keyword arguments of one forward, whose output
     has a `.loss`. With `mode`, every block runs in it (a plain model is
     instrumented with the automatic blocks for the measurement and restored
-    after; an instrumented one keeps its blocks and gets its own modes back). With `optimizer`, each step also steps it, so after
-    the first step its state is counted too. The peak of the last of `steps`
+    after; an instrumented one keeps its blocks and gets its own modes back).
+    With `optimizer`, each step also steps it, so after the first step its
+    state is counted too. The peak of the last of `steps`
     steps is returned; gradients are cleared after.
     """
     existing = get_instrumentation(model)

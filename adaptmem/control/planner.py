@@ -78,8 +78,9 @@ def plan(options: list[list[Option]], capacity: float, final: float = 0.0, bins:
     # tightest peak, the one that holds the least, then the cheapest. Held by time alone, a block off
     # the predicted peak stays in NONE, and a peak predicted in the wrong place runs out of memory
     # where every block saving would have fitted (a ConvNeXt at 224 px, 3 of 10 blocks in NONE)
-    holding = [[Option(o.mode, o.saved, o.need, o.saved + o.seconds * _SECOND, o.host) for o in opts]
-               for opts in options]
+    holding = [
+        [Option(o.mode, o.saved, o.need, o.saved + o.seconds * _SECOND, o.host) for o in opts] for opts in options
+    ]
     found = _solve(holding, tight, final, bins, use_cost=True)
     if found is None:  # pragma: no cover - tightest_capacity guarantees a solution
         raise RuntimeError("planner found no plan at the tightest capacity")
@@ -144,7 +145,7 @@ def _solve(options, capacity, final, bins, *, use_cost: bool) -> list[int] | Non
     grid = torch.empty((width, span), dtype=torch.float64)  # block i's cost per choice and prefix sum
     flat_grid = grid.view(-1)
     for first in range(0, n, _CHUNK):
-        rows = _source_rows(saved[first:first + _CHUNK], lim[first:first + _CHUNK], ramp, pad)
+        rows = _source_rows(saved[first : first + _CHUNK], lim[first : first + _CHUNK], ramp, pad)
         after = torch.full((len(rows), pad + span), math.inf, dtype=torch.float64)
         for row, out, best in zip(rows, after.unbind(0), after[:, pad:].unbind(0)):
             # three kernels a block: this loop is the planner's time
@@ -155,7 +156,7 @@ def _solve(options, capacity, final, bins, *, use_cost: bool) -> list[int] | Non
     final_bins = _up(final, quantum)
     if final_bins > top:
         return None
-    tail = sources[n][pad: pad + top - final_bins + 1]
+    tail = sources[n][pad : pad + top - final_bins + 1]
     if not torch.isfinite(tail).any():
         return None
     end = int(torch.nonzero(tail == tail.min())[0])  # cheapest, then the smallest total saved
@@ -164,9 +165,11 @@ def _solve(options, capacity, final, bins, *, use_cost: bool) -> list[int] | Non
     picked: list[int] = []
     for i in range(n - 1, -1, -1):  # back from the end: the first choice that reached it
         # what each choice would have cost to reach `end`, recomputed as the loop computed it
-        window = sources[i][pad + end - deepest: pad + end + 1].tolist()  # the rows it can come from
-        column = [window[deepest - s] + c if end <= cap else math.inf
-                  for s, cap, c in zip(saved_rows[i], lim_rows[i], cost_list[i])]
+        window = sources[i][pad + end - deepest : pad + end + 1].tolist()  # the rows it can come from
+        column = [
+            window[deepest - s] + c if end <= cap else math.inf
+            for s, cap, c in zip(saved_rows[i], lim_rows[i], cost_list[i])
+        ]
         m = column.index(min(column))
         picked.append(m)
         end -= saved_rows[i][m]

@@ -35,15 +35,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
+from adaptmem.config.policy import Policy
+from adaptmem.config.units import format_bytes
 from adaptmem.control.costs import CostModel
 from adaptmem.control.coverage import covers, known
 from adaptmem.control.decisions import Decider
 from adaptmem.control.headcosts import HeadChoice
-from adaptmem.modes import HeadMode, Mode, ladder, step_up
-from adaptmem.control.planner import Option, plan as solve, predicted_peak
+from adaptmem.control.planner import Option, predicted_peak
+from adaptmem.control.planner import plan as solve
 from adaptmem.control.retry import plan_text
-from adaptmem.config.policy import Policy
-from adaptmem.config.units import format_bytes
+from adaptmem.modes import HeadMode, Mode, ladder, step_up
 
 log = logging.getLogger("adaptmem")
 
@@ -82,8 +83,16 @@ class PlanBook:
     which would move bytes to where they already are, are never planned.
     """
 
-    def __init__(self, n_blocks: int, policy: Policy, costs: CostModel, decider: Decider, probe: Any,
-                 start_plan: tuple[Mode, ...] | None = None, one_memory: bool = False) -> None:
+    def __init__(
+        self,
+        n_blocks: int,
+        policy: Policy,
+        costs: CostModel,
+        decider: Decider,
+        probe: Any,
+        start_plan: tuple[Mode, ...] | None = None,
+        one_memory: bool = False,
+    ) -> None:
         self.n = n_blocks
         self.policy = policy
         self.costs = costs
@@ -91,8 +100,9 @@ class PlanBook:
         self.probe = probe
         self.start_plan = start_plan
         # the policy's modes, less any found unusable in this run
-        self.allowed: tuple[Mode, ...] = tuple(m for m in policy.allowed if not (one_memory and Mode.OFFLOAD in m)) \
-            or policy.allowed
+        self.allowed: tuple[Mode, ...] = (
+            tuple(m for m in policy.allowed if not (one_memory and Mode.OFFLOAD in m)) or policy.allowed
+        )
         self.pinned: dict[int, Mode] = {}  # blocks whose mode is not the planner's to choose
         self.cache: OrderedDict[Key, PlanRecord] = OrderedDict()
         self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory
@@ -125,8 +135,7 @@ class PlanBook:
             seen = extent if record is None else max(extent, record.seen)
             record = self.make(key, start, budget, fixed={}, reason="new shape", extent=seen)
             self.cache[key] = record
-        elif (start > record.start + 0.01 * budget or self.failed is not None
-              or self._outlearned(record, start, budget)):
+        elif start > record.start + 0.01 * budget or self.failed is not None or self._outlearned(record, start, budget):
             record = self.make(key, start, budget, fixed={}, reason="replan", extent=record.seen)
             self.cache[key] = record
         self.cache.move_to_end(key)
@@ -155,8 +164,9 @@ class PlanBook:
         self.pinned = dict(pinned)
         self.cache.clear()
 
-    def make(self, key: Key, start: int, budget: int, *, fixed: dict[int, Mode], reason: str,
-             extent: int | None = None) -> PlanRecord:
+    def make(
+        self, key: Key, start: int, budget: int, *, fixed: dict[int, Mode], reason: str, extent: int | None = None
+    ) -> PlanRecord:
         """A plan for bucket `key`, for inputs of up to `extent` elements per sample (default: the
         bucket's top), made for the bucket's top while that shape has not been measured."""
         p = self.policy
@@ -187,21 +197,38 @@ class PlanBook:
             modes, head, exhausted = self._retry(modes, head, shape)
             reason = "nothing lower" if exhausted else f"retry {self.attempt}"
         for i, mode in fixed.items():
-            modes = modes[:i] + (mode,) + modes[i + 1:]
+            modes = modes[:i] + (mode,) + modes[i + 1 :]
         if warn and not feasible:
             self._warn_unfit(key, shape, start, budget, modes, head, bound)
-        return PlanRecord(modes, key, extent, start, predicted, reason, feasible, shortfall,
-                          self.costs.steps_learned, seen, head, exhausted)
+        return PlanRecord(
+            modes,
+            key,
+            extent,
+            start,
+            predicted,
+            reason,
+            feasible,
+            shortfall,
+            self.costs.steps_learned,
+            seen,
+            head,
+            exhausted,
+        )
 
-    def predict(self, modes: tuple[Mode, ...], batch: int, extent: int, start: int,
-                head: HeadChoice | None = None) -> float | None:
+    def predict(
+        self, modes: tuple[Mode, ...], batch: int, extent: int, start: int, head: HeadChoice | None = None
+    ) -> float | None:
         """Predicted absolute peak of `modes` (and the head's `head`) for this shape, or None
         before calibration."""
         if not self.costs.known:
             return None
         state = (self.costs.steps_learned, self.costs.policy)
-        if self._predicted_for is None or self._predicted_for[0] != state[0] or self._predicted_for[1] is not state[1] \
-                or len(self._predicted) >= 4 * MAX_CACHED_PLANS:
+        if (
+            self._predicted_for is None
+            or self._predicted_for[0] != state[0]
+            or self._predicted_for[1] is not state[1]
+            or len(self._predicted) >= 4 * MAX_CACHED_PLANS
+        ):
             self._predicted, self._predicted_for = {}, state
         key = (modes, batch, extent, self.costs.grads_resident, head)
         above = self._predicted.get(key)
@@ -224,8 +251,13 @@ class PlanBook:
         self.cache.clear()
         return True
 
-    def failure(self, executed: tuple[Mode, ...], head: HeadChoice | None = None, shape: Shape | None = None,
-                foreseen: bool = True) -> None:
+    def failure(
+        self,
+        executed: tuple[Mode, ...],
+        head: HeadChoice | None = None,
+        shape: Shape | None = None,
+        foreseen: bool = True,
+    ) -> None:
         """`executed` (with `head`) ran out of memory on `shape`: retries must be predicted lower.
         `foreseen`: it ran although no plan was predicted to fit (it was the tightest)."""
         self.failed_unforeseen = (not self.tried or self.failed_unforeseen) and not foreseen
@@ -277,8 +309,16 @@ class PlanBook:
         modes, head = (result.modes[:-1], result.modes[-1]) if head_row else (result.modes, None)
         return modes, head, start + result.peak, result.feasible, result.shortfall, bound
 
-    def _warn_unfit(self, key: Key, shape: Shape, start: int, budget: int, modes: tuple[Mode, ...],
-                    head: HeadChoice | None, bound: bool) -> None:
+    def _warn_unfit(
+        self,
+        key: Key,
+        shape: Shape,
+        start: int,
+        budget: int,
+        modes: tuple[Mode, ...],
+        head: HeadChoice | None,
+        bound: bool,
+    ) -> None:
         """Once per shape bucket (whatever the gradient state; a size first extrapolated warns again once
         measured): no plan is predicted to fit, and the plan that runs, as it runs (a retry's included)."""
         batch, extent = shape
@@ -291,12 +331,19 @@ class PlanBook:
         log.warning(
             "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
             "%d input elements each. Running %s%s, predicted at %s (%s over)%s; %s",
-            format_bytes(target), 100 * self.decider.headroom, format_bytes(budget), batch, extent,
+            format_bytes(target),
+            100 * self.decider.headroom,
+            format_bytes(budget),
+            batch,
+            extent,
             "a retry's plan, " if self.failed is not None else "" if bound and measured else "the tightest plan, ",
-            plan_text(modes, head), format_bytes(predicted), format_bytes(max(0.0, predicted - target)),
+            plan_text(modes, head),
+            format_bytes(predicted),
+            format_bytes(max(0.0, predicted - target)),
             ": the peak after the blocks' backward, which no plan lowers" if bound else "",
-            "lower the batch or input size, or raise the budget." if measured else
-            "this size has not run yet, so its figures are extrapolated from other sizes (with a margin); "
+            "lower the batch or input size, or raise the budget."
+            if measured
+            else "this size has not run yet, so its figures are extrapolated from other sizes (with a margin); "
             "if it runs out of memory, run_step retries it tighter.",
         )
 
@@ -315,8 +362,9 @@ class PlanBook:
         fitting = [o for o in row if o.need <= room]
         return min(fitting, key=lambda o: o.seconds).mode if fitting else min(row, key=lambda o: o.need).mode
 
-    def _retry(self, modes: tuple[Mode, ...], head: HeadChoice | None,
-               shape: Shape) -> tuple[tuple[Mode, ...], HeadChoice | None, bool]:
+    def _retry(
+        self, modes: tuple[Mode, ...], head: HeadChoice | None, shape: Shape
+    ) -> tuple[tuple[Mode, ...], HeadChoice | None, bool]:
         """A retry's plan: the first candidate not tried and predicted lower than what failed (the
         planner's own plan made no looser than the failed one, each block a rung up, uniform plans by
         predicted peak), with the head no looser than the failed one's, then with the head in its
@@ -382,8 +430,19 @@ class PlanBook:
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> list:
-        return [[list(k), [m.label for m in r.modes], r.start, r.predicted, r.extent, r.seen, r.learned,
-                 r.head.label if r.head is not None else None] for k, r in self.cache.items()]
+        return [
+            [
+                list(k),
+                [m.label for m in r.modes],
+                r.start,
+                r.predicted,
+                r.extent,
+                r.seen,
+                r.learned,
+                r.head.label if r.head is not None else None,
+            ]
+            for k, r in self.cache.items()
+        ]
 
     def load_state_dict(self, state: list) -> None:
         self.cache = OrderedDict()
@@ -392,7 +451,14 @@ class PlanBook:
             extent, seen, learned, *more = rest or (k[1], k[1], 0)  # saved before plans kept their extent: the top
             k = (*k, False)[:3]  # saved before plans were kept per gradient state: a fresh step's
             head = HeadChoice.parse(more[0]) if more and more[0] else None  # saved before heads were planned: none
-            self.cache[k] = PlanRecord(tuple(Mode.parse(m) for m in modes), k, extent, start, pred,
-                                       "resume", learned=learned, seen=seen, head=head)
-
-
+            self.cache[k] = PlanRecord(
+                tuple(Mode.parse(m) for m in modes),
+                k,
+                extent,
+                start,
+                pred,
+                "resume",
+                learned=learned,
+                seen=seen,
+                head=head,
+            )

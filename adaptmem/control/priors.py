@@ -97,8 +97,14 @@ def priors_for(probe: object, cuda: bool, options: Sequence[OffloadOptions] = ()
         return HOST_PRIORS
     # its copies travel while compute goes on; it allocates a copy back only when backward needs
     # it (no prefetched block resident), though a prefetch starts its travel a block early
-    return replace(HOST_PRIORS, link_bytes_per_s=link, in_flight_cap=in_flight, covered_by_compute=True,
-                   copy_bytes_per_s=STAND_IN_COPY_BYTES_PER_S, back_covered=all(o.prefetch for o in options))
+    return replace(
+        HOST_PRIORS,
+        link_bytes_per_s=link,
+        in_flight_cap=in_flight,
+        covered_by_compute=True,
+        copy_bytes_per_s=STAND_IN_COPY_BYTES_PER_S,
+        back_covered=all(o.prefetch for o in options),
+    )
 
 
 @dataclass(frozen=True)
@@ -194,47 +200,74 @@ def selective(lat: Latents, a: Assumptions) -> Figures:
     """Keeps a share of the activations, recomputes the rest at a share of a recompute's time."""
     keep = a.priors.selective_keep_share * lat.activations
     recompute = lat.recompute_s or lat.forward_s
-    return Figures(a.guess * (_kept(lat) + keep), a.guess * (_transient(lat) + keep),
-                   a.measured * (lat.activations + lat.backward_temp),
-                   a.priors.selective_recompute_share * recompute, 0.0)
+    return Figures(
+        a.guess * (_kept(lat) + keep),
+        a.guess * (_transient(lat) + keep),
+        a.measured * (lat.activations + lat.backward_temp),
+        a.priors.selective_recompute_share * recompute,
+        0.0,
+    )
 
 
 def checkpoint(lat: Latents, a: Assumptions) -> Figures:
     """Keeps the input; rematerializes the activations in backward, for one more forward."""
-    return Figures(a.measured * _kept(lat), a.measured * _transient(lat),
-                   a.measured * (lat.activations + lat.backward_temp), lat.recompute_s or lat.forward_s, 0.0)
+    return Figures(
+        a.measured * _kept(lat),
+        a.measured * _transient(lat),
+        a.measured * (lat.activations + lat.backward_temp),
+        lat.recompute_s or lat.forward_s,
+        0.0,
+    )
 
 
 def offload(lat: Latents, a: Assumptions) -> Figures:
     """Sends input and activations to the host; they come back (prefetched on CUDA) in backward."""
     move = _moved(lat)
     held = _kept(lat) + a.priors.offload_residue_share * lat.activations + a.in_flight(move, lat.forward_s)
-    return Figures(a.guess * held, a.guess * _transient(lat),
-                   a.guess * (move + lat.backward_temp + a.prefetched(move)), a.transfer_s(move), move)
+    return Figures(
+        a.guess * held,
+        a.guess * _transient(lat),
+        a.guess * (move + lat.backward_temp + a.prefetched(move)),
+        a.transfer_s(move),
+        move,
+    )
 
 
 def checkpoint_offload(lat: Latents, a: Assumptions) -> Figures:
     """CHECKPOINT with its input on the host."""
     x = lat.input_bytes
-    return Figures(a.measured * (_kept(lat) + a.in_flight(x, lat.forward_s)), a.measured * _transient(lat),
-                   a.measured * (_moved(lat) + lat.backward_temp),
-                   (lat.recompute_s or lat.forward_s) + a.transfer_s(x), x)
+    return Figures(
+        a.measured * (_kept(lat) + a.in_flight(x, lat.forward_s)),
+        a.measured * _transient(lat),
+        a.measured * (_moved(lat) + lat.backward_temp),
+        (lat.recompute_s or lat.forward_s) + a.transfer_s(x),
+        x,
+    )
 
 
 def compress(lat: Latents, a: Assumptions) -> Figures:
     """Keeps a `kappa` share of input and activations; backward holds both forms while it decodes."""
     move, k = _moved(lat), a.kappa
-    return Figures(a.guess * (_kept(lat) + k * move), a.guess * (_transient(lat) + k * move),
-                   a.guess * ((1 + k) * move + lat.backward_temp), a.codec_s(move), 0.0)
+    return Figures(
+        a.guess * (_kept(lat) + k * move),
+        a.guess * (_transient(lat) + k * move),
+        a.guess * ((1 + k) * move + lat.backward_temp),
+        a.codec_s(move),
+        0.0,
+    )
 
 
 def compress_offload(lat: Latents, a: Assumptions) -> Figures:
     """COMPRESS, with the smaller payload on the host."""
     move, k = _moved(lat), a.kappa
     held = _kept(lat) + a.in_flight(k * move, lat.forward_s)
-    return Figures(a.guess * held, a.guess * (_transient(lat) + k * move),
-                   a.guess * ((1 + k) * move + lat.backward_temp + k * a.prefetched(move)),
-                   a.codec_s(move) + a.transfer_s(k * move), k * move)
+    return Figures(
+        a.guess * held,
+        a.guess * (_transient(lat) + k * move),
+        a.guess * ((1 + k) * move + lat.backward_temp + k * a.prefetched(move)),
+        a.codec_s(move) + a.transfer_s(k * move),
+        k * move,
+    )
 
 
 DERIVATIONS: dict[Mode, Callable[[Latents, Assumptions], Figures]] = {

@@ -25,7 +25,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from adaptmem.config.units import format_bytes
-from adaptmem.control.planner import Option, feasible, plan as solve, predicted_peak
+from adaptmem.control.planner import Option, feasible, predicted_peak
+from adaptmem.control.planner import plan as solve
 from adaptmem.modes import Mode
 
 log = logging.getLogger("adaptmem")
@@ -64,13 +65,21 @@ class Reach:
         plan = ", ".join(f"{label} x{n}" for label, n in Counter(m.label for m in self.plan).items())
         head = f"; head {self.head}" if self.head else ""
         note = f" (extrapolated past the {self.measured_length:,} measured)" if self.extrapolated else ""
-        return (f"batch {self.batch} x {self.length:,} tokens{note}: predicted peak {format_bytes(self.peak_bytes)} "
-                f"of {format_bytes(self.limit_bytes)} under {plan}{head}")
+        return (
+            f"batch {self.batch} x {self.length:,} tokens{note}: predicted peak {format_bytes(self.peak_bytes)} "
+            f"of {format_bytes(self.limit_bytes)} under {plan}{head}"
+        )
 
     def as_record(self) -> dict:
-        return {"batch": self.batch, "length": self.length, "peak_bytes": self.peak_bytes,
-                "limit_bytes": self.limit_bytes, "plan": [m.label for m in self.plan], "head": self.head,
-                "extrapolated": self.extrapolated}
+        return {
+            "batch": self.batch,
+            "length": self.length,
+            "peak_bytes": self.peak_bytes,
+            "limit_bytes": self.limit_bytes,
+            "plan": [m.label for m in self.plan],
+            "head": self.head,
+            "extrapolated": self.extrapolated,
+        }
 
 
 class LengthsSeen:
@@ -92,16 +101,26 @@ class LengthsSeen:
         if sample.completed:
             self.start = max(self.start, sample.start)
 
-    def reacher(self, costs, plans, limit: int, allocated: int) -> "Reacher":
+    def reacher(self, costs, plans, limit: int, allocated: int) -> Reacher:
         if not costs.known:
-            raise RuntimeError("nothing is measured yet: run a training step or more under this manager first "
-                               "(the first is its calibration), then ask; the figures are for the model as "
-                               "those steps ran it")
+            raise RuntimeError(
+                "nothing is measured yet: run a training step or more under this manager first "
+                "(the first is its calibration), then ask; the figures are for the model as "
+                "those steps ran it"
+            )
         if not self.width:
-            raise RuntimeError("the blocks' main input has no sequence dimension (it is not batch x tokens x "
-                               "hidden), so there is no sequence length to predict")
-        return Reacher(costs, plans, width=self.width, start=max(self.start, allocated), limit=limit,
-                       measured_length=self.measured_length)
+            raise RuntimeError(
+                "the blocks' main input has no sequence dimension (it is not batch x tokens x "
+                "hidden), so there is no sequence length to predict"
+            )
+        return Reacher(
+            costs,
+            plans,
+            width=self.width,
+            start=max(self.start, allocated),
+            limit=limit,
+            measured_length=self.measured_length,
+        )
 
     def state_dict(self) -> dict:
         return {"width": self.width, "measured_length": self.measured_length, "start": self.start}
@@ -170,8 +189,17 @@ class Reacher:
         if self.costs.head_costs is not None:
             modes, head = result.modes[:-1], result.modes[-1].label
         extrapolated = not self.costs.measured(batch, length * self.width) and length > self.measured_length
-        return Reach(batch, length, int(self.start + peak), self.limit, self.start, tuple(modes), head,
-                     extrapolated, self.measured_length)
+        return Reach(
+            batch,
+            length,
+            int(self.start + peak),
+            self.limit,
+            self.start,
+            tuple(modes),
+            head,
+            extrapolated,
+            self.measured_length,
+        )
 
 
 def _largest(fits, hint: int) -> int:

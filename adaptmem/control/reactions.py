@@ -20,8 +20,8 @@ import torch
 from adaptmem.config.units import format_bytes
 from adaptmem.control.decisions import ESCALATE, HOLD
 from adaptmem.control.plans import RETRY_STEP, PlanRecord
-from adaptmem.control.samples import InputShape, StepSample, shape_of
 from adaptmem.control.retry import StepOutOfMemoryError, failure_record
+from adaptmem.control.samples import InputShape, StepSample, shape_of
 from adaptmem.control.unfit import Trace, refusal, unfittable
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.modes import Mode
@@ -59,9 +59,11 @@ class Reactions:
             self.recorder.overlap()
             if not self._overlap_warned:
                 self._overlap_warned = True
-                log.warning("adaptmem: a step ran a second forward before its backward; its second forward is "
-                            "planned for the memory the first leaves, and the step teaches the cost model only "
-                            "its peak. Mark each forward + backward as its own step where you can.")
+                log.warning(
+                    "adaptmem: a step ran a second forward before its backward; its second forward is "
+                    "planned for the memory the first leaves, and the step teaches the cost model only "
+                    "its peak. Mark each forward + backward as its own step where you can."
+                )
 
     def block_end(self, handle: BlockHandle, call: Any, output: Any) -> None:
         self.recorder.block_end(handle, call, output)
@@ -73,12 +75,20 @@ class Reactions:
         """The run backwards twice through a step (retain_graph / create_graph): `mode`,
         which PyTorch cannot backward twice, is never planned again in this run."""
         if self.plans.forbid(mode):
-            log.warning("adaptmem: this run backwards twice through a step (retain_graph=True or "
-                        "create_graph=True); %s cannot, so it is not used for the rest of the run. run_step runs "
-                        "a step that met it again from its start under the new plan; `with mem.step():` cannot, "
-                        "and raises that one step's error", mode.label)
-            self.events.emit("restrict", step=self.steps + 1, mode=mode.label, reason="double backward",
-                             allowed=[m.label for m in self.plans.allowed])
+            log.warning(
+                "adaptmem: this run backwards twice through a step (retain_graph=True or "
+                "create_graph=True); %s cannot, so it is not used for the rest of the run. run_step runs "
+                "a step that met it again from its start under the new plan; `with mem.step():` cannot, "
+                "and raises that one step's error",
+                mode.label,
+            )
+            self.events.emit(
+                "restrict",
+                step=self.steps + 1,
+                mode=mode.label,
+                reason="double backward",
+                allowed=[m.label for m in self.plans.allowed],
+            )
 
     def _warn_unmarked(self) -> None:
         if self._unmarked_warned:
@@ -96,22 +106,34 @@ class Reactions:
         """A `SimulatedDevice` counts only while entered: a step run outside it reads a peak of
         what was there before, and every plan would be made on figures of nothing."""
         device = getattr(self.probe, "device", None)
-        if (self._idle_warned or sample is None or not sample.blocks or not hasattr(device, "active")
-                or device.active or sample.peak > sample.start):
+        if (
+            self._idle_warned
+            or sample is None
+            or not sample.blocks
+            or not hasattr(device, "active")
+            or device.active
+            or sample.peak > sample.start
+        ):
             return
         self._idle_warned = True
         log.warning(
             "adaptmem: the SimulatedDevice given to the manager was not entered during step %d, so it "
             "counted none of its tensors (peak %s, what was there before) and the plans rest on "
             "figures of nothing. Run the steps inside `with device:` (around the training loop, "
-            "trainer.fit() or trainer.train()).", self.steps + 1, format_bytes(sample.peak),
+            "trainer.fit() or trainer.train()).",
+            self.steps + 1,
+            format_bytes(sample.peak),
         )
 
     # ----------------------------------------------------------- planning
     def _plan_forward(self, shape: InputShape) -> None:
         with self._lock:
-            if self._in_step and self.plans.failed is not None and self.plans.failed_shape is not None \
-                    and self.plans.failed_shape != (shape.batch, shape.extent):
+            if (
+                self._in_step
+                and self.plans.failed is not None
+                and self.plans.failed_shape is not None
+                and self.plans.failed_shape != (shape.batch, shape.extent)
+            ):
                 # a batch that ran out of memory under `step()` was given up, not retried: this is the
                 # next one. What the failure taught stays; its retry rules are for that batch only
                 self.plans.succeeded()
@@ -150,15 +172,28 @@ class Reactions:
         if self._agree is not None:
             if not self._agree.any(record.exhausted and not lifted):
                 return
-        elif not ((record.exhausted and not lifted)
-                  or unfittable(record, start, available, self.costs.measured(shape.batch, shape.extent))):
+        elif not (
+            (record.exhausted and not lifted)
+            or unfittable(record, start, available, self.costs.measured(shape.batch, shape.extent))
+        ):
             return
-        message = refusal(self, record, shape.batch, shape.extent, shape.seq if shape.width else 0, start,
-                          self._attempts)
+        message = refusal(
+            self, record, shape.batch, shape.extent, shape.seq if shape.width else 0, start, self._attempts
+        )
         self._refused = True
-        self.events.emit("refused", step=self.steps + 1, label=self._label, batch=shape.batch, seq=shape.seq,
-                         sample_elements=shape.extent, predicted_peak_bytes=record.predicted, floor_bytes=start,
-                         budget_bytes=self.budget, exhausted=record.exhausted, attempts=len(self._attempts))
+        self.events.emit(
+            "refused",
+            step=self.steps + 1,
+            label=self._label,
+            batch=shape.batch,
+            seq=shape.seq,
+            sample_elements=shape.extent,
+            predicted_peak_bytes=record.predicted,
+            floor_bytes=start,
+            budget_bytes=self.budget,
+            exhausted=record.exhausted,
+            attempts=len(self._attempts),
+        )
         raise StepOutOfMemoryError(message, list(self._attempts))
 
     def _agree_on_failure(self, error: BaseException | None) -> BaseException | None:
@@ -197,8 +232,9 @@ class Reactions:
         with self._lock:
             start = self.probe.allocated()
             bucket = self.plans.bucket(shape.batch, shape.extent)
-            self._apply(self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward",
-                                        extent=shape.extent))
+            self._apply(
+                self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward", extent=shape.extent)
+            )
 
     def _check_own_checkpointing(self) -> None:
         """The model's own gradient checkpointing (Hugging Face's `gradient_checkpointing`),
@@ -220,11 +256,15 @@ class Reactions:
                 " run them once more) and plans the others. Switch it off "
                 "(model.activation_checkpointing_disable(), or model.gradient_checkpointing_disable() in "
                 "transformers without it) to let adaptmem decide for every block.",
-                len(own), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+                len(own),
+                ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
             )
         else:
-            log.warning("adaptmem: the model's own gradient checkpointing is off again for %d block(s); "
-                        "adaptmem decides for every block", len(self.handles) - len(own))
+            log.warning(
+                "adaptmem: the model's own gradient checkpointing is off again for %d block(s); "
+                "adaptmem decides for every block",
+                len(self.handles) - len(own),
+            )
 
     def _apply(self, record: PlanRecord) -> None:
         for handle, mode in zip(self.handles, record.modes):
@@ -238,10 +278,17 @@ class Reactions:
             self.plan_changes += 1
             self._current, self._current_head = record.modes, record.head
             self.events.emit(
-                "plan", step=self.steps + 1, reason=record.reason, batch=record.key[0], bucket=record.key[1],
-                budget_bytes=self.budget, headroom=round(self.decider.headroom, 4),
-                predicted_peak_bytes=record.predicted, feasible=record.feasible,
-                shortfall_bytes=record.shortfall, plan={h.name: m.label for h, m in zip(self.handles, record.modes)},
+                "plan",
+                step=self.steps + 1,
+                reason=record.reason,
+                batch=record.key[0],
+                bucket=record.key[1],
+                budget_bytes=self.budget,
+                headroom=round(self.decider.headroom, 4),
+                predicted_peak_bytes=record.predicted,
+                feasible=record.feasible,
+                shortfall_bytes=record.shortfall,
+                plan={h.name: m.label for h, m in zip(self.handles, record.modes)},
                 head=record.head.label if record.head is not None else None,
             )
 
@@ -254,8 +301,9 @@ class Reactions:
         batch, extent, start, done = state
         if len(done) >= len(self.handles):
             return 0
-        record = self.plans.make(self.plans.bucket(batch, extent), start, self.budget, fixed=done, reason="pressure",
-                                 extent=extent)
+        record = self.plans.make(
+            self.plans.bucket(batch, extent), start, self.budget, fixed=done, reason="pressure", extent=extent
+        )
         changed = sum(1 for i, h in enumerate(self.handles) if i not in done and h.mode is not record.modes[i])
         self._apply(record)
         return changed
@@ -288,8 +336,12 @@ class Reactions:
             error = (pred - observed) / observed
             self.errors.append(error)
         rebias = False
-        if pred is not None and decision == HOLD and not (calibrating or sample.unmeasured) \
-                and observed > self._step_start:
+        if (
+            pred is not None
+            and decision == HOLD
+            and not (calibrating or sample.unmeasured)
+            and observed > self._step_start
+        ):
             # aim again with the predictions' bias taken out
             rebias = self.decider.learn_bias(pred - self._step_start, observed - self._step_start)
         missed = pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget
@@ -299,8 +351,12 @@ class Reactions:
             self.measuring.missed(self._step_key)
         # a first offload's time is cold (it allocated its host memory): a replan that is not for
         # memory waits one step, so the plan runs again and is remade from the warm reading
-        if self.costs.provisional and decision != ESCALATE and not calibrating \
-                and (decision != HOLD or missed or rebias):
+        if (
+            self.costs.provisional
+            and decision != ESCALATE
+            and not calibrating
+            and (decision != HOLD or missed or rebias)
+        ):
             self._replan_when_warm = True
         elif decision != HOLD or calibrating or rebias or self._replan_when_warm:
             self.plans.cache.clear()
@@ -314,15 +370,29 @@ class Reactions:
             self.plans.cache.clear()
             self.events.emit("relief", step=self.steps, budget_bytes_before=relief[0], budget_bytes=relief[1])
         return self.events.emit(
-            "step", step=self.steps, label=self._label, rank=self._rank, attempt=self.plans.attempt,
-            batch=sample.batch, seq=sample.seq, tokens=sample.tokens, sample_elements=sample.extent,
-            predicted_peak_bytes=pred, observed_peak_bytes=observed, budget_bytes=self.budget,
-            capacity_bytes=self.budgets.capacity, external_bytes=self._reading(self.probe.external, None),
-            host_bytes=sum(b.host for b in sample.blocks), prediction_error=error, decision=decision,
-            headroom=round(self.decider.headroom, 4), alloc_retries=retries,
+            "step",
+            step=self.steps,
+            label=self._label,
+            rank=self._rank,
+            attempt=self.plans.attempt,
+            batch=sample.batch,
+            seq=sample.seq,
+            tokens=sample.tokens,
+            sample_elements=sample.extent,
+            predicted_peak_bytes=pred,
+            observed_peak_bytes=observed,
+            budget_bytes=self.budget,
+            capacity_bytes=self.budgets.capacity,
+            external_bytes=self._reading(self.probe.external, None),
+            host_bytes=sum(b.host for b in sample.blocks),
+            prediction_error=error,
+            decision=decision,
+            headroom=round(self.decider.headroom, 4),
+            alloc_retries=retries,
             plan=[sample.plan.get(i, h.mode).label for i, h in enumerate(self.handles)],
             head=sample.head.label if sample.head is not None else None,
-            plan_counts=dict(Counter(m.label for m in sample.plan.values())), seconds=round(sample.seconds, 6),
+            plan_counts=dict(Counter(m.label for m in sample.plan.values())),
+            seconds=round(sample.seconds, 6),
             measured="blocks" if sample.detailed else "peak",
         )
 
@@ -334,8 +404,7 @@ class Reactions:
         steps between them would start over at each). A wrong prediction is learned from by
         measuring (a new size is measured; a missed prediction is measured again). Alone, not
         with other ranks, whose deciders must move alike."""
-        return (not self._step_feasible and self._agree is None
-                and observed >= self.policy.low_watermark * self.budget)
+        return not self._step_feasible and self._agree is None and observed >= self.policy.low_watermark * self.budget
 
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
         self.ooms += 1
@@ -347,11 +416,19 @@ class Reactions:
         executed = tuple(sample.plan.get(i, h.mode) for i, h in enumerate(self.handles)) if ran else ()
         if ran:  # a plan was running: the retry must not run it again
             self.plans.failure(executed, sample.head, (sample.batch, sample.extent), foreseen=not self._step_feasible)
-        self._last_failure = failure_record(err, sample, executed, self._step_pred or 0, self.budget,
-                                            self.decider.headroom, self._reading(self.budgets.available, None))
+        self._last_failure = failure_record(
+            err,
+            sample,
+            executed,
+            self._step_pred or 0,
+            self.budget,
+            self.decider.headroom,
+            self._reading(self.budgets.available, None),
+        )
         self._attempts.append(dict(self._last_failure))
-        return self.events.emit("oom", step=self.steps + 1, label=self._label, attempt=self.plans.attempt,
-                                **self._last_failure)
+        return self.events.emit(
+            "oom", step=self.steps + 1, label=self._label, attempt=self.plans.attempt, **self._last_failure
+        )
 
     def _free_after_oom(self) -> None:
         gc.collect()
@@ -375,7 +452,13 @@ class Reactions:
             self.plans.cache.clear()
             replanned = self._replan_running_forward()
             others = getattr(self.probe, "processes", None)  # who took the memory (NVML, on CUDA)
-            self.events.emit("pressure", step=self.steps + 1, external_bytes=self.probe.external(),
-                             budget_bytes_before=squeezed[0], budget_bytes=squeezed[1], replanned_blocks=replanned,
-                             processes=others() if others is not None else None)
+            self.events.emit(
+                "pressure",
+                step=self.steps + 1,
+                external_bytes=self.probe.external(),
+                budget_bytes_before=squeezed[0],
+                budget_bytes=squeezed[1],
+                replanned_blocks=replanned,
+                processes=others() if others is not None else None,
+            )
             self.pressure_events += 1  # last: whoever waits on it sees the whole reaction

@@ -34,9 +34,14 @@ class SafeReadings:
     def _failed(self, what: str, err: Exception) -> None:
         self.failures += 1
         if self.failures == 1 or self.failures % 100 == 0:
-            log.warning("adaptmem: reading %s from the probe failed (%s: %s; %d so far): the step goes on "
-                        "with the last good reading and is not learned from", what, type(err).__name__, err,
-                        self.failures)
+            log.warning(
+                "adaptmem: reading %s from the probe failed (%s: %s; %d so far): the step goes on "
+                "with the last good reading and is not learned from",
+                what,
+                type(err).__name__,
+                err,
+                self.failures,
+            )
 
     def allocated(self) -> int:
         self._last = self.read("allocated", self.inner.allocated, self._last)

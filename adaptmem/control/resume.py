@@ -27,8 +27,13 @@ def manager_state(mgr: Any) -> dict[str, Any]:
         "current_head": mgr._current_head.label if mgr._current_head is not None else None,
         "budget": mgr.budget,
         "lengths": mgr.lengths.state_dict(),
-        "counters": {"steps": mgr.steps, "ooms": mgr.ooms, "ooms_recovered": mgr.ooms_recovered,
-                     "plan_changes": mgr.plan_changes, "peak_bytes": mgr.peak_bytes},
+        "counters": {
+            "steps": mgr.steps,
+            "ooms": mgr.ooms,
+            "ooms_recovered": mgr.ooms_recovered,
+            "plan_changes": mgr.plan_changes,
+            "peak_bytes": mgr.peak_bytes,
+        },
     }
 
 
@@ -74,8 +79,7 @@ def restore_manager_state(mgr: Any, state: dict[str, Any]) -> str:
 def announce_resume(mgr: Any, started_as: str) -> None:
     """The `resume` record: the plan the saved run continues with, and the run id the manager
     had before it took the saved one (the saved one itself for a manager built with `state=`)."""
-    mgr.events.emit("resume", step=mgr.steps, started_as=started_as,
-                    plan={h.name: h.mode.label for h in mgr.handles})
+    mgr.events.emit("resume", step=mgr.steps, started_as=started_as, plan={h.name: h.mode.label for h in mgr.handles})
 
 
 def manager_summary(mgr: Any) -> dict[str, Any]:

@@ -105,8 +105,14 @@ class StepGuard:
         copies: where the buffers' copies are kept from step to step (the manager's); a new one if None.
     """
 
-    def __init__(self, model: torch.nn.Module, snapshot: str = "device", *, buffer_limit: int = 256 * 2**20,
-                 copies: BufferCopies | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        snapshot: str = "device",
+        *,
+        buffer_limit: int = 256 * 2**20,
+        copies: BufferCopies | None = None,
+    ) -> None:
         self.snapshot = snapshot
         self.rng = rng_state()
         buffers = list(model.buffers())
@@ -195,8 +201,15 @@ class StepGuard:
         self.saved.clear()
 
 
-def failure_record(err: BaseException, sample: Any, executed: tuple, predicted: float, budget: int,
-                   headroom: float, available: int | None = None) -> dict:
+def failure_record(
+    err: BaseException,
+    sample: Any,
+    executed: tuple,
+    predicted: float,
+    budget: int,
+    headroom: float,
+    available: int | None = None,
+) -> dict:
     """What one failed attempt was: where it ran out (`phase`), the message, the plan that ran."""
     ran = sample is not None and bool(sample.blocks)
     backward = ran and any(b.bwd_start is not None for b in sample.blocks)
@@ -236,10 +249,7 @@ def counts_text(counts: dict[str, int]) -> str:
 
 
 def oom_report(attempts: list[dict], max_retries: int) -> str:
-    lines = [
-        f"adaptmem: the step ran out of memory {len(attempts)} time(s) "
-        f"(max_retries={max_retries}); plans tried:"
-    ]
+    lines = [f"adaptmem: the step ran out of memory {len(attempts)} time(s) (max_retries={max_retries}); plans tried:"]
     for i, a in enumerate(attempts, 1):
         counts = counts_text(a["plan_counts"])
         lines.append(

@@ -1,8 +1,8 @@
 """What one step looked like, as the recorder saw it: named records, not loose attributes.
 
-  BlockSample   one block in one step: its bytes, transients and times
-  StepSample    one step: its shape, peaks, blocks, plan (and the loss head's choice)
-  InputShape    a block's main input size, what plans and costs are keyed on (`shape_of`)
+BlockSample   one block in one step: its bytes, transients and times
+StepSample    one step: its shape, peaks, blocks, plan (and the loss head's choice)
+InputShape    a block's main input size, what plans and costs are keyed on (`shape_of`)
 """
 
 from __future__ import annotations

@@ -48,8 +48,13 @@ class MeasureSchedule:
         self.next = False
         if len(self.buckets) >= MAX_CACHED_PLANS:
             self.buckets.clear()
-        if not young and last is not None and last[0] == record.modes and last[2] == record.seen \
-                and last[1] + 1 < period:
+        if (
+            not young
+            and last is not None
+            and last[0] == record.modes
+            and last[2] == record.seen
+            and last[1] + 1 < period
+        ):
             self.buckets[key] = (last[0], last[1] + 1, last[2])
             self.costs.ran(record.modes)
             return False
@@ -70,7 +75,7 @@ class MeasureSchedule:
         self.buckets = dict.fromkeys(self.buckets)
         self.next = True
 
-    def copy(self) -> "MeasureSchedule":
+    def copy(self) -> MeasureSchedule:
         other = MeasureSchedule(self.policy, self.costs)
         other.buckets, other.next = dict(self.buckets), self.next
         return other

@@ -24,8 +24,8 @@ steps. Block by block that difference is biased and noisy: it read SELECTIVE 10 
 
 from __future__ import annotations
 
-from adaptmem.control.fits import Fit, non_decreasing
 from adaptmem.config.policy import Policy
+from adaptmem.control.fits import Fit, non_decreasing
 from adaptmem.control.priors import Figures, Priors
 from adaptmem.modes import Mode
 
@@ -165,13 +165,22 @@ class ModeTimes:
             own: dict[int, float] = {}
             for j in group:
                 fit = self.direct[j].get(mode, {}).get(quantity)
-                if fit and (reading := self._own_overhead(j, mode, batch, extent) if quantity == "seconds"
-                            else fit.predict(batch, extent)) is not None:
+                if (
+                    fit
+                    and (
+                        reading := self._own_overhead(j, mode, batch, extent)
+                        if quantity == "seconds"
+                        else fit.predict(batch, extent)
+                    )
+                    is not None
+                ):
                     own[j] = reading
             settled = {j: o for j, o in own.items() if self.direct[j][mode][quantity].settled}
             own = settled or own
-            self._pool["ordered", group, mode, quantity] = (dict(zip(own, non_decreasing(list(own.values())))),
-                                                           sum(own.values()) / len(own) if own else None)
+            self._pool["ordered", group, mode, quantity] = (
+                dict(zip(own, non_decreasing(list(own.values())))),
+                sum(own.values()) / len(own) if own else None,
+            )
         ordered, pooled = self._pool["ordered", group, mode, quantity]
         if index in ordered or pooled is None:
             return ordered.get(index)
@@ -180,10 +189,10 @@ class ModeTimes:
         held = min(pooled, above[0]) if above else pooled  # no dearer than the next measured block
         return max(held, below[-1]) if below else held  # nor cheaper than the one before
 
-    def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *,
-                      siblings: bool = False) -> float | None:
+    def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *, siblings: bool = False) -> float | None:
         """Block `index`'s measured time in `mode` less its time without it (with `siblings`, a
         figure it lacks is taken from the first block alike with it that has one)."""
+
         def fits_of(m: Mode) -> dict[str, Fit] | None:
             return self.direct[index].get(m) or (self._sibling(index, m, batch, extent) if siblings else None)
 
@@ -205,7 +214,7 @@ class ModeTimes:
             q = self.policy.quadratic_prior
             fwd = [lat["forward_s"].predict(batch, extent, q) for lat in self.latent]
             bwd = [max(0.0, lat["none_s"].predict(batch, extent, q) - f) for lat, f in zip(self.latent, fwd)]
-            after = [sum(fwd[j + 1:]) for j in range(len(fwd))]
+            after = [sum(fwd[j + 1 :]) for j in range(len(fwd))]
             pool["covers"] = list(zip(after, bwd[1:] + [0.0]))
         return pool["covers"][index]
 
@@ -230,7 +239,12 @@ class ModeTimes:
             if len(self._alike) > 64 or any(k[2] != self.steps_learned for k in self._alike):
                 self._alike.clear()
             sizes = [lat["input_bytes"].predict(batch, extent) for lat in self.latent]
-            self._alike[key] = [tuple(j for j, (c, x) in enumerate(zip(self.classes, sizes))
-                                      if c == cls and abs(x - size) <= 0.02 * max(x, size, 1.0))
-                                for cls, size in zip(self.classes, sizes)]
+            self._alike[key] = [
+                tuple(
+                    j
+                    for j, (c, x) in enumerate(zip(self.classes, sizes))
+                    if c == cls and abs(x - size) <= 0.02 * max(x, size, 1.0)
+                )
+                for cls, size in zip(self.classes, sizes)
+            ]
         return self._alike[key]

@@ -60,9 +60,16 @@ class Trace:
     cost_flags: tuple = field(default=())
 
     @classmethod
-    def take(cls, mgr: Any) -> "Trace":
-        return cls(mgr.decider.state_dict(), mgr.plans.cache.copy(), mgr.measuring.copy(), set(mgr.plans._warned),
-                   mgr._current, mgr._current_head, mgr._replan_when_warm)
+    def take(cls, mgr: Any) -> Trace:
+        return cls(
+            mgr.decider.state_dict(),
+            mgr.plans.cache.copy(),
+            mgr.measuring.copy(),
+            set(mgr.plans._warned),
+            mgr._current,
+            mgr._current_head,
+            mgr._replan_when_warm,
+        )
 
     def before_learning(self, mgr: Any) -> None:
         """The step ran out of memory and is about to learn from it: keep the cost model as it was."""
@@ -95,15 +102,20 @@ def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool
     return start + (record.predicted - start) * (1 - REFUSE_MARGIN) > limit
 
 
-def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, start: int,
-            attempts: list[dict]) -> str:
+def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, start: int, attempts: list[dict]) -> str:
     """The message of a refused step: what was asked, what the tightest plan needs, what fits."""
     limit = mgr._reading(mgr.budgets.available, None)
-    predicted = record.predicted if record.predicted is not None else mgr.plans.predict(
-        record.modes, batch, extent, start, record.head)
+    predicted = (
+        record.predicted
+        if record.predicted is not None
+        else mgr.plans.predict(record.modes, batch, extent, start, record.head)
+    )
     size = f"batch {batch} x {seq:,} tokens" if seq else f"batch {batch} x {extent:,} input elements"
-    why = (f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step"
-           if record.exhausted else "the tightest plan is predicted over the device's usable memory")
+    why = (
+        f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step"
+        if record.exhausted
+        else "the tightest plan is predicted over the device's usable memory"
+    )
     counts = counts_text(Counter(m.label for m in record.modes))
     head = f", head {record.head.label}" if record.head is not None else ""
     lines = [
@@ -116,8 +128,10 @@ def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, sta
     ]
     for i, a in enumerate(attempts, 1):
         tried = counts_text(a["plan_counts"])
-        lines.append(f"  attempt {i}: {tried or 'no managed block ran'}; predicted peak "
-                     f"{format_bytes(a['predicted_peak_bytes'])}; out of memory in {a['phase']}")
+        lines.append(
+            f"  attempt {i}: {tried or 'no managed block ran'}; predicted peak "
+            f"{format_bytes(a['predicted_peak_bytes'])}; out of memory in {a['phase']}"
+        )
     fits = _longest(mgr, batch) if seq else None
     lines.append(
         (f"  The longest sequence predicted to fit at batch {batch}: {fits:,} tokens. " if fits else "  ")

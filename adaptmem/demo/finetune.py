@@ -33,10 +33,19 @@ from adaptmem.demo.longest import longest_batch
 from adaptmem.demo.tiny import TinyConfig, TinyTransformer
 from adaptmem.devices.simulated import SimulatedDevice
 
-LETTER = {"NONE": "N", "SELECTIVE": "S", "CHECKPOINT": "C", "OFFLOAD": "O", "COMPRESS": "Z",
-          "CHECKPOINT+OFFLOAD": "K", "COMPRESS+OFFLOAD": "Y"}
-LEGEND = ("N none, S selective, C checkpoint, O offload, K checkpoint+offload, Z compress, Y compress+offload;\n"
-          "            after |, the loss head: L logits kept, c<n> logits chunked by n tokens")
+LETTER = {
+    "NONE": "N",
+    "SELECTIVE": "S",
+    "CHECKPOINT": "C",
+    "OFFLOAD": "O",
+    "COMPRESS": "Z",
+    "CHECKPOINT+OFFLOAD": "K",
+    "COMPRESS+OFFLOAD": "Y",
+}
+LEGEND = (
+    "N none, S selective, C checkpoint, O offload, K checkpoint+offload, Z compress, Y compress+offload;\n"
+    "            after |, the loss head: L logits kept, c<n> logits chunked by n tokens"
+)
 
 
 @dataclass
@@ -77,10 +86,17 @@ def llama_job(opts: argparse.Namespace, gen: torch.Generator, cuda: bool) -> Job
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    cfg = LlamaConfig(vocab_size=512, hidden_size=opts.dim, intermediate_size=int(opts.dim * 2.6875),
-                      num_hidden_layers=opts.layers, num_attention_heads=max(2, opts.dim // 64),
-                      num_key_value_heads=max(1, opts.dim // 128), max_position_embeddings=opts.max_seq,
-                      attention_dropout=0.0, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=opts.dim,
+        intermediate_size=int(opts.dim * 2.6875),
+        num_hidden_layers=opts.layers,
+        num_attention_heads=max(2, opts.dim // 64),
+        num_key_value_heads=max(1, opts.dim // 128),
+        max_position_embeddings=opts.max_seq,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
     model = LlamaForCausalLM(cfg)
     seqs = lengths(opts.steps, opts.min_seq, opts.max_seq, gen)
     batches = [counting_rows(cfg.vocab_size, opts.batch, s, gen) for s in seqs]
@@ -89,8 +105,14 @@ def llama_job(opts: argparse.Namespace, gen: torch.Generator, cuda: bool) -> Job
 
 
 def tiny_job(opts: argparse.Namespace, gen: torch.Generator, cuda: bool) -> Job:
-    cfg = TinyConfig(dim=opts.dim, n_layers=opts.layers, n_heads=max(1, opts.dim // 64), vocab_size=256,
-                     max_seq=max(2048, opts.max_seq), attention="eager")
+    cfg = TinyConfig(
+        dim=opts.dim,
+        n_layers=opts.layers,
+        n_heads=max(1, opts.dim // 64),
+        vocab_size=256,
+        max_seq=max(2048, opts.max_seq),
+        attention="eager",
+    )
     model = TinyTransformer(cfg)
     seqs = lengths(opts.steps, opts.min_seq, opts.max_seq, gen)
     batches = [counting_rows(cfg.vocab_size, opts.batch, s, gen) for s in seqs]
@@ -99,8 +121,15 @@ def tiny_job(opts: argparse.Namespace, gen: torch.Generator, cuda: bool) -> Job:
     return _job(name, model, batches, longest, opts, cuda, cfg.vocab_size)
 
 
-def _job(name: str, model: torch.nn.Module, batches: list[dict], longest: dict, opts: argparse.Namespace,
-         cuda: bool, vocab: int) -> Job:
+def _job(
+    name: str,
+    model: torch.nn.Module,
+    batches: list[dict],
+    longest: dict,
+    opts: argparse.Namespace,
+    cuda: bool,
+    vocab: int,
+) -> Job:
     if cuda:  # the real device; the budget is the same share of the unmanaged peak as the stand-in's size
         model.cuda()
         longest = _to(longest, "cuda")
@@ -111,11 +140,20 @@ def _job(name: str, model: torch.nn.Module, batches: list[dict], longest: dict, 
         torch.cuda.synchronize()
         worst = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()  # what the unmanaged step reserved is not the managed run's to keep
-        return Job(name, model, [_to(b, "cuda") for b in batches], longest, None, int(worst * opts.device_share), worst,
-                   vocab)
+        return Job(
+            name, model, [_to(b, "cuda") for b in batches], longest, None, int(worst * opts.device_share), worst, vocab
+        )
     worst = measure_peak(model, lambda: longest)
-    return Job(name, model, batches, longest, SimulatedDevice(int(worst * opts.device_share), name="demo-gpu"),
-               int(worst * opts.device_share), worst, vocab)
+    return Job(
+        name,
+        model,
+        batches,
+        longest,
+        SimulatedDevice(int(worst * opts.device_share), name="demo-gpu"),
+        int(worst * opts.device_share),
+        worst,
+        vocab,
+    )
 
 
 def _to(batch: dict, device: str) -> dict:
@@ -131,15 +169,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--min-seq", type=int, default=None)
     parser.add_argument("--max-seq", type=int, default=None)
-    parser.add_argument("--device-share", type=float, default=0.5,
-                        help="the device's size as a share of the unmanaged peak at the longest batch "
-                             "(on a GPU: the share of it the run may use)")
+    parser.add_argument(
+        "--device-share",
+        type=float,
+        default=0.5,
+        help="the device's size as a share of the unmanaged peak at the longest batch "
+        "(on a GPU: the share of it the run may use)",
+    )
     parser.add_argument("--policy", default="balanced")
     parser.add_argument("--log", default="runs/demo.jsonl")
     parser.add_argument("--cpu", action="store_true", help="use the simulated device even when a GPU is present")
     opts = parser.parse_args(argv)
-    defaults = (dict(steps=14, layers=4, dim=64, batch=4, min_seq=64, max_seq=512) if opts.quick else
-                dict(steps=30, layers=8, dim=192, batch=2, min_seq=128, max_seq=4096))
+    defaults = (
+        dict(steps=14, layers=4, dim=64, batch=4, min_seq=64, max_seq=512)
+        if opts.quick
+        else dict(steps=30, layers=8, dim=192, batch=2, min_seq=128, max_seq=4096)
+    )
     for key, value in defaults.items():
         if getattr(opts, key) is None:
             setattr(opts, key, value)
@@ -152,10 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     job = (tiny_job if opts.quick else llama_job)(opts, gen, cuda)
-    where = (f"{torch.cuda.get_device_name()}, {format_bytes(job.capacity)} of it" if cuda
-             else f"a simulated device of {format_bytes(job.capacity)}")
-    print(f"adaptmem demo: fine-tuning a {job.name} on {opts.batch} x {opts.min_seq}..{opts.max_seq} tokens "
-          f"per batch,\non {where} (unmanaged, the longest batch needs {format_bytes(job.worst)}).\n")
+    where = (
+        f"{torch.cuda.get_device_name()}, {format_bytes(job.capacity)} of it"
+        if cuda
+        else f"a simulated device of {format_bytes(job.capacity)}"
+    )
+    print(
+        f"adaptmem demo: fine-tuning a {job.name} on {opts.batch} x {opts.min_seq}..{opts.max_seq} tokens "
+        f"per batch,\non {where} (unmanaged, the longest batch needs {format_bytes(job.worst)}).\n"
+    )
     if job.device is not None:
         show_unmanaged_failure(job)
     return train_managed(job, opts)
@@ -188,8 +238,10 @@ def train_managed(job: Job, opts: argparse.Namespace) -> int:
     print(f"            plan letters, one per block: {LEGEND}")
     print(f"{'step':>4} {'tokens':>6} {'loss':>6} {'peak':>10} {'/ budget':>8}  plan")
     start, losses = time.perf_counter(), []
-    with (dev if dev is not None else contextlib.nullcontext()), \
-            adaptmem.manage(model, policy=opts.policy, budget=budget, device=dev, log=opts.log) as mem:
+    with (
+        dev if dev is not None else contextlib.nullcontext(),
+        adaptmem.manage(model, policy=opts.policy, budget=budget, device=dev, log=opts.log) as mem,
+    ):
         for i, batch in enumerate(job.batches):
             if dev is not None and i == pressure_at:
                 dev.occupy(taken)
@@ -224,8 +276,10 @@ def step_line(step: int, loss: float, record: dict) -> str:
     if head is not None:
         plan += " | " + ("L" if head == "KEPT" else "c" + head.partition(":")[2])
     retried = f"  (recovered from {record['attempt']} OOM)" if record["attempt"] else ""
-    return (f"{step:>4} {record['tokens']:>6} {loss:>6.3f} {format_bytes(record['observed_peak_bytes']):>10} "
-            f"{record['observed_peak_bytes'] / record['budget_bytes']:>8.0%}  {plan}{retried}")
+    return (
+        f"{step:>4} {record['tokens']:>6} {loss:>6.3f} {format_bytes(record['observed_peak_bytes']):>10} "
+        f"{record['observed_peak_bytes'] / record['budget_bytes']:>8.0%}  {plan}{retried}"
+    )
 
 
 def summary_table(summary: dict, records: list[dict], losses: list[float], took: float) -> str:
@@ -239,8 +293,10 @@ def summary_table(summary: dict, records: list[dict], losses: list[float], took:
         ("OOMs recovered", str(summary["ooms_recovered"])),
         ("plan changes", str(summary["plan_changes"])),
         ("pressure events", str(summary["pressure_events"])),
-        ("mean prediction error", f"{summary['prediction_error_mean']:.1%}"
-         if summary["prediction_error_mean"] is not None else "-"),
+        (
+            "mean prediction error",
+            f"{summary['prediction_error_mean']:.1%}" if summary["prediction_error_mean"] is not None else "-",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -248,8 +304,9 @@ def summary_table(summary: dict, records: list[dict], losses: list[float], took:
 
 def picture(log: str) -> None:
     try:
-        from adaptmem.report import figures, picture as draw
         from adaptmem.control.events import read_log
+        from adaptmem.report import figures
+        from adaptmem.report import picture as draw
 
         run = [r for r in figures(read_log(log)) if r.steps][-1]
         out = draw(run, Path(log).with_suffix(".png"))
@@ -262,4 +319,3 @@ def _train(model: torch.nn.Module, batch: dict) -> float:
     out = model(**batch)
     out.loss.backward()
     return out.loss.item()
-

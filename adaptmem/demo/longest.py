@@ -69,24 +69,36 @@ def hf_checkpointing(model: torch.nn.Module, on: bool) -> None:
     call()
 
 
-def longest_batch(model: torch.nn.Module, dev: Any, opt: torch.optim.Optimizer, state: dict, reach: Any, rows,
-                  opts: argparse.Namespace, train) -> None:
+def longest_batch(
+    model: torch.nn.Module,
+    dev: Any,
+    opt: torch.optim.Optimizer,
+    state: dict,
+    reach: Any,
+    rows,
+    opts: argparse.Namespace,
+    train,
+) -> None:
     """Print both lengths, show HF gradient checkpointing running out of memory past its own, and
     train that batch under adaptmem (resumed from the fine-tune's `state`)."""
     batch = opts.batch
     hf = hf_checkpointing_longest(model, dev, rows, batch)
     length = max(GRAIN, int(reach.length * SHARE) // GRAIN * GRAIN)
     print(f"\nHow long can I go? On this device, at batch {batch}:")
-    print(f"  HF gradient checkpointing   longest about {hf:,} tokens (its peak measured at "
-          f"{' and '.join(map(str, PROBE_LENGTHS))}, solved for the device)")
+    print(
+        f"  HF gradient checkpointing   longest about {hf:,} tokens (its peak measured at "
+        f"{' and '.join(map(str, PROBE_LENGTHS))}, solved for the device)"
+    )
     print(f"  adaptmem                    longest {reach.length:,} tokens predicted: {reach}")
     if length <= hf:
         print(f"  adaptmem reaches no further than HF here ({length:,} tokens): nothing longer to show.")
         return
     long = rows(batch, length)
     failed = hf_checkpointing_fails(model, dev, long)
-    print(f"  a batch of {batch} x {length:,} tokens ({length / max(hf, 1):.1f}x HF's longest), "
-          f"{SHARE:.0%} of adaptmem's predicted longest:")
+    print(
+        f"  a batch of {batch} x {length:,} tokens ({length / max(hf, 1):.1f}x HF's longest), "
+        f"{SHARE:.0%} of adaptmem's predicted longest:"
+    )
     print(f"    HF gradient checkpointing: {'out of memory: ' + failed if failed else 'fitted after all'}")
     quiet = logging.getLogger("adaptmem")
     level = quiet.level
@@ -102,5 +114,7 @@ def longest_batch(model: torch.nn.Module, dev: Any, opt: torch.optim.Optimizer, 
         quiet.setLevel(level)
     plan = ", ".join(f"{m} x{record['plan'].count(m)}" for m in dict.fromkeys(record["plan"]))
     retried = f", after {record['attempt']} out-of-memory retries" if record["attempt"] else ""
-    print(f"    adaptmem: trained it (loss {loss:.3f}), peak {format_bytes(record['observed_peak_bytes'])} of "
-          f"{format_bytes(dev.capacity_bytes)}, under {plan}; head {record.get('head')}{retried}")
+    print(
+        f"    adaptmem: trained it (loss {loss:.3f}), peak {format_bytes(record['observed_peak_bytes'])} of "
+        f"{format_bytes(dev.capacity_bytes)}, under {plan}; head {record.get('head')}{retried}"
+    )

@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         "Peak device bytes are counted by adaptmem.testing.SimulatedDevice; times are medians of "
         f"{args.repeats} steps taken without it.\n"
     )
-    header = f"{'mode':<20} {'peak device':>12} {'vs NONE':>8} {'host':>11} {'step':>9} {'vs NONE':>8}  gradients vs NONE"
+    header = (
+        f"{'mode':<20} {'peak device':>12} {'vs NONE':>8} {'host':>11} {'step':>9} {'vs NONE':>8}  gradients vs NONE"
+    )
     print(header)
     print("-" * len(header))
     reference, base = None, None

@@ -104,9 +104,7 @@ class TinyTransformer(nn.Module):
         logits = self.head(self.norm(x))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
-            )
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
         return LMOutput(loss, logits)
 
 

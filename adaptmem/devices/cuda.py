@@ -93,8 +93,11 @@ class CudaProbe:
         except pynvml.NVMLError:
             return None
         me = os.getpid()
-        found = [{"pid": int(p.pid), "name": _process_name(p.pid), "bytes": int(p.usedGpuMemory or 0)}
-                 for p in procs if p.pid != me]
+        found = [
+            {"pid": int(p.pid), "name": _process_name(p.pid), "bytes": int(p.usedGpuMemory or 0)}
+            for p in procs
+            if p.pid != me
+        ]
         return sorted(found, key=lambda r: -r["bytes"])
 
     def host_available(self) -> int:
@@ -110,7 +113,8 @@ class CudaProbe:
             log.warning(
                 "adaptmem: %s is reserved by PyTorch but not allocated (%s); that is fragmentation, "
                 "which no plan of modes fixes. Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-                format_bytes(fragmented), self.name,
+                format_bytes(fragmented),
+                self.name,
             )
         return {
             "alloc_retries": stats.get("num_alloc_retries", 0),
@@ -163,6 +167,9 @@ def _nvml_handle(index: int) -> Any:
         pynvml.nvmlInit()
         return pynvml.nvmlDeviceGetHandleByIndex(index)
     except Exception as err:  # no driver library, no permission, MIG, a container...
-        log.info("adaptmem: NVML unavailable (%s); memory of other processes is read as "
-                 "total - free - reserved from cudaMemGetInfo", err)
+        log.info(
+            "adaptmem: NVML unavailable (%s); memory of other processes is read as "
+            "total - free - reserved from cudaMemGetInfo",
+            err,
+        )
         return None

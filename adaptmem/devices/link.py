@@ -25,8 +25,14 @@ import torch
 
 
 class SimulatedLink:
-    def __init__(self, bytes_per_s: float, latency_s: float = 0.0, *,
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        bytes_per_s: float,
+        latency_s: float = 0.0,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if not bytes_per_s > 0:
             raise ValueError(f"link_bytes_per_s must be positive, got {bytes_per_s!r}")
         if latency_s < 0:

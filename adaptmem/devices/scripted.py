@@ -14,8 +14,7 @@ class ScriptedProbe(HostClock):
     constants you may change between steps.
     """
 
-    def __init__(self, capacity_bytes: int, peaks, *, allocated: int = 0, external: int = 0,
-                 retries=None) -> None:
+    def __init__(self, capacity_bytes: int, peaks, *, allocated: int = 0, external: int = 0, retries=None) -> None:
         self.name = "scripted"
         self._capacity = capacity_bytes
         self._peaks = peaks

@@ -31,8 +31,10 @@ def make_probe(device: Any = None, model: torch.nn.Module | None = None) -> Memo
     if device is None:
         if torch.cuda.is_available():
             return CudaProbe(home)
-        log.warning("adaptmem: no CUDA device found; managing host memory through psutil "
-                    "(peak sampled at block boundaries, coarse)")
+        log.warning(
+            "adaptmem: no CUDA device found; managing host memory through psutil "
+            "(peak sampled at block boundaries, coarse)"
+        )
         return HostProbe()
     if isinstance(device, (str, torch.device, int)) and not isinstance(device, bool):
         try:
@@ -44,11 +46,14 @@ def make_probe(device: Any = None, model: torch.nn.Module | None = None) -> Memo
             ) from None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise ValueError(f"device={device!r} but no CUDA device is available; "
-                                 "pass device=None or a SimulatedDevice")
+                raise ValueError(
+                    f"device={device!r} but no CUDA device is available; pass device=None or a SimulatedDevice"
+                )
             if home is not None and dev.index is not None and dev != home:
-                raise ValueError(f"device={device!r} but the model's parameters are on {home}; "
-                                 f"pass device={str(home)!r} (or None: the model's own device)")
+                raise ValueError(
+                    f"device={device!r} but the model's parameters are on {home}; "
+                    f"pass device={str(home)!r} (or None: the model's own device)"
+                )
             return CudaProbe(home if dev.index is None and home is not None else dev)
         if dev.type == "cpu":
             return HostProbe()

@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from adaptmem.config.units import format_bytes
-from adaptmem.devices.probe import HostClock
 from adaptmem.devices.link import SimulatedLink
+from adaptmem.devices.probe import HostClock
 from adaptmem.devices.tiers import allocating_on_host, using_link
 
 __all__ = ["PeakWindow", "SimulatedDevice", "SimulatedProbe"]
@@ -58,7 +58,7 @@ class PeakWindow:
 
     __slots__ = ("_device", "peaks", "__weakref__")
 
-    def __init__(self, device: "SimulatedDevice") -> None:
+    def __init__(self, device: SimulatedDevice) -> None:
         self._device = device
         self.peaks = list(device._bytes)  # device, host
 
@@ -77,7 +77,7 @@ class PeakWindow:
 
 
 class _CountingMode(TorchDispatchMode):
-    def __init__(self, device: "SimulatedDevice") -> None:
+    def __init__(self, device: SimulatedDevice) -> None:
         super().__init__()
         self._device = device
 
@@ -109,14 +109,18 @@ class SimulatedDevice:
         link_latency_s: time added to every copy on the link (seconds).
     """
 
-    def __init__(self, capacity_bytes: int | None = None, *, name: str = "sim",
-                 host_capacity_bytes: int | None = None, link_bytes_per_s: float | None = None,
-                 link_latency_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int | None = None,
+        *,
+        name: str = "sim",
+        host_capacity_bytes: int | None = None,
+        link_bytes_per_s: float | None = None,
+        link_latency_s: float = 0.0,
+    ) -> None:
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
-                raise TypeError(
-                    f"capacity_bytes must be an int number of bytes or None, got {capacity_bytes!r}"
-                )
+                raise TypeError(f"capacity_bytes must be an int number of bytes or None, got {capacity_bytes!r}")
             if capacity_bytes <= 0:
                 raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._capacity = capacity_bytes
@@ -196,9 +200,7 @@ class SimulatedDevice:
         """Pretend another process took `nbytes` of the device (negative gives them back)."""
         with self._lock:
             if self._external + nbytes < 0:
-                raise ValueError(
-                    f"cannot release {-nbytes} bytes: other processes hold only {self._external}"
-                )
+                raise ValueError(f"cannot release {-nbytes} bytes: other processes hold only {self._external}")
             self._external += nbytes
 
     def track(self, *objs: Any) -> int:
@@ -213,7 +215,7 @@ class SimulatedDevice:
         return self._register(tensors, tier=_DEVICE, check=False)
 
     # ------------------------------------------------------------ context
-    def __enter__(self) -> "SimulatedDevice":
+    def __enter__(self) -> SimulatedDevice:
         mode = _CountingMode(self)
         mode.__enter__()
         link = using_link(self.link) if self.link is not None else contextlib.nullcontext()
@@ -322,9 +324,7 @@ def _tensors_of(obj: Any) -> list[torch.Tensor]:
         return found
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in _tensors_of(item)]
-    raise TypeError(
-        f"SimulatedDevice.track takes tensors, modules or optimizers, got {type(obj).__name__}"
-    )
+    raise TypeError(f"SimulatedDevice.track takes tensors, modules or optimizers, got {type(obj).__name__}")
 
 
 class SimulatedProbe(HostClock):
@@ -345,8 +345,7 @@ class SimulatedProbe(HostClock):
         cap = self.device.capacity_bytes
         if cap is None:
             raise ValueError(
-                "the SimulatedDevice has no capacity; create it with capacity_bytes=... "
-                "or pass budget= in bytes"
+                "the SimulatedDevice has no capacity; create it with capacity_bytes=... or pass budget= in bytes"
             )
         return cap
 

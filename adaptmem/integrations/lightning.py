@@ -53,11 +53,26 @@ class AdaptMemCallback(pl.Callback):
     `log_every_n_steps`: how often figures go to the Trainer's loggers (optimizer steps).
     """
 
-    def __init__(self, *, policy: Any = None, budget: Any = None, device: Any = None, blocks: Any = "auto",
-                 log: str | None = None, log_every_n_steps: int = 1, head: Any = "auto") -> None:
+    def __init__(
+        self,
+        *,
+        policy: Any = None,
+        budget: Any = None,
+        device: Any = None,
+        blocks: Any = "auto",
+        log: str | None = None,
+        log_every_n_steps: int = 1,
+        head: Any = "auto",
+    ) -> None:
         super().__init__()
-        self.options = {"policy": policy, "budget": budget, "device": device, "blocks": blocks, "log": log,
-                        "head": head}
+        self.options = {
+            "policy": policy,
+            "budget": budget,
+            "device": device,
+            "blocks": blocks,
+            "log": log,
+            "head": head,
+        }
         self.log_every_n_steps = log_every_n_steps
         self.manager: MemoryManager | None = None
         self._pending_state: dict | None = None  # loaded from a checkpoint, for the manager to be built
@@ -81,10 +96,13 @@ class AdaptMemCallback(pl.Callback):
         if self.manager is not None:
             return
         if trainer.ckpt_path and self._pending_state is None:
-            log.warning("adaptmem: the fit resumed from %s, which holds no adaptmem state (no %r entry among "
-                        "its callbacks' states: saved without AdaptMemCallback, or empty); the controller starts "
-                        "cold: a new run id, steps counted from 0, costs learned again", trainer.ckpt_path,
-                        self.state_key)
+            log.warning(
+                "adaptmem: the fit resumed from %s, which holds no adaptmem state (no %r entry among "
+                "its callbacks' states: saved without AdaptMemCallback, or empty); the controller starts "
+                "cold: a new run id, steps counted from 0, costs learned again",
+                trainer.ckpt_path,
+                self.state_key,
+            )
         self.manager = MemoryManager(pl_module, **self.options, state=self._pending_state)
         self._pending_state = None
         if pl_module.automatic_optimization:
@@ -130,8 +148,9 @@ class AdaptMemCallback(pl.Callback):
             self._loop.__dict__.pop("_make_closure", None)
             self._loop = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.manager is not None and not pl_module.automatic_optimization:
             self.manager.begin_step(label={"global_step": trainer.global_step, "batch_idx": batch_idx})
             self._bracketed = True
@@ -141,20 +160,27 @@ class AdaptMemCallback(pl.Callback):
             self._bracketed = False
             self.manager.end_step()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._bracketed and self.manager is not None:  # manual optimization without a backward
             self._bracketed = False
             self.manager.end_step()
         if self.manager is None or not trainer.loggers or trainer.global_step % max(1, self.log_every_n_steps):
             return
         summary = self.manager.summary()
-        pl_module.log_dict({
-            "adaptmem/peak_bytes": float(summary["peak_bytes"]),
-            "adaptmem/budget_bytes": float(summary["budget_bytes"]),
-            "adaptmem/plan_changes": float(summary["plan_changes"]),
-            "adaptmem/ooms_recovered": float(summary["ooms_recovered"]),
-        }, on_step=True, on_epoch=False, logger=True, prog_bar=False)
+        pl_module.log_dict(
+            {
+                "adaptmem/peak_bytes": float(summary["peak_bytes"]),
+                "adaptmem/budget_bytes": float(summary["budget_bytes"]),
+                "adaptmem/plan_changes": float(summary["plan_changes"]),
+                "adaptmem/ooms_recovered": float(summary["ooms_recovered"]),
+            },
+            on_step=True,
+            on_epoch=False,
+            logger=True,
+            prog_bar=False,
+        )
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

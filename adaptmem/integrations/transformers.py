@@ -77,14 +77,29 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
     `keep_model_checkpointing`: leave the model's own gradient checkpointing on.
     """
 
-    def __init__(self, *, policy: Any = None, budget: Any = None, device: Any = None, blocks: Any = "auto",
-                 log: str | None = None, keep_model_checkpointing: bool = False, head: Any = "auto",
-                 _origin: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        policy: Any = None,
+        budget: Any = None,
+        device: Any = None,
+        blocks: Any = "auto",
+        log: str | None = None,
+        keep_model_checkpointing: bool = False,
+        head: Any = "auto",
+        _origin: str | None = None,
+    ) -> None:
         origin = _LIVE.get(_origin) if _origin is not None else None
         if origin is not None:  # rebuilt by the Trainer on resume: keep what JSON could not carry
             policy, device, blocks, head = (origin.options[k] for k in ("policy", "device", "blocks", "head"))
-        self.options = {"policy": policy, "budget": budget, "device": device, "blocks": blocks, "log": log,
-                        "head": head}
+        self.options = {
+            "policy": policy,
+            "budget": budget,
+            "device": device,
+            "blocks": blocks,
+            "log": log,
+            "head": head,
+        }
         self.keep_model_checkpointing = keep_model_checkpointing
         self.manager: MemoryManager | None = None
         self.pending_state: dict | None = None  # restored by the Trainer, for the manager to be built
@@ -101,10 +116,14 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
         self._own_checkpointing_off(model)
         saved = self.pending_state or _saved_state(state, type(self).__name__)
         if saved is None and getattr(state, "global_step", 0) > 0:
-            log.warning("adaptmem: the Trainer resumed at step %d from a checkpoint that holds no adaptmem state "
-                        "(no %s entry with a manager state in its trainer_state.json stateful_callbacks: saved "
-                        "without this callback, or after train ended); the controller starts cold: a new run id, "
-                        "steps counted from 0, costs learned again", state.global_step, type(self).__name__)
+            log.warning(
+                "adaptmem: the Trainer resumed at step %d from a checkpoint that holds no adaptmem state "
+                "(no %s entry with a manager state in its trainer_state.json stateful_callbacks: saved "
+                "without this callback, or after train ended); the controller starts cold: a new run id, "
+                "steps counted from 0, costs learned again",
+                state.global_step,
+                type(self).__name__,
+            )
         self.manager = MemoryManager(model, **self.options, state=saved)
         self.pending_state = self.final_state = None
 
@@ -123,8 +142,10 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
         if self.keep_model_checkpointing or not own_checkpointing_on(model):
             return
         switch_own_checkpointing(model, False)
-        log.warning("adaptmem: switched off the model's own gradient checkpointing (gradient_checkpointing=True); "
-                    "adaptmem now decides which blocks to recompute. Pass keep_model_checkpointing=True to keep it.")
+        log.warning(
+            "adaptmem: switched off the model's own gradient checkpointing (gradient_checkpointing=True); "
+            "adaptmem now decides which blocks to recompute. Pass keep_model_checkpointing=True to keep it."
+        )
 
     # ------------------------------------------------------------ brackets
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -157,9 +178,12 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
         if self.manager is None or logs is None:
             return
         summary = self.manager.summary()
-        figures = {"adaptmem/peak_bytes": summary["peak_bytes"], "adaptmem/budget_bytes": summary["budget_bytes"],
-                   "adaptmem/plan_changes": summary["plan_changes"],
-                   "adaptmem/ooms_recovered": summary["ooms_recovered"]}
+        figures = {
+            "adaptmem/peak_bytes": summary["peak_bytes"],
+            "adaptmem/budget_bytes": summary["budget_bytes"],
+            "adaptmem/plan_changes": summary["plan_changes"],
+            "adaptmem/ooms_recovered": summary["ooms_recovered"],
+        }
         logs.update(figures)
         if state.log_history:
             state.log_history[-1].update(figures)
@@ -178,8 +202,8 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
 class AdaptMemTrainerMixin:
     """Mix into a `Trainer` subclass to have micro-batches that run out of memory retried::
 
-        class MyTrainer(AdaptMemTrainerMixin, Trainer): ...
-        trainer = MyTrainer(model, args, ..., callbacks=[AdaptMemTrainerCallback(budget="80%")])
+    class MyTrainer(AdaptMemTrainerMixin, Trainer): ...
+    trainer = MyTrainer(model, args, ..., callbacks=[AdaptMemTrainerCallback(budget="80%")])
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -194,8 +218,9 @@ class AdaptMemTrainerMixin:
         callback.retrying = True
         if callback.manager.in_step:  # the callback's bracket, opened before the mixin took over
             callback.manager.end_step(error=RuntimeError("handed to run_step"))
-        return callback.manager.run_step(super().training_step, model, inputs, num_items_in_batch,
-                                         label=callback.label(self.state))
+        return callback.manager.run_step(
+            super().training_step, model, inputs, num_items_in_batch, label=callback.label(self.state)
+        )
 
 
 def _publish(state: Any, callback: AdaptMemTrainerCallback) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+
 @dataclass(frozen=True)
 class LossSpec:
     """What the loss call asked for, and the chunking: one chunk is `chunk` tokens."""
@@ -47,12 +48,14 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
 
 def _casts_only(epilogue: tuple) -> bool:
     """The epilogue only casts to float32 (Hugging Face's ``.float()``), or is empty."""
-    return all(func is torch.Tensor.to and args == (LOGITS, torch.float32) and not kwargs
-               for func, args, kwargs in epilogue)
+    return all(
+        func is torch.Tensor.to and args == (LOGITS, torch.float32) and not kwargs for func, args, kwargs in epilogue
+    )
 
 
-def _chunk_losses(hidden, weight, bias, target, spec: LossSpec, grads: "_Grads | None",
-                  grad_rows: torch.Tensor | None = None) -> torch.Tensor:
+def _chunk_losses(
+    hidden, weight, bias, target, spec: LossSpec, grads: _Grads | None, grad_rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """The loss of every chunk (summed, or per token for reduction "none"); with `grads`,
     also each chunk's gradients, accumulated into it (scaled by `grad_rows` per token, if given)."""
     n = hidden.shape[0]
@@ -107,8 +110,13 @@ def _autograd_chunk(z, t, spec, per_token, want_grad, rows):
     """Any other epilogue (a soft-cap, a scale) or label smoothing: autograd through it, per chunk."""
     with torch.enable_grad():
         leaf = z.detach().requires_grad_(want_grad)
-        loss = F.cross_entropy(_apply_epilogue(leaf, spec.epilogue), t, ignore_index=spec.ignore_index,
-                               reduction="none" if per_token else "sum", label_smoothing=spec.label_smoothing)
+        loss = F.cross_entropy(
+            _apply_epilogue(leaf, spec.epilogue),
+            t,
+            ignore_index=spec.ignore_index,
+            reduction="none" if per_token else "sum",
+            label_smoothing=spec.label_smoothing,
+        )
         g = torch.autograd.grad(loss, leaf, grad_outputs=rows)[0] if want_grad else None
     return loss.detach(), g
 
@@ -120,8 +128,9 @@ class _Grads:
     def __init__(self, hidden, weight, bias, needs: tuple[bool, bool, bool]) -> None:
         self.hidden = torch.empty_like(hidden) if needs[0] else None
         self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
-        self.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
-            if bias is not None and needs[2] else None
+        self.bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and needs[2] else None
+        )
 
     def add(self, g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> None:
         # under autocast the matmuls run in its dtype, as the projection's own backward would
@@ -166,9 +175,11 @@ class _GradsInForward(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = ctx.grads
         if grads is None:
-            raise RuntimeError("the CHUNKED loss head cannot run backward twice (retain_graph=True): its "
-                               "gradients were handed on by the first backward. Keep the head for such a loop: "
-                               "adaptmem.manage(model, head=None), or a policy with head = \"kept\"")
+            raise RuntimeError(
+                "the CHUNKED loss head cannot run backward twice (retain_graph=True): its "
+                "gradients were handed on by the first backward. Keep the head for such a loop: "
+                'adaptmem.manage(model, head=None), or a policy with head = "kept"'
+            )
         ctx.grads = None
         scale = grad_out if ctx.denominator is None else grad_out / ctx.denominator
         out = []
@@ -215,8 +226,15 @@ class _RecomputedInBackward(torch.autograd.Function):
         return out[0], out[1], out[2], None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          target: torch.Tensor, spec: LossSpec, *, recompute: bool | None = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    spec: LossSpec,
+    *,
+    recompute: bool | None = None,
+) -> torch.Tensor:
     """``F.cross_entropy(epilogue(F.linear(hidden, weight, bias)), target, ...)`` without ever
     making the whole logits: `hidden` is (tokens, hidden size), `target` (tokens,). `recompute`
     (default: only for per-token losses) makes the chunks again in backward rather than taking

@@ -13,8 +13,9 @@ pass through untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -53,8 +54,7 @@ class Quantized(Payload):
 
     __slots__ = ("codec", "codes", "scales", "shape", "dtype", "numel")
 
-    def __init__(self, codec: str, codes: Any, scales: Any, shape: torch.Size,
-                 dtype: torch.dtype, numel: int) -> None:
+    def __init__(self, codec: str, codes: Any, scales: Any, shape: torch.Size, dtype: torch.dtype, numel: int) -> None:
         self.codec = codec
         self.codes = codes
         self.scales = scales
@@ -70,7 +70,7 @@ class Quantized(Payload):
             values = codes.to(torch.float32).mul_(restore(self.scales))
             return values.view(-1)[: self.numel].view(self.shape).to(self.dtype)
 
-    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Quantized":
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> Quantized:
         scales = fn(self.scales) if self.scales is not None else None  # bf16 has none
         return Quantized(self.codec, fn(self.codes), scales, self.shape, self.dtype, self.numel)
 
@@ -91,7 +91,7 @@ class BitPacked(Payload):
             flags = bits.unsqueeze(1).bitwise_right_shift(_shifts(bits.device)).bitwise_and_(1)
             return flags.view(-1)[: self.numel].to(torch.bool).view(self.shape)
 
-    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "BitPacked":
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> BitPacked:
         return BitPacked(fn(self.bits), self.shape, self.numel)
 
 

@@ -133,4 +133,3 @@ def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record(stream)
     return event
-

@@ -43,7 +43,7 @@ _FIX = (
     "The loss head runs CHUNKED, so the full tokens x vocabulary logits are never made (that is "
     "the memory it saves); only the loss is computed from them, chunk by chunk. To use the logits "
     "themselves, keep the head for this model: `adaptmem.manage(model, head=None)` (or a policy "
-    "with head = \"kept\"), or compute what you need from them outside training (under "
+    'with head = "kept"), or compute what you need from them outside training (under '
     "torch.no_grad() or model.eval() the head runs as it is)."
 )
 
@@ -68,8 +68,9 @@ class ChunkedLogits(torch.Tensor):
 
     @staticmethod
     def __new__(cls, hidden, source, epilogue, vocab, dtype):
-        return torch.Tensor._make_wrapper_subclass(cls, (*hidden.shape[:-1], vocab), dtype=dtype,
-                                                   device=hidden.device, requires_grad=False)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, (*hidden.shape[:-1], vocab), dtype=dtype, device=hidden.device, requires_grad=False
+        )
 
     def __init__(self, hidden, source, epilogue, vocab, dtype) -> None:
         self._hidden = hidden
@@ -79,8 +80,14 @@ class ChunkedLogits(torch.Tensor):
         source.views.append(weakref.ref(self))
 
     @classmethod
-    def of(cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int,
-           on_loss: Callable[[int, int], None] | None = None) -> "ChunkedLogits":
+    def of(
+        cls,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        chunk: int,
+        on_loss: Callable[[int, int], None] | None = None,
+    ) -> ChunkedLogits:
         """The logits ``F.linear(hidden, weight, bias)`` would make, to be chunked by `chunk` tokens."""
         dtype = hidden.dtype  # what F.linear makes: its input's dtype, or autocast's
         if torch.is_autocast_enabled(hidden.device.type):
@@ -88,7 +95,7 @@ class ChunkedLogits(torch.Tensor):
         return cls(hidden, _Source(weight, bias, max(1, int(chunk)), on_loss), (), weight.shape[0], dtype)
 
     # the recorded forms
-    def _derive(self, hidden=None, step=None) -> "ChunkedLogits":
+    def _derive(self, hidden=None, step=None) -> ChunkedLogits:
         epilogue = self._epilogue if step is None else (*self._epilogue, step)
         dtype = self.dtype
         if step is not None:
@@ -104,8 +111,10 @@ class ChunkedLogits(torch.Tensor):
         return self._hidden
 
     def describe(self) -> str:
-        return (f"ChunkedLogits(shape={tuple(self.shape)}, dtype={self.dtype}, chunk={self._source.chunk} tokens, "
-                "not materialized: the CHUNKED loss head makes them a chunk at a time inside the loss)")
+        return (
+            f"ChunkedLogits(shape={tuple(self.shape)}, dtype={self.dtype}, chunk={self._source.chunk} tokens, "
+            "not materialized: the CHUNKED loss head makes them a chunk at a time inside the loss)"
+        )
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -134,12 +143,17 @@ def _constant(value: Any, what: str) -> Any:
     needs no gradient (its gradient would be lost)."""
     if isinstance(value, (int, float, bool)):
         return value
-    if isinstance(value, torch.Tensor) and not isinstance(value, ChunkedLogits) and value.numel() == 1 \
-            and not value.requires_grad:
+    if (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, ChunkedLogits)
+        and value.numel() == 1
+        and not value.requires_grad
+    ):
         return value
     raise LogitsNotMaterializedError(
         f"{what} with {type(value).__name__} {getattr(value, 'shape', '')}: the CHUNKED head replays only "
-        f"maps of the logits with a constant that needs no gradient. {_FIX}")
+        f"maps of the logits with a constant that needs no gradient. {_FIX}"
+    )
 
 
 def _elementwise(func):
@@ -148,6 +162,7 @@ def _elementwise(func):
         template = tuple(LOGITS if a is target else _constant(a, _name(func)) for a in args)
         kwargs = {k: _constant(v, _name(func)) for k, v in kwargs.items()}
         return target._derive(step=(func, template, kwargs))
+
     return handler
 
 
@@ -158,6 +173,7 @@ def _cast(name: str):
         if args or kwargs:
             raise LogitsNotMaterializedError(f"Tensor.{name} with arguments is not supported. {_FIX}")
         return self if self.dtype == dtype else self._derive(step=(torch.Tensor.to, (LOGITS, dtype), {}))
+
     return handler
 
 
@@ -189,9 +205,11 @@ def _reshape(name: str):
         if not sizes or sizes[-1] not in (self._vocab, -1) or (sizes[-1] == -1 and -1 in sizes[:-1]):
             raise LogitsNotMaterializedError(
                 f"Tensor.{name}{tuple(sizes)}: only reshapes that keep the vocabulary as the last dimension "
-                f"({self._vocab}) are replayed on the chunked logits. {_FIX}")
+                f"({self._vocab}) are replayed on the chunked logits. {_FIX}"
+            )
         hidden = self._live_hidden(name)
         return self._derive(hidden=getattr(hidden, name)(*sizes[:-1], hidden.shape[-1]))
+
     return handler
 
 
@@ -215,7 +233,7 @@ def _getitem(self, key):
         raise LogitsNotMaterializedError(f"indexing the logits with None is not supported. {_FIX}")
     full = slice(None)
     if any(k is Ellipsis for k in items):
-        after = items[items.index(Ellipsis) + 1:]
+        after = items[items.index(Ellipsis) + 1 :]
         touches_last = bool(after) and not (isinstance(after[-1], slice) and after[-1] == full)
     else:
         used = sum(k.dim() if isinstance(k, torch.Tensor) and k.dtype == torch.bool else 1 for k in items)
@@ -223,32 +241,37 @@ def _getitem(self, key):
     if touches_last:
         raise LogitsNotMaterializedError(
             f"indexing the logits by vocabulary entry ({key!r}) is not supported: only token positions are "
-            f"selected on the chunked logits. {_FIX}")
+            f"selected on the chunked logits. {_FIX}"
+        )
     return self._derive(hidden=self._live_hidden("indexing")[key])
 
 
-def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                   reduction="mean", label_smoothing=0.0):
+def _cross_entropy(
+    input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0
+):
     if not isinstance(input, ChunkedLogits) or isinstance(target, ChunkedLogits):
         raise LogitsNotMaterializedError(f"cross_entropy with the logits as its target is not supported. {_FIX}")
     if weight is not None or size_average is not None or reduce is not None:
         raise LogitsNotMaterializedError(
             "cross_entropy with class weights (or the old size_average/reduce) is not supported by the "
-            f"CHUNKED head. {_FIX}")
+            f"CHUNKED head. {_FIX}"
+        )
     if target.is_floating_point():
         raise LogitsNotMaterializedError(f"cross_entropy with class probabilities as targets is not supported. {_FIX}")
     hidden = input._live_hidden("cross_entropy")
     if input.dim() not in (1, 2):
         raise LogitsNotMaterializedError(
             f"cross_entropy on logits of shape {tuple(input.shape)}: the chunked head takes (tokens, vocabulary), "
-            f"as `logits.view(-1, logits.size(-1))` gives. {_FIX}")
+            f"as `logits.view(-1, logits.size(-1))` gives. {_FIX}"
+        )
     rows = hidden.reshape(-1, hidden.shape[-1])
     flat = target.reshape(-1)
     if flat.numel() != rows.shape[0]:
         raise ValueError(
             f"cross_entropy: the labels hold {flat.numel()} targets (shape {tuple(target.shape)}) for "
             f"{rows.shape[0]} tokens of logits (shape {tuple(input.shape)}); give one label per token "
-            "(-100 where none)")
+            "(-100 where none)"
+        )
     source = input._source
     spec = LossSpec(input._epilogue, int(ignore_index), reduction, float(label_smoothing), source.chunk)
     loss = chunked_cross_entropy(rows, source.weight, source.bias, flat.to(rows.device), spec)
@@ -264,11 +287,42 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
 
 def _metadata() -> frozenset:
     T = torch.Tensor
-    props = ("shape", "ndim", "dtype", "device", "requires_grad", "is_cuda", "is_meta", "layout", "is_sparse",
-             "grad_fn", "is_leaf", "grad", "names", "is_quantized", "is_nested", "itemsize", "output_nr", "_version")
+    props = (
+        "shape",
+        "ndim",
+        "dtype",
+        "device",
+        "requires_grad",
+        "is_cuda",
+        "is_meta",
+        "layout",
+        "is_sparse",
+        "grad_fn",
+        "is_leaf",
+        "grad",
+        "names",
+        "is_quantized",
+        "is_nested",
+        "itemsize",
+        "output_nr",
+        "_version",
+    )
     funcs = [getattr(T, p).__get__ for p in props if hasattr(T, p)]
-    funcs += [T.__hash__, T.size, T.dim, T.ndimension, T.numel, T.nelement, T.__len__, T.is_floating_point, T.is_complex,
-              T.element_size, T.get_device, T.is_contiguous, T.stride]
+    funcs += [
+        T.__hash__,
+        T.size,
+        T.dim,
+        T.ndimension,
+        T.numel,
+        T.nelement,
+        T.__len__,
+        T.is_floating_point,
+        T.is_complex,
+        T.element_size,
+        T.get_device,
+        T.is_contiguous,
+        T.stride,
+    ]
     return frozenset(funcs)
 
 
@@ -287,13 +341,34 @@ _HANDLERS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.__getitem__: _getitem,
 }
 _HANDLERS.update({getattr(torch.Tensor, name): _cast(name) for name in _CASTS})
-_IN_PLACE = {torch.Tensor.__itruediv__: torch.Tensor.__truediv__, torch.Tensor.__imul__: torch.Tensor.__mul__,
-             torch.Tensor.__iadd__: torch.Tensor.__add__, torch.Tensor.__isub__: torch.Tensor.__sub__}
-for _f in (torch.tanh, torch.Tensor.tanh, torch.div, torch.Tensor.div, torch.Tensor.__truediv__,
-           torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
-           torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
-           torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.Tensor.__neg__,
-           torch.neg, torch.Tensor.neg):
+_IN_PLACE = {
+    torch.Tensor.__itruediv__: torch.Tensor.__truediv__,
+    torch.Tensor.__imul__: torch.Tensor.__mul__,
+    torch.Tensor.__iadd__: torch.Tensor.__add__,
+    torch.Tensor.__isub__: torch.Tensor.__sub__,
+}
+for _f in (
+    torch.tanh,
+    torch.Tensor.tanh,
+    torch.div,
+    torch.Tensor.div,
+    torch.Tensor.__truediv__,
+    torch.mul,
+    torch.Tensor.mul,
+    torch.Tensor.__mul__,
+    torch.Tensor.__rmul__,
+    torch.add,
+    torch.Tensor.add,
+    torch.Tensor.__add__,
+    torch.Tensor.__radd__,
+    torch.sub,
+    torch.Tensor.sub,
+    torch.Tensor.__sub__,
+    torch.Tensor.__rsub__,
+    torch.Tensor.__neg__,
+    torch.neg,
+    torch.Tensor.neg,
+):
     _HANDLERS[_f] = _elementwise(_f)
 for _f, _out_of_place in _IN_PLACE.items():  # `logits /= c` rebinds the name: replayed out of place
     _HANDLERS[_f] = _elementwise(_out_of_place)

@@ -74,11 +74,16 @@ class HostCopy(Payload):
     on a stand-in's link). fetched: the copy back, once started.
     """
 
-    __slots__ = ("host", "tier", "group", "block", "ready", "fetched", "used", "users", "back", "left",
-                 "__weakref__")
+    __slots__ = ("host", "tier", "group", "block", "ready", "fetched", "used", "users", "back", "left", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, tier: Any, group: "PackGroup | None" = None,
-                 block: "PinnedBlock | None" = None, ready: Any = None) -> None:
+    def __init__(
+        self,
+        host: torch.Tensor,
+        tier: Any,
+        group: PackGroup | None = None,
+        block: PinnedBlock | None = None,
+        ready: Any = None,
+    ) -> None:
         self.host = host
         self.tier = tier
         self.group = group
@@ -132,7 +137,7 @@ class HostTier:
     until it has arrived (at most `max_in_flight_bytes` in flight), and backward waits for
     the copy back, which a prefetch starts early."""
 
-    def pack(self, t: torch.Tensor, group: "PackGroup | None", limit: int) -> HostCopy:
+    def pack(self, t: torch.Tensor, group: PackGroup | None, limit: int) -> HostCopy:
         with torch.no_grad(), host_allocations():
             host = t.detach().clone()
         link = current_link()
@@ -168,7 +173,7 @@ class PackGroup:
 
     __slots__ = ("_copies", "prev", "began", "__weakref__")
 
-    def __init__(self, prev: "PackGroup | None") -> None:
+    def __init__(self, prev: PackGroup | None) -> None:
         self._copies: list[weakref.ref] = []
         self.prev = prev
         self.began = False

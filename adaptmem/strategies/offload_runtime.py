@@ -79,7 +79,7 @@ class OffloadRuntime:
         link = current_link()
         return sum(t.window.bytes for t in self._cuda.values()) + (link.in_flight_bytes if link is not None else 0)
 
-    def __deepcopy__(self, memo: dict) -> "OffloadRuntime":
+    def __deepcopy__(self, memo: dict) -> OffloadRuntime:
         return OffloadRuntime(self.pool.empty_like())
 
     def __getstate__(self) -> dict:

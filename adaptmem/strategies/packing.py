@@ -106,7 +106,7 @@ class Packer:
         return packed
 
     @contextmanager
-    def installed(self) -> Iterator["Packer"]:
+    def installed(self) -> Iterator[Packer]:
         """The pack and unpack hooks for the block call under way; the call's saves are
         forgotten as it ends (autograd holds the payloads from then on)."""
         try:

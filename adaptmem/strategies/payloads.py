@@ -22,7 +22,7 @@ class Payload:
     def restore(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Payload":
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> Payload:
         """The same payload with each tensor part replaced by ``fn(part)``."""
         raise NotImplementedError(f"{type(self).__name__} has no tensor parts to map")
 
@@ -55,7 +55,7 @@ class Strided(Payload):
     def restore(self) -> torch.Tensor:
         return restore(self.base).as_strided(self.shape, self.stride, self.offset)
 
-    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Strided":
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> Strided:
         return Strided(fn(self.base), self.shape, self.stride, self.offset)
 
 
@@ -83,7 +83,7 @@ class Waiting(Payload):
     def restore(self) -> torch.Tensor:
         return restore(self.part)
 
-    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> "Waiting":
+    def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> Waiting:
         part = fn(self.part) if isinstance(self.part, torch.Tensor) else self.part.map_tensors(fn)
         return Waiting(part, self.nbytes)
 

@@ -56,11 +56,14 @@ class PinnedPool:
     `failures` (pinning that raised).
     """
 
-    def __init__(self, max_cached_bytes: int = 8 * 2**30, max_pinned_bytes: int | None = None,
-                 allocate: Callable[[int], torch.Tensor] = _pin) -> None:
+    def __init__(
+        self,
+        max_cached_bytes: int = 8 * 2**30,
+        max_pinned_bytes: int | None = None,
+        allocate: Callable[[int], torch.Tensor] = _pin,
+    ) -> None:
         self.max_cached_bytes = max_cached_bytes
-        self.max_pinned_bytes = (psutil.virtual_memory().total // 2 if max_pinned_bytes is None
-                                 else max_pinned_bytes)
+        self.max_pinned_bytes = psutil.virtual_memory().total // 2 if max_pinned_bytes is None else max_pinned_bytes
         self._allocate = allocate
         self._idle: dict[int, list[PinnedBlock]] = {}
         self._idle_bytes = 0
@@ -123,7 +126,7 @@ class PinnedPool:
     def settings(self) -> dict:
         return {"max_cached_bytes": self.max_cached_bytes, "max_pinned_bytes": self.max_pinned_bytes}
 
-    def empty_like(self) -> "PinnedPool":
+    def empty_like(self) -> PinnedPool:
         return PinnedPool(allocate=self._allocate, **self.settings())
 
     def _evict(self, nbytes: int) -> None:

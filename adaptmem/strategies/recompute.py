@@ -140,8 +140,14 @@ def _refuse_second_backward(output: Any) -> None:
 
 def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
     """DeepSpeed's cpu_checkpointing: checkpoint, and keep the block input on the host."""
-    packer = Packer(call.module, offload=call.offload, runtime=call.offload_runtime,
-                    grad_only=True, main=main_input(call.args, call.kwargs), stats=call.stats)
+    packer = Packer(
+        call.module,
+        offload=call.offload,
+        runtime=call.offload_runtime,
+        grad_only=True,
+        main=main_input(call.args, call.kwargs),
+        stats=call.stats,
+    )
     with packer.installed():
         return _checkpointed(call, None)
 
@@ -236,8 +242,7 @@ _CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past", "cache_params"
 def is_cache(value: Any) -> bool:
     """A Hugging Face cache object (`transformers.cache_utils.Cache` or a model's own cache
     class), found by its classes' names so that transformers need not be imported."""
-    return any(c.__name__.endswith("Cache") and c.__module__.startswith("transformers")
-               for c in type(value).__mro__)
+    return any(c.__name__.endswith("Cache") and c.__module__.startswith("transformers") for c in type(value).__mro__)
 
 
 def without_cache(call: BlockCall) -> tuple[tuple, dict]:
@@ -278,8 +283,11 @@ def without_cache(call: BlockCall) -> tuple[tuple, dict]:
             f"cache alike); pass no cache in training, or leave {name} out of `blocks=`",
         )
     elif log.isEnabledFor(logging.DEBUG):
-        log.debug("adaptmem: %s recomputes in backward, so its KV cache is not written in training "
-                  "(use_cache=True, from the model's config or from the caller)", name)
+        log.debug(
+            "adaptmem: %s recomputes in backward, so its KV cache is not written in training "
+            "(use_cache=True, from the model's config or from the caller)",
+            name,
+        )
     return args, kwargs
 
 

@@ -10,8 +10,15 @@ The wrapper hands each training call to the strategy of the block's mode
 started and ended; the observer (the manager) lives in the layer above.
 """
 
-from adaptmem.wrapping.attach import (compile_blocks, get_handles, get_head, get_instrumentation, instrument, restore,
-                                      unwrap)
+from adaptmem.wrapping.attach import (
+    compile_blocks,
+    get_handles,
+    get_head,
+    get_instrumentation,
+    instrument,
+    restore,
+    unwrap,
+)
 from adaptmem.wrapping.handles import (
     BlockHandle,
     BlockObserver,

@@ -39,6 +39,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         else:
             return model
 
+
 class _BlockForward:
     """The instance-level `forward` adaptmem installs on a block."""
 
@@ -82,7 +83,7 @@ class _BlockForward:
         return self._handle() is handle
 
     # Weak references are copied as-is by `copy`; point them at the copies instead.
-    def __deepcopy__(self, memo: dict) -> "_BlockForward":
+    def __deepcopy__(self, memo: dict) -> _BlockForward:
         module, handle = self._module(), self._handle()
         new = _BlockForward.__new__(_BlockForward)
         new_module = memo.get(id(module), module)

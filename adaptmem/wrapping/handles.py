@@ -26,11 +26,11 @@ log = logging.getLogger("adaptmem")
 class BlockObserver(Protocol):
     """Who watches managed blocks run in training (the memory manager)."""
 
-    def block_start(self, handle: "BlockHandle", args: tuple, kwargs: dict) -> None: ...
+    def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None: ...
 
-    def block_end(self, handle: "BlockHandle", call: BlockCall, output: Any) -> None: ...
+    def block_end(self, handle: BlockHandle, call: BlockCall, output: Any) -> None: ...
 
-    def recompute(self, handle: "BlockHandle", begin: bool) -> None: ...
+    def recompute(self, handle: BlockHandle, begin: bool) -> None: ...
 
 
 def tell_observer(observer: BlockObserver, event: str, *args: Any) -> None:
@@ -64,7 +64,7 @@ class BlockRuntime:
             self._warned.add(key)
             log.warning(message)
 
-    def __deepcopy__(self, memo: dict) -> "BlockRuntime":
+    def __deepcopy__(self, memo: dict) -> BlockRuntime:
         return BlockRuntime()  # the observer belongs to whoever manages the original
 
     def __getstate__(self) -> dict:
@@ -91,8 +91,16 @@ class BlockHandle:
     those, sent to the host). Calls traced by torch.compile are not counted.
     """
 
-    def __init__(self, name: str, module: nn.Module, index: int, runtime: BlockRuntime,
-                 mode: Mode, compress: CompressOptions, offload: OffloadOptions) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        index: int,
+        runtime: BlockRuntime,
+        mode: Mode,
+        compress: CompressOptions,
+        offload: OffloadOptions,
+    ) -> None:
         self.name = name
         self.module = module
         self.index = index
@@ -118,8 +126,16 @@ class BlockHandle:
         if not torch.compiler.is_compiling():  # a counter torch.compile would guard on, recompiling each step
             self.calls += 1
         return BlockCall(
-            self.module, forward, args, kwargs, self._mode, self.compress_options, self.offload_options,
-            self.runtime.offload, on_recompute=_RecomputeListener(self), warn_once=self.runtime.warn_once,
+            self.module,
+            forward,
+            args,
+            kwargs,
+            self._mode,
+            self.compress_options,
+            self.offload_options,
+            self.runtime.offload,
+            on_recompute=_RecomputeListener(self),
+            warn_once=self.runtime.warn_once,
         )
 
     def finished(self, call: BlockCall) -> None:

@@ -121,26 +121,34 @@ class _HeadForward:
         if handle.mode is HeadMode.KEPT:
             return forward(*args, **kwargs)
         if not handle.chunkable or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-            handle.runtime.warn_once("head-unchunkable", (
-                f"adaptmem: the loss head {handle.name} ({type(module).__name__}) cannot run chunked "
-                "(a subclass of nn.Linear with its own forward, or called with other arguments); it runs kept"))
+            handle.runtime.warn_once(
+                "head-unchunkable",
+                (
+                    f"adaptmem: the loss head {handle.name} ({type(module).__name__}) cannot run chunked "
+                    "(a subclass of nn.Linear with its own forward, or called with other arguments); it runs kept"
+                ),
+            )
             return forward(*args, **kwargs)
         handle.chunked_calls += 1
         chunk = handle.chunk_tokens or DEFAULT_CHUNK_TOKENS
         tokens = args[0].numel() // max(1, args[0].shape[-1])
         if not handle._chunk_planned and chunk > tokens:
-            handle.runtime.warn_once(f"head-chunk-{chunk}", (
-                f"adaptmem: the loss head {handle.name} has chunk_tokens={chunk}, more than this batch's {tokens} "
-                f"tokens: its logits are made in one chunk, as large as KEPT's. Set a chunk below the tokens per "
-                f"batch (head.chunk_tokens = {_below(tokens)}), or leave it to the planner (head.chunk_tokens = None "
-                "under a manager)"))
+            handle.runtime.warn_once(
+                f"head-chunk-{chunk}",
+                (
+                    f"adaptmem: the loss head {handle.name} has chunk_tokens={chunk}, more than this batch's {tokens} "
+                    f"tokens: its logits are made in one chunk, as large as KEPT's. Set a chunk below the tokens "
+                    f"per batch (head.chunk_tokens = {_below(tokens)}), or leave it to the planner "
+                    "(head.chunk_tokens = None under a manager)"
+                ),
+            )
         return ChunkedLogits.of(args[0], module.weight, module.bias, chunk, on_loss=handle.loss_taken)
 
     def belongs_to(self, handle: HeadHandle) -> bool:
         return self._handle() is handle
 
     # Weak references are copied as-is by `copy`; point them at the copies instead (as blocks do).
-    def __deepcopy__(self, memo: dict) -> "_HeadForward":
+    def __deepcopy__(self, memo: dict) -> _HeadForward:
         module, handle = self._module(), self._handle()
         new = _HeadForward.__new__(_HeadForward)
         new._module = weakref.ref(memo.get(id(module), module))
@@ -156,8 +164,9 @@ def _chunk_size(value: int | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"chunk_tokens must be a positive number of tokens or None (the planner's choice), "
-                         f"got {value!r}")
+        raise ValueError(
+            f"chunk_tokens must be a positive number of tokens or None (the planner's choice), got {value!r}"
+        )
     return value
 
 
@@ -189,7 +198,9 @@ def find_head(model: nn.Module, head: HeadSelection = "auto") -> tuple[str, nn.L
             raise ValueError(f"head: the module given ({type(head).__name__}) is not part of {type(model).__name__}")
         return name, _linear(head, name), None
     if not isinstance(head, str):
-        raise TypeError(f"head must be 'auto', a qualified module name, an nn.Linear or None, got {type(head).__name__}")
+        raise TypeError(
+            f"head must be 'auto', a qualified module name, an nn.Linear or None, got {type(head).__name__}"
+        )
     if head == "auto":
         return _hugging_face_head(model, named)
     if head not in named:
@@ -197,7 +208,8 @@ def find_head(model: nn.Module, head: HeadSelection = "auto") -> tuple[str, nn.L
         raise ValueError(
             f"head={head!r}: {type(model).__name__} has no submodule of that name. Its linear layers include "
             f"{', '.join(linears[-4:]) or 'none'} (the output projection is usually the last); pass its "
-            "qualified name, the module itself, or head=None")
+            "qualified name, the module itself, or head=None"
+        )
     return head, _linear(named[head], head), None
 
 
@@ -205,12 +217,13 @@ def _linear(module: nn.Module, name: str) -> nn.Linear:
     if not isinstance(module, nn.Linear):
         raise ValueError(
             f"head {name!r} is a {type(module).__name__}, not an nn.Linear: the loss head is the output "
-            "projection whose logits go to the loss (nanoGPT's lm_head); pass that, or head=None")
+            "projection whose logits go to the loss (nanoGPT's lm_head); pass that, or head=None"
+        )
     return module
 
 
 def _hugging_face_head(model: nn.Module, named: dict[str, nn.Module]):
-    for owner_name, owner in named.items():
+    for owner in named.values():
         getter = getattr(owner, "get_output_embeddings", None)
         if getter is None or not _takes_labels(owner):
             continue
@@ -251,7 +264,8 @@ def detach_head(handle: HeadHandle) -> None:
     if not (isinstance(current, _HeadForward) and current.belongs_to(handle)):
         raise RuntimeError(
             f"head {handle.name!r}: its forward was replaced after adaptmem wrapped it (now {current!r}); "
-            "remove that wrapper first, then call adaptmem.restore")
+            "remove that wrapper first, then call adaptmem.restore"
+        )
     if current.previous is None:
         del module.__dict__["forward"]
     else:
@@ -269,7 +283,7 @@ class _Arm:
         self._handle = weakref.ref(handle)
         self._signature: inspect.Signature | None = None  # the owner's forward's, read at its first call
 
-    def __deepcopy__(self, memo: dict) -> "_Arm":
+    def __deepcopy__(self, memo: dict) -> _Arm:
         new = type(self).__new__(type(self))
         handle = self._handle()
         new._handle = weakref.ref(copy.deepcopy(handle, memo)) if handle is not None else _dead

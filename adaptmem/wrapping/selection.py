@@ -104,9 +104,7 @@ def _auto(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
         and len({type(child) for child in mod}) == 1
     ]
     outer = [
-        (name, mod)
-        for name, mod in stacks
-        if not any(_is_inside(name, other) for other, _ in stacks if other != name)
+        (name, mod) for name, mod in stacks if not any(_is_inside(name, other) for other, _ in stacks if other != name)
     ]
     if not outer:
         return []
@@ -150,8 +148,12 @@ def _layer_stack(stage: nn.Module) -> tuple[str, nn.Module] | None:
     hold at least half of the stage's parameters, with its name inside the stage."""
     total = sum(w.numel() for w in stage.parameters())
     for name, mod in stage.named_modules():
-        if name and isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 1 \
-                and len({type(child) for child in mod}) == 1:
+        if (
+            name
+            and isinstance(mod, (nn.ModuleList, nn.Sequential))
+            and len(mod) >= 1
+            and len({type(child) for child in mod}) == 1
+        ):
             if 2 * sum(w.numel() for w in mod.parameters()) >= total:
                 return name, mod
     return None
@@ -171,23 +173,16 @@ def _by_classes(named, classes: tuple) -> list[tuple[str, nn.Module]]:
     missing = sorted(wanted_names - present)
     if missing:
         raise ValueError(
-            f"block class name(s) {missing} do not occur in the model; "
-            f"classes present include {sorted(present)[:20]}"
+            f"block class name(s) {missing} do not occur in the model; classes present include {sorted(present)[:20]}"
         )
-    return [
-        (n, m)
-        for n, m in named
-        if n and (isinstance(m, tuple(wanted_types)) or type(m).__name__ in wanted_names)
-    ]
+    return [(n, m) for n, m in named if n and (isinstance(m, tuple(wanted_types)) or type(m).__name__ in wanted_names)]
 
 
 def _by_regex(named, pattern: str) -> list[tuple[str, nn.Module]]:
     try:
         rx = re.compile(pattern)
     except re.error as err:
-        raise ValueError(
-            f"blocks={pattern!r} is neither a class name in the model nor a valid regex ({err})"
-        ) from None
+        raise ValueError(f"blocks={pattern!r} is neither a class name in the model nor a valid regex ({err})") from None
     return [(n, m) for n, m in named if n and _matches_suffix(rx, n)]
 
 
@@ -207,8 +202,14 @@ def _by_modules(model: nn.Module, named, modules: Sequence[nn.Module]) -> list[t
     chosen = []
     for mod in modules:
         if not isinstance(mod, nn.Module):
-            hint = (" (a name): pass the modules themselves, or one regex over their names, e.g. "
-                    f"blocks={_regex_for(mod)!r}") if isinstance(mod, str) else ""
+            hint = (
+                (
+                    " (a name): pass the modules themselves, or one regex over their names, e.g. "
+                    f"blocks={_regex_for(mod)!r}"
+                )
+                if isinstance(mod, str)
+                else ""
+            )
             raise TypeError(f"a list of blocks holds modules, got {type(mod).__name__} {mod!r}{hint}")
         if id(mod) not in names:
             raise ValueError(
@@ -226,8 +227,14 @@ def _reject_nesting(chosen: list[tuple[str, nn.Module]], blocks: BlockSelection)
         inner_ids = {id(m) for m in outer.modules() if m is not outer}
         for inner_name, inner in chosen:
             if id(inner) in inner_ids:
-                hint = (f" (blocks={blocks!r} is a regex on the whole name, not a glob: it matched both; for "
-                        f"one level, e.g. blocks={_regex_for(inner_name)!r})") if isinstance(blocks, str) else ""
+                hint = (
+                    (
+                        f" (blocks={blocks!r} is a regex on the whole name, not a glob: it matched both; for "
+                        f"one level, e.g. blocks={_regex_for(inner_name)!r})"
+                    )
+                    if isinstance(blocks, str)
+                    else ""
+                )
                 raise ValueError(
                     f"block {outer_name or '<root>'!r} contains block {inner_name!r}: "
                     f"a selection must not nest; select one level (e.g. only the layers){hint}"

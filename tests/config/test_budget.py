@@ -2,8 +2,7 @@ import pytest
 
 from adaptmem.config.budget import resolve_budget
 from adaptmem.config.policy import Policy
-from adaptmem.testing import SimulatedProbe
-from adaptmem.testing import SimulatedDevice
+from adaptmem.testing import SimulatedDevice, SimulatedProbe
 
 GiB = 2**30
 
@@ -14,9 +13,16 @@ def probe(capacity=8 * GiB, external=0):
     return SimulatedProbe(dev)
 
 
-@pytest.mark.parametrize("budget,expected", [
-    (3 * GiB, 3 * GiB), ("2GiB", 2 * GiB), ("50%", 4 * GiB), ("100%", 8 * GiB), (" 25 % ", 2 * GiB),
-])
+@pytest.mark.parametrize(
+    "budget,expected",
+    [
+        (3 * GiB, 3 * GiB),
+        ("2GiB", 2 * GiB),
+        ("50%", 4 * GiB),
+        ("100%", 8 * GiB),
+        (" 25 % ", 2 * GiB),
+    ],
+)
 def test_forms(budget, expected):
     assert resolve_budget(budget, Policy(), probe()) == expected
 
@@ -30,10 +36,15 @@ def test_larger_than_the_device_is_refused():
         resolve_budget("9GiB", Policy(), probe())
 
 
-@pytest.mark.parametrize("bad,message", [
-    ("150%", r"must be a percentage in \(0%, 100%\]"), ("half%", "is not a percentage"),
-    ("lots", "is not a size"), (0, "must be positive"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ("150%", r"must be a percentage in \(0%, 100%\]"),
+        ("half%", "is not a percentage"),
+        ("lots", "is not a size"),
+        (0, "must be positive"),
+    ],
+)
 def test_bad_budgets(bad, message):
     with pytest.raises(ValueError, match=message):
         resolve_budget(bad, Policy(), probe())

@@ -53,16 +53,19 @@ def test_a_file_loads(tmp_path):
     assert policy.calm_steps == 3 and policy.allowed == (Mode.NONE, Mode.CHECKPOINT)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("high_watermark = 1.3", r"mine.toml': field `high_watermark` must be in \(0, 1\], got 1.3"),
-    ("calm_steps = 0", r"field `calm_steps` must be in \[1, inf\), got 0"),
-    ('compress_codec = "int4"', r"field `compress_codec` must be one of 'int8', 'fp8' or 'bf16', got 'int4'"),
-    ("colour = 1", r"unknown field `colour`; allowed fields are name, modes"),
-    ('modes = ["NONE", "FAST"]', r"field `modes`: unknown mode 'FAST': expected one of NONE"),
-    ("low_watermark = 0.99", r"low_watermark \(0.99\) must be below high_watermark \(0.98\)"),
-    ("x = [", r"not valid TOML"),
-    ('static_plan = "every-k"\nmodes = ["NONE", "OFFLOAD"]', r"modes must include CHECKPOINT"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("high_watermark = 1.3", r"mine.toml': field `high_watermark` must be in \(0, 1\], got 1.3"),
+        ("calm_steps = 0", r"field `calm_steps` must be in \[1, inf\), got 0"),
+        ('compress_codec = "int4"', r"field `compress_codec` must be one of 'int8', 'fp8' or 'bf16', got 'int4'"),
+        ("colour = 1", r"unknown field `colour`; allowed fields are name, modes"),
+        ('modes = ["NONE", "FAST"]', r"field `modes`: unknown mode 'FAST': expected one of NONE"),
+        ("low_watermark = 0.99", r"low_watermark \(0.99\) must be below high_watermark \(0.98\)"),
+        ("x = [", r"not valid TOML"),
+        ('static_plan = "every-k"\nmodes = ["NONE", "OFFLOAD"]', r"modes must include CHECKPOINT"),
+    ],
+)
 def test_bad_files_name_the_file_field_and_allowed_values(tmp_path, text, message):
     with pytest.raises(PolicyError, match=message):
         load_policy(write(tmp_path, text))
@@ -85,12 +88,15 @@ def test_environment_overrides_the_argument(tmp_path, monkeypatch):
         load_policy()
 
 
-@pytest.mark.parametrize("text,message", [
-    ("max_retries = true", "field `max_retries` must be a whole number, got True"),
-    ("calm_steps = 2.5", "field `calm_steps` must be a whole number, got 2.5"),
-    ("empty_cache_on_oom = 1", "field `empty_cache_on_oom` must be true or false, got 1"),
-    ("headroom = true", "field `headroom` must be a number, got True"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("max_retries = true", "field `max_retries` must be a whole number, got True"),
+        ("calm_steps = 2.5", "field `calm_steps` must be a whole number, got 2.5"),
+        ("empty_cache_on_oom = 1", "field `empty_cache_on_oom` must be true or false, got 1"),
+        ("headroom = true", "field `headroom` must be a number, got True"),
+    ],
+)
 def test_wrong_types_in_a_file_are_named(tmp_path, text, message):
     path = tmp_path / "mine.toml"
     path.write_text(text + "\n")
@@ -99,6 +105,9 @@ def test_wrong_types_in_a_file_are_named(tmp_path, text, message):
 
 
 def test_a_policy_of_the_wrong_kind_is_named():
-    with pytest.raises(TypeError, match=r"policy must be a preset name \(balanced, .*\), a path to a TOML file, "
-                                        r"or an adaptmem.Policy; got int 3"):
+    with pytest.raises(
+        TypeError,
+        match=r"policy must be a preset name \(balanced, .*\), a path to a TOML file, "
+        r"or an adaptmem.Policy; got int 3",
+    ):
         load_policy(3)

@@ -4,13 +4,12 @@ import statistics
 from dataclasses import replace
 
 import pytest
+from helpers import budget_between, hf_batch, llama, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import Mode
 from adaptmem.config.policy import load_policy
 from adaptmem.testing import SimulatedDevice
-
-from helpers import budget_between, hf_batch, llama, tiny, tiny_batch
 
 
 def small():
@@ -98,7 +97,7 @@ def fill(n_layers: int, fraction: float, steps: int = 30):
     """Steps of one shape under a budget `fraction` of the way from every block CHECKPOINT to
     unmanaged, with NONE and CHECKPOINT only: the fuller a plan, the fewer recomputes, the cheaper.
     Returns (peak / budget per step from a window the manager does not read, the manager)."""
-    make = lambda: tiny(dim=64, n_layers=n_layers, vocab_size=256)  # noqa: E731
+    make = lambda: tiny(dim=64, n_layers=n_layers, vocab_size=256)
     model = make()
     batch = tiny_batch(model, batch=2, seq=128)
     budget, _ = budget_between(make, batch, fraction)
@@ -163,7 +162,7 @@ def test_an_input_no_plan_fits_does_not_leave_the_budget_unused_for_the_inputs_t
     """Every third batch is too long for any plan (it is warned of, and runs the tightest): its
     overshoot does not lower the headroom, so the batches that fit keep the plan that fills the
     budget, and the calm steps between the long ones still relax."""
-    make = lambda: tiny(dim=64, n_layers=4, vocab_size=256)  # noqa: E731
+    make = lambda: tiny(dim=64, n_layers=4, vocab_size=256)
     model = make()
     budget = int(1.3 * budget_between(make, tiny_batch(model, 2, 128), 0.5)[0])
     dev = SimulatedDevice(capacity_bytes=2**31)

@@ -3,21 +3,19 @@
 from dataclasses import fields, replace
 
 import pytest
+from helpers import hf_batch, llama, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import ALLOWED_MODES, Mode
+from adaptmem.config.policy import load_policy
 from adaptmem.control.costs import CostModel
 from adaptmem.control.fits import MAX_SHAPES, Fit
+from adaptmem.control.planner import predicted_peak
 from adaptmem.control.plans import MAX_CACHED_PLANS
 from adaptmem.control.priors import DERIVATIONS, HOST_PRIORS, Assumptions, Latents, Priors
 from adaptmem.control.recorder import StepRecorder
-from adaptmem.control.planner import predicted_peak
-from adaptmem.config.policy import load_policy
-from adaptmem.testing import SimulatedProbe
-from adaptmem.testing import SimulatedDevice
+from adaptmem.testing import SimulatedDevice, SimulatedProbe
 from adaptmem.wrapping import get_instrumentation
-
-from helpers import hf_batch, llama, tiny, tiny_batch
 
 
 def test_activation_fit_scales_with_tokens_and_learns_the_quadratic_term():
@@ -26,7 +24,7 @@ def test_activation_fit_scales_with_tokens_and_learns_the_quadratic_term():
     assert fit.predict(4, 100) == pytest.approx(4000)
     assert fit.predict(2, 50) == pytest.approx(1000)
     assert fit.predict(2, 200, quadratic=0.5) == pytest.approx(4000 * (0.5 + 0.5 * 2))
-    truth = lambda b, s: 7.0 * b * s + 0.25 * b * s * s  # noqa: E731
+    truth = lambda b, s: 7.0 * b * s + 0.25 * b * s * s
     fit = Fit("act")
     for b, s in ((2, 128), (2, 512)):
         fit.add(b, s, truth(b, s))
@@ -50,8 +48,11 @@ def test_steps_that_find_the_gradients_kept_are_learned_apart_from_steps_that_al
     step = _timed_step([Mode.NONE] * 3, [0.03] * 3, [1000] * 3)
 
     def starting(extra, resident):  # each block's backward starts `extra[i]` above its saved tensors
-        return replace(step, grads_resident=resident,
-                       blocks=[replace(b, bwd_start=b.bwd_start + e) for b, e in zip(step.blocks, extra)])
+        return replace(
+            step,
+            grads_resident=resident,
+            blocks=[replace(b, bwd_start=b.bwd_start + e) for b, e in zip(step.blocks, extra)],
+        )
 
     def grads(resident):
         costs.grads_resident = resident  # as the manager sets it at the start of the step it plans
@@ -133,13 +134,26 @@ def test_every_mode_has_a_documented_derivation_and_priors_are_named():
     for mode in ALLOWED_MODES:
         derive = DERIVATIONS[mode]
         assert derive.__doc__ and len(derive.__doc__.split()) >= 4, mode.label
-    assert {f.name for f in fields(Priors)} >= {"link_bytes_per_s", "hidden_share", "codec_bytes_per_s",
-                                                 "selective_keep_share", "selective_recompute_share"}
+    assert {f.name for f in fields(Priors)} >= {
+        "link_bytes_per_s",
+        "hidden_share",
+        "codec_bytes_per_s",
+        "selective_keep_share",
+        "selective_recompute_share",
+    }
 
 
 def test_a_faster_link_makes_offload_cheaper_and_nothing_else():
-    lat = Latents(input_bytes=1e6, output_growth=0.0, activations=8e6, backward_temp=2e6,
-                  forward_transient=9e6, forward_s=0.01, recompute_s=0.01, none_s=0.03)
+    lat = Latents(
+        input_bytes=1e6,
+        output_growth=0.0,
+        activations=8e6,
+        backward_temp=2e6,
+        forward_transient=9e6,
+        forward_s=0.01,
+        recompute_s=0.01,
+        none_s=0.03,
+    )
     slow = Assumptions(HOST_PRIORS, guess=1.25, kappa=0.27)
     fast = Assumptions(replace(HOST_PRIORS, link_bytes_per_s=2 * HOST_PRIORS.link_bytes_per_s), 1.25, 0.27)
     for mode in ALLOWED_MODES:
@@ -260,8 +274,10 @@ def test_one_checkpoint_step_predicts_none_closely_and_every_mode_conservatively
 def test_measured_modes_predict_mixed_plans(harness):
     for mode in ALLOWED_MODES:
         harness.run([mode] * 4, 256)
-    for modes in ([Mode.NONE, Mode.OFFLOAD, Mode.COMPRESS, Mode.CHECKPOINT],
-                  [Mode.SELECTIVE, Mode.NONE, Mode.CHECKPOINT | Mode.OFFLOAD, Mode.NONE]):
+    for modes in (
+        [Mode.NONE, Mode.OFFLOAD, Mode.COMPRESS, Mode.CHECKPOINT],
+        [Mode.SELECTIVE, Mode.NONE, Mode.CHECKPOINT | Mode.OFFLOAD, Mode.NONE],
+    ):
         sample = harness.run(modes, 256, learn=False)
         assert harness.predict(modes, sample) == pytest.approx(sample.peak, rel=0.08)
 
@@ -293,11 +309,24 @@ def _timed_step(modes, seconds, sizes, batch=2, extent=1000, recompute=0.0, move
     blocks, at = [], 0
     for i, (mode, took, size) in enumerate(zip(modes, seconds, sizes)):
         held = size if mode is Mode.OFFLOAD else 4 * size
-        blocks.append(BlockSample(index=i, mode=mode, input_bytes=size, start=at, end=at + held,
-                                  fwd_top=at + held + size, held=held, output_bytes=size, bwd_start=at + held,
-                                  bwd_top=at + held + 2 * size, fwd_seconds=took / 3, bwd_seconds=2 * took / 3,
-                                  recompute_seconds=recompute if mode & (Mode.CHECKPOINT | Mode.SELECTIVE) else 0.0,
-                                  moved_seconds=moved[i] if moved and mode & (Mode.OFFLOAD | Mode.COMPRESS) else None))
+        blocks.append(
+            BlockSample(
+                index=i,
+                mode=mode,
+                input_bytes=size,
+                start=at,
+                end=at + held,
+                fwd_top=at + held + size,
+                held=held,
+                output_bytes=size,
+                bwd_start=at + held,
+                bwd_top=at + held + 2 * size,
+                fwd_seconds=took / 3,
+                bwd_seconds=2 * took / 3,
+                recompute_seconds=recompute if mode & (Mode.CHECKPOINT | Mode.SELECTIVE) else 0.0,
+                moved_seconds=moved[i] if moved and mode & (Mode.OFFLOAD | Mode.COMPRESS) else None,
+            )
+        )
         at += held
     return StepSample(batch=batch, extent=extent, blocks=blocks, completed=True, seconds=sum(seconds))
 
@@ -310,13 +339,19 @@ def test_a_modes_time_is_pooled_over_blocks_alike_and_only_those():
     costs = CostModel(["Layer"] * 5, policy, cuda=False)
     sizes = [1000, 1000, 1000, 1000, 500]  # the last: another stage, half the input
     costs.learn(_timed_step([Mode.NONE] * 5, [0.040, 0.042, 0.038, 0.060, 0.020], sizes))
-    costs.learn(_timed_step([Mode.CHECKPOINT, Mode.CHECKPOINT, Mode.NONE, Mode.CHECKPOINT, Mode.CHECKPOINT],
-                            [0.045, 0.062, 0.038, 0.061, 0.030], sizes))
+    costs.learn(
+        _timed_step(
+            [Mode.CHECKPOINT, Mode.CHECKPOINT, Mode.NONE, Mode.CHECKPOINT, Mode.CHECKPOINT],
+            [0.045, 0.062, 0.038, 0.061, 0.030],
+            sizes,
+        )
+    )
     seconds = [costs.figures(i, Mode.CHECKPOINT, 2, 1000).seconds for i in range(5)]
 
     def own(i):  # block i's own fits: the checkpoint's time less NONE's
-        return (costs.direct[i][Mode.CHECKPOINT]["seconds"].predict(2, 1000)
-                - costs.direct[i][Mode.NONE]["seconds"].predict(2, 1000))
+        return costs.direct[i][Mode.CHECKPOINT]["seconds"].predict(2, 1000) - costs.direct[i][Mode.NONE][
+            "seconds"
+        ].predict(2, 1000)
 
     assert seconds[0] == seconds[1] == seconds[2] == seconds[3] == pytest.approx((own(0) + own(1) + own(3)) / 3)
     assert len({round(own(i), 6) for i in (0, 1, 3)}) == 3  # the blocks did differ
@@ -346,8 +381,7 @@ def test_a_recomputing_mode_costs_at_least_its_recompute_read_in_the_same_step()
     costs = CostModel(["Layer"] * 4, load_policy("balanced"), cuda=False)
     sizes = [1000] * 4
     costs.learn(_timed_step([Mode.NONE] * 4, [0.060] * 4, sizes))  # a slow spell
-    costs.learn(_timed_step([Mode.SELECTIVE] * 2 + [Mode.NONE] * 2, [0.050] * 2 + [0.040] * 2, sizes,
-                            recompute=0.006))
+    costs.learn(_timed_step([Mode.SELECTIVE] * 2 + [Mode.NONE] * 2, [0.050] * 2 + [0.040] * 2, sizes, recompute=0.006))
     assert costs._own_overhead(0, Mode.SELECTIVE, 2, 1000) < 0  # the difference alone: free
     assert costs.figures(0, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.006)
     assert costs.figures(3, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.006)  # alike: pooled
@@ -363,8 +397,14 @@ def test_a_recomputing_mode_costs_its_recompute_not_a_difference_of_two_steps():
     costs = CostModel(["Layer"] * 4, load_policy("balanced"), cuda=False)
     sizes = [1000] * 4
     costs.learn(_timed_step([Mode.CHECKPOINT] * 4, [0.120] * 4, sizes, recompute=0.025))
-    costs.learn(_timed_step([Mode.CHECKPOINT, Mode.SELECTIVE, Mode.NONE, Mode.NONE], [0.120, 0.118, 0.095, 0.095],
-                            sizes, recompute=0.003))
+    costs.learn(
+        _timed_step(
+            [Mode.CHECKPOINT, Mode.SELECTIVE, Mode.NONE, Mode.NONE],
+            [0.120, 0.118, 0.095, 0.095],
+            sizes,
+            recompute=0.003,
+        )
+    )
     assert costs._own_overhead(1, Mode.SELECTIVE, 2, 1000) > 0.015  # the difference: a cold, noisy reading
     for i in range(4):
         assert costs.figures(i, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.003)
@@ -404,11 +444,12 @@ def test_a_packing_mode_costs_its_hooks_time_read_in_its_own_step():
     recompute; on CUDA, whose copies the host does not wait for, the difference stays."""
     O, N, C, K = Mode.OFFLOAD, Mode.NONE, Mode.COMPRESS, Mode.CHECKPOINT | Mode.OFFLOAD
     sizes = [1000] * 4
-    steps = [_timed_step([N] * 4, [0.095] * 4, sizes),
-             _timed_step([O, O, N, N], [0.130, 0.090, 0.095, 0.095], sizes, moved=[0.004, 0.007, 0, 0]),
-             _timed_step([O, O, N, N], [0.128, 0.093, 0.095, 0.095], sizes, moved=[0.004, 0.007, 0, 0]),
-             _timed_step([K, C, N, N], [0.150, 0.100, 0.095, 0.095], sizes, recompute=0.020,
-                         moved=[0.002, 0.003, 0, 0])]
+    steps = [
+        _timed_step([N] * 4, [0.095] * 4, sizes),
+        _timed_step([O, O, N, N], [0.130, 0.090, 0.095, 0.095], sizes, moved=[0.004, 0.007, 0, 0]),
+        _timed_step([O, O, N, N], [0.128, 0.093, 0.095, 0.095], sizes, moved=[0.004, 0.007, 0, 0]),
+        _timed_step([K, C, N, N], [0.150, 0.100, 0.095, 0.095], sizes, recompute=0.020, moved=[0.002, 0.003, 0, 0]),
+    ]
     host, cuda = (CostModel(["Layer"] * 4, load_policy("balanced"), cuda=on) for on in (False, True))
     for sample in steps:
         host.learn(sample)
@@ -431,7 +472,9 @@ def test_an_offload_keeps_its_own_blocks_time_where_it_ran_there():
     sizes = [1000] * 4
     costs.learn(_timed_step([Mode.NONE] * 4, [0.040] * 4, sizes))
     for _ in range(2):  # a block's first offload allocates its host memory: that time is not learned
-        costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE, Mode.OFFLOAD, Mode.NONE], [0.045, 0.040, 0.080, 0.040], sizes))
+        costs.learn(
+            _timed_step([Mode.OFFLOAD, Mode.NONE, Mode.OFFLOAD, Mode.NONE], [0.045, 0.040, 0.080, 0.040], sizes)
+        )
     seconds = [costs.figures(i, Mode.OFFLOAD, 2, 1000).seconds for i in range(4)]
     assert seconds[0] == pytest.approx(0.005) and seconds[2] == pytest.approx(0.04)  # their own
     assert seconds[1] == pytest.approx((0.005 + 0.04) / 2)  # pooled, between its neighbours
@@ -577,10 +620,23 @@ def _linear_step(modes, extent, *, constant=0):
     blocks, at = [], 0
     for i, mode in enumerate(modes):
         held = extent if mode & Mode.CHECKPOINT else 4 * extent
-        blocks.append(BlockSample(index=i, mode=mode, input_bytes=extent, start=at, end=at + held,
-                                  fwd_top=at + 2 * extent, held=held, output_bytes=extent, bwd_start=at + held,
-                                  bwd_top=at + held + (3 * extent if mode & Mode.CHECKPOINT else 0) + constant, fwd_seconds=0.01, bwd_seconds=0.02,
-                                  recompute_bytes=3 * extent if mode & Mode.CHECKPOINT else None))
+        blocks.append(
+            BlockSample(
+                index=i,
+                mode=mode,
+                input_bytes=extent,
+                start=at,
+                end=at + held,
+                fwd_top=at + 2 * extent,
+                held=held,
+                output_bytes=extent,
+                bwd_start=at + held,
+                bwd_top=at + held + (3 * extent if mode & Mode.CHECKPOINT else 0) + constant,
+                fwd_seconds=0.01,
+                bwd_seconds=0.02,
+                recompute_bytes=3 * extent if mode & Mode.CHECKPOINT else None,
+            )
+        )
         at += held
     return StepSample(batch=1, extent=extent, blocks=blocks, completed=True, seconds=0.03)
 
@@ -625,7 +681,7 @@ def test_only_a_step_that_offloads_a_cold_block_is_measured_for_its_warm_reading
     schedule = MeasureSchedule(policy, costs)
     for extent in (1000, 2000, 1000):
         costs.learn(_timed_step([Mode.NONE] * 2, [0.040] * 2, [extent] * 2, extent=extent))
-    record = lambda modes, extent: PlanRecord(modes, (2, extent, False), extent, 0, None, "test", seen=extent)  # noqa: E731
+    record = lambda modes, extent: PlanRecord(modes, (2, extent, False), extent, 0, None, "test", seen=extent)
     assert not schedule.worth(record((Mode.NONE,) * 2, 1500))  # two sizes measured: a third is predicted
     costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE], [0.300, 0.040], [1000] * 2))  # a first offload: cold
     assert costs.cold == {(0, Mode.OFFLOAD)}

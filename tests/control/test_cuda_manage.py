@@ -4,12 +4,11 @@ import copy
 
 import pytest
 import torch
+from helpers import hf_batch, llama
 
 import adaptmem
 from adaptmem import Mode
 from adaptmem.devices.cuda import CudaProbe
-
-from helpers import hf_batch, llama
 
 pytestmark = pytest.mark.cuda
 MiB = 2**20
@@ -151,8 +150,7 @@ def test_a_steady_step_does_not_wait_for_the_device(monkeypatch):
     and no synchronize but at the end of a step measured block by block."""
     model = norm_mlp()
     x = torch.randn(4096, 1024, device="cuda")
-    policy = adaptmem.load_policy("balanced").model_copy(
-        update={"measure_every": 4, "modes": ("NONE", "CHECKPOINT")})
+    policy = adaptmem.load_policy("balanced").model_copy(update={"measure_every": 4, "modes": ("NONE", "CHECKPOINT")})
     with adaptmem.manage(model, budget="90%", policy=policy) as mem:
         for _ in range(8):  # calibration and the first plans
             mem.run_step(norm_step, model, x)

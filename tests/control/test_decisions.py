@@ -2,11 +2,19 @@
 
 import pytest
 
-from adaptmem.control.decisions import ESCALATE, HOLD, RECOVER, RELAX, Decider
 from adaptmem.config.policy import Policy
+from adaptmem.control.decisions import ESCALATE, HOLD, RECOVER, RELAX, Decider
 
-POLICY = Policy(calm_steps=3, headroom=0.9, max_headroom=0.97, min_headroom=0.5,
-                high_watermark=0.98, low_watermark=0.8, escalate_factor=0.9, relax_factor=1.03)
+POLICY = Policy(
+    calm_steps=3,
+    headroom=0.9,
+    max_headroom=0.97,
+    min_headroom=0.5,
+    high_watermark=0.98,
+    low_watermark=0.8,
+    escalate_factor=0.9,
+    relax_factor=1.03,
+)
 
 
 def run(decider, ratios, budget=1000.0):

@@ -41,7 +41,7 @@ class Critic(nn.Module):
 def critic_loss(critic: Critic, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
     mix = torch.rand(real.shape[0], 1, generator=torch.Generator().manual_seed(int(real.sum().item() * 1000) % 997))
     between = (mix * real + (1 - mix) * fake).requires_grad_(True)
-    grad, = torch.autograd.grad(critic(between).sum(), between, create_graph=True)
+    (grad,) = torch.autograd.grad(critic(between).sum(), between, create_graph=True)
     penalty = ((grad.norm(dim=1) - 1) ** 2).mean()
     return critic(fake).mean() - critic(real).mean() + 10 * penalty
 
@@ -78,8 +78,12 @@ def train(managed: bool, caplog=None) -> tuple[dict, list]:
 
 
 def _adam(opt) -> dict:
-    return {f"{i}.{name}": value.clone() for i, s in enumerate(opt.state.values()) for name, value in s.items()
-            if torch.is_tensor(value)}
+    return {
+        f"{i}.{name}": value.clone()
+        for i, s in enumerate(opt.state.values())
+        for name, value in s.items()
+        if torch.is_tensor(value)
+    }
 
 
 def test_a_gradient_penalty_under_a_selective_only_policy_never_raises_and_stays_exact(caplog):
@@ -90,5 +94,6 @@ def test_a_gradient_penalty_under_a_selective_only_policy_never_raises_and_stays
     assert all("SELECTIVE" not in plan for plan in plans)
     assert sum("cannot, so it is not used for the rest of the run" in r.getMessage() for r in caplog.records) == 1
     assert expected.keys() == got.keys()
-    assert all(torch.equal(expected[k], got[k]) for k in expected), [k for k in expected
-                                                                    if not torch.equal(expected[k], got[k])]
+    assert all(torch.equal(expected[k], got[k]) for k in expected), [
+        k for k in expected if not torch.equal(expected[k], got[k])
+    ]

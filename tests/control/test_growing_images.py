@@ -28,15 +28,18 @@ def resnet():
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[2, 2, 2, 2], layer_type="basic",
-                       num_labels=10)
+    cfg = ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[2, 2, 2, 2], layer_type="basic", num_labels=10
+    )
     return ResNetForImageClassification(cfg)
 
 
 def images(px: int, batch: int = 4) -> dict:
     gen = torch.Generator().manual_seed(px)
-    return {"pixel_values": torch.randn(batch, 3, px, px, generator=gen),
-            "labels": torch.randint(0, 10, (batch,), generator=gen)}
+    return {
+        "pixel_values": torch.randn(batch, 3, px, px, generator=gen),
+        "labels": torch.randint(0, 10, (batch,), generator=gen),
+    }
 
 
 def train(mem, model, opt, px: int, *, retried: bool = False) -> dict:
@@ -78,8 +81,11 @@ def test_the_plan_a_warning_announces_is_the_plan_the_step_runs(caplog):
     dev = SimulatedDevice(16 * MiB)
     dev.track(model, opt)
     announced = []
-    with caplog.at_level(logging.WARNING, logger="adaptmem"), dev, \
-            adaptmem.manage(model, device=dev, policy=QUIET) as mem:
+    with (
+        caplog.at_level(logging.WARNING, logger="adaptmem"),
+        dev,
+        adaptmem.manage(model, device=dev, policy=QUIET) as mem,
+    ):
         for px in (32, 48, 64, 80, 96, 112, 128, 128):
             first = len(caplog.records)
             try:
@@ -125,4 +131,3 @@ def test_an_oom_inside_step_names_run_step_and_the_same_batch_next_runs_lower():
         other = train(mem, model, opt, 48)  # another batch after the failure: planned afresh, not refused
         assert other["type"] == "step"
         assert mem.summary()["ooms"] == 1
-

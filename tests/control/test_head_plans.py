@@ -18,8 +18,10 @@ def run(lengths, policy="balanced", budget=96 * MiB, **manage):
     model = hf_model("llama", vocab_size=8000)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     records = []
-    with SimulatedDevice(capacity_bytes=budget) as dev, \
-            adaptmem.manage(model, policy=policy, device=dev, budget=budget, **manage) as mem:
+    with (
+        SimulatedDevice(capacity_bytes=budget) as dev,
+        adaptmem.manage(model, policy=policy, device=dev, budget=budget, **manage) as mem,
+    ):
         for i, seq in enumerate(lengths):
             ids = torch.randint(0, 8000, (1, seq), generator=torch.Generator().manual_seed(i))
 
@@ -93,5 +95,6 @@ def test_a_chunks_bytes_are_learned_from_the_chunked_steps():
     again = HeadCosts(vocab, hidden, vocab * hidden * 4, cuda=False)
     again.load_state_dict(costs.state_dict())
     assert again.chunked_bytes(1, 4096 * hidden, 1024) == costs.chunked_bytes(1, 4096 * hidden, 1024)
-    assert costs.chunked_bytes(1, 4096 * hidden, 1024) == pytest.approx(costs._fixed(1, 4096 * hidden)
-                                                                        + 1024 * vocab * 4, rel=0.05)
+    assert costs.chunked_bytes(1, 4096 * hidden, 1024) == pytest.approx(
+        costs._fixed(1, 4096 * hidden) + 1024 * vocab * 4, rel=0.05
+    )

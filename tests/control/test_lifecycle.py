@@ -8,14 +8,13 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import tiny, tiny_batch
 
 import adaptmem
-from adaptmem import Mode, MemoryManager, PolicyError, read_log
+from adaptmem import MemoryManager, Mode, PolicyError, read_log
 from adaptmem.control.events import EventLog
 from adaptmem.control.sampler import Sampler
 from adaptmem.testing import SimulatedDevice, measure_peak
-
-from helpers import tiny, tiny_batch
 
 MiB = 2**20
 
@@ -78,15 +77,25 @@ def test_begin_and_end_step_carry_a_label_and_step_is_built_on_them():
         assert mem.summary()["steps"] == 2 and mem.summary()["ooms"] == 1
 
 
-@pytest.mark.parametrize("case", ["policy", "policy-type", "budget", "blocks", "log", "device", "device-name", "thread"])
+@pytest.mark.parametrize(
+    "case", ["policy", "policy-type", "budget", "blocks", "log", "device", "device-name", "thread"]
+)
 def test_a_failed_construction_leaves_the_model_as_it_was(tmp_path, monkeypatch, case):
     model = tiny()
     keys = list(model.state_dict())
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     kwargs = {"budget": "1GiB", "device": device()}
-    expected = {"policy": PolicyError, "policy-type": TypeError, "budget": ValueError, "blocks": ValueError,
-                "log": OSError, "device": ValueError, "device-name": ValueError, "thread": RuntimeError}[case]
+    expected = {
+        "policy": PolicyError,
+        "policy-type": TypeError,
+        "budget": ValueError,
+        "blocks": ValueError,
+        "log": OSError,
+        "device": ValueError,
+        "device-name": ValueError,
+        "thread": RuntimeError,
+    }[case]
     if case == "policy":
         kwargs["policy"] = "no-such-preset"
     elif case == "policy-type":
@@ -102,7 +111,9 @@ def test_a_failed_construction_leaves_the_model_as_it_was(tmp_path, monkeypatch,
     elif case == "device":
         kwargs["device"] = 3.5
     else:
-        monkeypatch.setattr(Sampler, "start", lambda self: (_ for _ in ()).throw(RuntimeError("can't start new thread")))
+        monkeypatch.setattr(
+            Sampler, "start", lambda self: (_ for _ in ()).throw(RuntimeError("can't start new thread"))
+        )
     with pytest.raises(expected):
         MemoryManager(model, **kwargs)
     assert untouched(model, keys)

@@ -5,25 +5,21 @@ import threading
 
 import pytest
 import torch
+from helpers import hf_batch, llama, tiny, tiny_batch
 
 import adaptmem
-from adaptmem import Mode, StepOutOfMemoryError
-from adaptmem import read_log
-from adaptmem.modes import LADDER
+from adaptmem import Mode, StepOutOfMemoryError, read_log
 from adaptmem.config.policy import load_policy
+from adaptmem.modes import LADDER
 from adaptmem.testing import SimulatedDevice, measure_peak
-
-from helpers import hf_batch, llama, tiny, tiny_batch
 
 MiB = 2**20
 
 
 def models():
     return {
-        "tiny": (lambda: tiny(dim=128, n_layers=6, vocab_size=512),
-                 lambda m, seq=256: tiny_batch(m, batch=4, seq=seq)),
-        "hf-llama": (lambda: llama(layers=6, hidden=256),
-                     lambda m, seq=512: hf_batch(batch=2, seq=seq)),
+        "tiny": (lambda: tiny(dim=128, n_layers=6, vocab_size=512), lambda m, seq=256: tiny_batch(m, batch=4, seq=seq)),
+        "hf-llama": (lambda: llama(layers=6, hidden=256), lambda m, seq=512: hf_batch(batch=2, seq=seq)),
     }
 
 
@@ -88,7 +84,9 @@ def test_varying_lengths_survive_and_the_plan_relaxes_after_the_spike(name):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # a device on which 512 tokens need managing and 1024 still fit under the tightest plan
     none_512 = measure_peak(model, lambda: make_batch(model, 512), mode=Mode.NONE)
-    tight_1024 = min(measure_peak(model, lambda: make_batch(model, 1024), mode=m) for m in (Mode.OFFLOAD, Mode.CHECKPOINT))
+    tight_1024 = min(
+        measure_peak(model, lambda: make_batch(model, 1024), mode=m) for m in (Mode.OFFLOAD, Mode.CHECKPOINT)
+    )
     capacity = max(int(0.8 * none_512), int(1.35 * tight_1024))
     assert 0.9 * capacity < none_512, "the 512-token step must need managing for this test to mean anything"
     dev = SimulatedDevice(capacity_bytes=capacity)
@@ -318,7 +316,7 @@ def test_exit_restores_the_model_and_stops_the_thread_even_on_error():
         with adaptmem.manage(model, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31)) as mem:
             with mem.step():
                 model(**make_batch(model)).loss.backward()
-            1 / 0
+            1 / 0  # noqa: B018 - the body raises
     assert adaptmem.get_handles(model) == []
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert not mem._sampler.is_alive()
@@ -392,8 +390,22 @@ def test_scripted_probe_gives_the_exact_decision_sequence():
             with mem.step():
                 model(**tiny_batch(model)).loss.backward()
         decisions = [e["decision"] for e in mem.events.of_type("step")]
-    assert decisions == ["hold", "hold", "relax", "hold", "hold", "hold", "hold", "escalate",
-                         "recover", "recover", "recover", "hold", "recover", "hold"]
+    assert decisions == [
+        "hold",
+        "hold",
+        "relax",
+        "hold",
+        "hold",
+        "hold",
+        "hold",
+        "escalate",
+        "recover",
+        "recover",
+        "recover",
+        "hold",
+        "recover",
+        "hold",
+    ]
     assert mem.decider.headroom == pytest.approx(0.92)
 
 
@@ -406,7 +418,9 @@ def test_scripted_probe_shows_no_flip_flop():
     policy = load_policy().model_copy(update={"calm_steps": 2})
     start = policy.headroom
     # the load is over the high watermark whenever the plan aims above where it started
-    probe = ScriptedProbe(2 * budget, lambda step: int((0.99 if holder["mem"].decider.headroom > start else 0.7) * budget))
+    probe = ScriptedProbe(
+        2 * budget, lambda step: int((0.99 if holder["mem"].decider.headroom > start else 0.7) * budget)
+    )
     with adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         holder["mem"] = mem
         for _ in range(40):
@@ -450,8 +464,20 @@ def test_event_log_is_jsonl_with_steps_plans_and_ooms(tmp_path):
     assert kinds[0] == "start" and kinds[-1] == "end"
     assert {"plan", "step", "oom"} <= set(kinds)
     step = next(r for r in records if r["type"] == "step" and r["step"] == 2)
-    for key in ("step", "tokens", "seq", "batch", "predicted_peak_bytes", "observed_peak_bytes",
-                "budget_bytes", "prediction_error", "decision", "plan_counts", "attempt", "time"):
+    for key in (
+        "step",
+        "tokens",
+        "seq",
+        "batch",
+        "predicted_peak_bytes",
+        "observed_peak_bytes",
+        "budget_bytes",
+        "prediction_error",
+        "decision",
+        "plan_counts",
+        "attempt",
+        "time",
+    ):
         assert key in step
     plan = next(r for r in records if r["type"] == "plan")
     assert set(plan["plan"]) == {f"blocks.{i}" for i in range(6)} and plan["reason"]
@@ -459,11 +485,14 @@ def test_event_log_is_jsonl_with_steps_plans_and_ooms(tmp_path):
     assert oom["phase"] in ("forward", "backward") and "out of memory" in oom["message"]
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("every-2", ["NONE", "CHECKPOINT"] * 4),
-    # round(sqrt(8)) = 3: every third block
-    ("sqrt-n", ["NONE", "NONE", "CHECKPOINT", "NONE", "NONE", "CHECKPOINT", "NONE", "NONE"]),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("every-2", ["NONE", "CHECKPOINT"] * 4),
+        # round(sqrt(8)) = 3: every third block
+        ("sqrt-n", ["NONE", "NONE", "CHECKPOINT", "NONE", "NONE", "CHECKPOINT", "NONE", "NONE"]),
+    ],
+)
 def test_static_policies(name, expected):
     model = tiny(n_layers=8)
     with adaptmem.manage(model, policy=name, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31)) as mem:
@@ -556,7 +585,7 @@ def test_an_accumulating_loop_keeps_a_plan_per_kind_of_micro_step_and_measures_o
     steady steps are light (predicted as the mean of both, they missed by 12% and half were
     measured), and the first micro-step fills the budget too (run on the plan made for the
     second, it peaked at 66% of the budget)."""
-    make = lambda: tiny(dim=128, n_layers=4, vocab_size=2048)  # noqa: E731  weights large beside activations
+    make = lambda: tiny(dim=128, n_layers=4, vocab_size=2048)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     batches = [tiny_batch(model, batch=2, seq=64) for _ in range(2)]
@@ -584,7 +613,7 @@ def test_a_budget_no_micro_step_fits_is_warned_of_once_not_once_per_kind_of_micr
     """Accumulating micro-steps keep a plan per gradient state, but a budget under the tightest plan
     is one thing to fix: it is warned of once (once more where the first warning was extrapolated),
     not for each kind of micro-step."""
-    make = lambda: tiny(dim=128, n_layers=4, vocab_size=2048)  # noqa: E731
+    make = lambda: tiny(dim=128, n_layers=4, vocab_size=2048)
     model = make()
     batches = [tiny_batch(model, batch=2, seq=64) for _ in range(2)]
     budget = int(0.8 * _kept_peak(make(), batches[0], Mode.CHECKPOINT | Mode.OFFLOAD))

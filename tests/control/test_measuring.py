@@ -1,13 +1,12 @@
 """Measuring block by block only when there is something to learn; the step's peak always."""
 
 import torch
+from helpers import budget_between, tiny, tiny_batch
 
 import adaptmem
 from adaptmem.config.policy import load_policy
 from adaptmem.devices.simulated import SimulatedProbe
 from adaptmem.testing import SimulatedDevice
-
-from helpers import budget_between, tiny, tiny_batch
 
 
 class CountingProbe(SimulatedProbe):
@@ -50,7 +49,7 @@ def run(mem, model, probe, lengths, truth=None):
 
 
 def managed(every=5, **overrides):
-    make = lambda: tiny(dim=128, n_layers=6, vocab_size=512)  # noqa: E731
+    make = lambda: tiny(dim=128, n_layers=6, vocab_size=512)
     model = make()
     budget, _ = budget_between(make, tiny_batch(model, 4, 128), 0.7)
     dev = SimulatedDevice(capacity_bytes=2**31)
@@ -64,8 +63,9 @@ def test_a_replan_after_a_first_offload_waits_for_its_warm_reading():
     """A first offload's time is cold: a replan that step would cause (here every prediction
     misses, with no tolerance) waits one step, so the plan runs again and is remade from the
     warm reading, not chosen away from the offload on its allocation's time."""
-    model, dev, probe, budget, policy = managed(every=1000, modes=("NONE", "CHECKPOINT", "OFFLOAD"),
-                                                replan_tolerance=1e-9)
+    model, dev, probe, budget, policy = managed(
+        every=1000, modes=("NONE", "CHECKPOINT", "OFFLOAD"), replan_tolerance=1e-9
+    )
     with dev, adaptmem.manage(model, budget=2 * budget, device=probe, policy=policy) as mem:
         run(mem, model, probe, [128] * 4)
         made, make = [], mem.plans.make
@@ -91,7 +91,7 @@ def test_steady_steps_read_only_their_peak_and_measure_every_nth():
         if plans[i] != plans[i - 1]:
             assert measured[i] == "blocks", (i, measured)
     for i in range(len(measured) - 4):  # and never more than `measure_every` steps go by unmeasured
-        assert "blocks" in measured[i:i + 5], measured
+        assert "blocks" in measured[i : i + 5], measured
     light = [reads for (r, reads, _) in steps if r["measured"] == "peak"]
     detailed = [reads for (r, reads, _) in steps if r["measured"] == "blocks"]
     assert max(light) <= 8 < 3 * 6 <= min(detailed), (light, detailed)  # a few readings, not a few per block
@@ -247,7 +247,6 @@ def test_a_light_step_on_an_asynchronous_device_is_not_waited_for():
     assert all(r["seconds"] > 0 for r in records)
 
 
-
 class OneReadingProbe(CountingProbe):
     """The stand-in's probe with `take_peak`: peak and allocation in one reading, as CudaProbe."""
 
@@ -268,11 +267,13 @@ def test_a_probe_that_reads_peak_and_allocation_at_once_is_read_once_per_boundar
         with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
             samples, end = [], mem.recorder.end
             mem.recorder.end = lambda: samples.append(end()) or samples[-1]
-            (record, n, _), = run(mem, model, probe, [128])
+            ((record, n, _),) = run(mem, model, probe, [128])
         assert record["measured"] == "blocks"
         reads.append(n)
-        figures.append([(b.start, b.end, b.fwd_top, b.held, b.bwd_start, b.bwd_top, b.recompute_bytes)
-                        for b in samples[0].blocks] + [samples[0].peak, samples[0].head_top, samples[0].tail_top])
+        figures.append(
+            [(b.start, b.end, b.fwd_top, b.held, b.bwd_start, b.bwd_top, b.recompute_bytes) for b in samples[0].blocks]
+            + [samples[0].peak, samples[0].head_top, samples[0].tail_top]
+        )
     assert figures[0] == figures[1]
     assert reads[1] <= reads[0] - 2 * 2 * 6, reads  # at least two readings fewer at two boundaries a block
 

@@ -3,12 +3,11 @@ or "cpu"), OFFLOAD and its combinations are never planned, not even as the tight
 
 import pytest
 import torch
+from helpers import tiny, tiny_batch
 
 import adaptmem
 from adaptmem import Mode
 from adaptmem.config.policy import load_policy
-
-from helpers import tiny, tiny_batch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="device=None is the GPU here")

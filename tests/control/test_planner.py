@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from adaptmem.modes import ALLOWED_MODES
 from adaptmem.control.planner import Option, plan, predicted_peak, tightest_capacity
+from adaptmem.modes import ALLOWED_MODES
 
 
 def brute_force(options, capacity, final):

@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+from helpers import hf_batch, llama
 
 import adaptmem
 from adaptmem.testing import SimulatedDevice
-
-from helpers import hf_batch, llama, tiny, tiny_batch
 
 MiB = 2**20
 
@@ -49,11 +48,12 @@ def test_the_longest_sequence_is_where_the_tightest_plan_stops_fitting():
 def test_a_kept_head_reaches_less_far_than_one_chunked_when_needed():
     """The head's rows are part of the search: a policy that never chunks it stops where the
     logits stop fitting."""
-    lengths, make = [64, 128, 64, 128], lambda s: hf_batch(1, s, vocab=8192)  # noqa: E731
+    lengths, make = [64, 128, 64, 128], lambda s: hf_batch(1, s, vocab=8192)
     mem, _, _ = _calibrated(llama(layers=3, hidden=64, dropout=0.0, vocab=8192), make, lengths, 64 * MiB)
     kept_policy = adaptmem.load_policy().model_copy(update={"head": "kept"})
-    kept, _, _ = _calibrated(llama(layers=3, hidden=64, dropout=0.0, vocab=8192), make, lengths, 64 * MiB,
-                             policy=kept_policy)
+    kept, _, _ = _calibrated(
+        llama(layers=3, hidden=64, dropout=0.0, vocab=8192), make, lengths, 64 * MiB, policy=kept_policy
+    )
     with mem, kept:
         chunked, whole = mem.longest_sequence(), kept.longest_sequence()
         assert whole.head == "KEPT" and chunked.head.startswith("CHUNKED")
@@ -64,7 +64,7 @@ def test_the_predicted_length_trains():
     """A step at the predicted longest length, continuing the run, does not run out of memory
     (a Llama, whose attention holds nothing quadratic: extrapolated linearly, 4x past the lengths run)."""
     model = llama(layers=3, hidden=64, dropout=0.0, vocab=8192)
-    make = lambda s: hf_batch(1, s, vocab=8192)  # noqa: E731
+    make = lambda s: hf_batch(1, s, vocab=8192)
     mem, dev, opt = _calibrated(model, make, [64, 128, 64, 128], 48 * MiB)
     with mem, dev:
         reach = mem.longest_sequence()

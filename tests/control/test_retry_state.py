@@ -4,12 +4,11 @@ comes in forward, in a recompute or in backward, and also inside an accumulation
 
 import pytest
 import torch
+from helpers import assert_same_state, cnn, image_batch, mixed, mixed_batch, training_state
 
 import adaptmem
 from adaptmem.config.policy import load_policy
 from adaptmem.testing import SimulatedDevice
-
-from helpers import assert_same_state, cnn, image_batch, mixed, mixed_batch, training_state
 
 MODELS = {
     "cnn": (cnn, image_batch, lambda m: m.stages, lambda block: block.body[0]),

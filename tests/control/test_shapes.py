@@ -3,23 +3,25 @@ predicted before they run, and the budget holds on every step after the first.""
 
 import pytest
 import torch
+from helpers import cnn, image_batch
 
 import adaptmem
 from adaptmem import Mode
 from adaptmem.control.samples import shape_of
 from adaptmem.testing import SimulatedDevice, measure_peak
 
-from helpers import cnn, image_batch
 
-
-@pytest.mark.parametrize("args,kwargs,expected", [
-    ((torch.zeros(4, 3, 32, 48),), {}, (4, 3 * 32 * 48, 3, 0)),  # images: every dimension
-    ((torch.zeros(2, 3, 8, 16, 16),), {}, (2, 3 * 8 * 16 * 16, 3, 0)),  # video
-    ((torch.zeros(2, 100, 80),), {}, (2, 8000, 100, 80)),  # audio frames
-    ((torch.zeros(2, 128, 64), torch.zeros(2, 1, 128, 128)), {}, (2, 128 * 64, 128, 64)),  # hidden states first
-    ((), {"hidden_states": torch.zeros(3, 10, 8)}, (3, 80, 10, 8)),  # keyword arguments too
-    ((torch.zeros(10, 8, dtype=torch.long), torch.zeros(50, 16)), {}, (1, 800, 50, 16)),  # 2-D: one sample
-])
+@pytest.mark.parametrize(
+    "args,kwargs,expected",
+    [
+        ((torch.zeros(4, 3, 32, 48),), {}, (4, 3 * 32 * 48, 3, 0)),  # images: every dimension
+        ((torch.zeros(2, 3, 8, 16, 16),), {}, (2, 3 * 8 * 16 * 16, 3, 0)),  # video
+        ((torch.zeros(2, 100, 80),), {}, (2, 8000, 100, 80)),  # audio frames
+        ((torch.zeros(2, 128, 64), torch.zeros(2, 1, 128, 128)), {}, (2, 128 * 64, 128, 64)),  # hidden states first
+        ((), {"hidden_states": torch.zeros(3, 10, 8)}, (3, 80, 10, 8)),  # keyword arguments too
+        ((torch.zeros(10, 8, dtype=torch.long), torch.zeros(50, 16)), {}, (1, 800, 50, 16)),  # 2-D: one sample
+    ],
+)
 def test_the_main_input_is_taken_whole(args, kwargs, expected):
     """(batch, elements per sample, dimension 1, and a sequence's elements per position: 0 where
     the input is not batch x positions x features)."""
@@ -66,9 +68,19 @@ def test_a_length_never_seen_is_planned_for_with_the_weights_gradients_held_cons
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(0)
-    model = GPTNeoXForCausalLM(GPTNeoXConfig(
-        vocab_size=1000, hidden_size=128, num_hidden_layers=6, intermediate_size=512, num_attention_heads=4,
-        max_position_embeddings=1024, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False))
+    model = GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            vocab_size=1000,
+            hidden_size=128,
+            num_hidden_layers=6,
+            intermediate_size=512,
+            num_attention_heads=4,
+            max_position_embeddings=1024,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cache=False,
+        )
+    )
     short, long = (torch.randint(0, 1000, (2, n), generator=torch.Generator().manual_seed(n)) for n in (128, 384))
     budget = int(1.1 * measure_peak(model, lambda: {"input_ids": long, "labels": long}, mode=Mode.CHECKPOINT))
     truth, dev = SimulatedDevice(), SimulatedDevice(capacity_bytes=4 * budget)
@@ -81,4 +93,5 @@ def test_a_length_never_seen_is_planned_for_with_the_weights_gradients_held_cons
             model.zero_grad(set_to_none=True)
         assert truth.peak_bytes <= budget, round(truth.peak_bytes / budget, 3)
         assert mem.costs.grad_constant(0) == sum(
-            w.numel() * w.element_size() for layer in model.gpt_neox.layers[1:] for w in layer.parameters())
+            w.numel() * w.element_size() for layer in model.gpt_neox.layers[1:] for w in layer.parameters()
+        )

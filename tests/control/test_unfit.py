@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from helpers import assert_same_state, gpt2, hf_batch, llama, training_state
 
 import adaptmem
 from adaptmem import StepOutOfMemoryError
 from adaptmem.devices.tiers import host_allocations
 from adaptmem.testing import SimulatedDevice
-from helpers import assert_same_state, gpt2, hf_batch, llama, training_state
 
 MiB = 2**20
 VOCAB = 512
@@ -39,8 +39,10 @@ def run(arch: str, outlier_at: int | None, room: int = 24 * MiB):
                     caught = err
                 opt.zero_grad(set_to_none=True)
                 with host_allocations():
-                    around = before, (training_state(model, opt), torch.get_rng_state(), mem.state_dict(),
-                                      dev.allocated_bytes)
+                    around = (
+                        before,
+                        (training_state(model, opt), torch.get_rng_state(), mem.state_dict(), dev.allocated_bytes),
+                    )
             mem.run_step(lambda: model(**hf_batch(1, seq, VOCAB)).loss.backward())
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -115,9 +117,10 @@ def test_after_an_oom_episode_the_plan_is_all_none_again_within_seven_steps():
     """An OOM (here injected, once) backs the headroom off to 0.94 x 0.8 of the budget, under what
     all-NONE needs; the calm steps after it recover the headroom, and the plan is all-NONE again
     within the 7 steps the recovery rule states."""
+    from helpers import tiny, tiny_batch
+
     from adaptmem import Mode
     from adaptmem.testing import measure_peak
-    from helpers import tiny, tiny_batch
 
     model = tiny(n_layers=4)
     batch = tiny_batch(model, batch=4, seq=64)

@@ -4,12 +4,11 @@ two forwards before one backward, a validation forward, the model's own checkpoi
 import logging
 
 import torch
+from helpers import hf_batch, llama, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import Mode
 from adaptmem.testing import SimulatedDevice
-
-from helpers import hf_batch, llama, tiny, tiny_batch
 
 
 def device():

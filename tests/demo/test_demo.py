@@ -2,9 +2,8 @@ import re
 
 import pytest
 
-from adaptmem import ALLOWED_MODES
+from adaptmem import ALLOWED_MODES, read_log
 from adaptmem.demo.__main__ import main
-from adaptmem import read_log
 
 
 def test_the_quick_demo_fine_tunes_under_pressure(tmp_path, capsys):

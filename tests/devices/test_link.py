@@ -3,14 +3,13 @@ counted while in flight, and the planner weighs the link's speed."""
 
 import pytest
 import torch
+from helpers import assert_same, budget_between, step, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import Mode
 from adaptmem.config.policy import load_policy
 from adaptmem.devices.link import SimulatedLink
 from adaptmem.testing import SimulatedDevice
-
-from helpers import assert_same, budget_between, step, tiny, tiny_batch
 
 MiB = 2**20
 
@@ -86,7 +85,7 @@ def test_offload_over_a_link_is_exact_and_counts_copies_in_flight():
 
 def test_a_slow_link_makes_the_planner_offload_less_and_the_budget_holds():
     policy = load_policy().model_copy(update={"modes": ("NONE", "CHECKPOINT", "OFFLOAD")})
-    make = lambda: tiny(dim=128, n_layers=4)  # noqa: E731
+    make = lambda: tiny(dim=128, n_layers=4)
     batch = tiny_batch(make(), batch=4, seq=128)
     budget, high = budget_between(make, batch, 0.4)
 

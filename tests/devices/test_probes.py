@@ -9,8 +9,7 @@ from adaptmem.devices.cuda import _nvml_handle
 from adaptmem.devices.host import HostProbe
 from adaptmem.devices.probe import MemoryProbe
 from adaptmem.devices.select import make_probe
-from adaptmem.testing import SimulatedProbe
-from adaptmem.testing import ScriptedProbe, SimulatedDevice
+from adaptmem.testing import ScriptedProbe, SimulatedDevice, SimulatedProbe
 
 
 def test_make_probe_variants(caplog):
@@ -68,8 +67,9 @@ def test_nvml_failure_falls_back_with_one_log_line(monkeypatch, caplog):
 
 
 def test_nvml_handle_when_present(monkeypatch):
-    fake = types.SimpleNamespace(NVMLError=Exception, nvmlInit=lambda: None,
-                                 nvmlDeviceGetHandleByIndex=lambda i: f"handle-{i}")
+    fake = types.SimpleNamespace(
+        NVMLError=Exception, nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: f"handle-{i}"
+    )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert _nvml_handle(3) == "handle-3"
 
@@ -121,9 +121,9 @@ def test_a_segment_taken_and_given_back_around_the_reading_is_not_read_as_others
 
 
 def test_a_spike_in_one_reading_does_not_cut_the_budget():
-    import adaptmem
-
     from helpers import tiny, tiny_batch
+
+    import adaptmem
 
     class Spiky(ScriptedProbe):
         """One reading of outside memory shows a spike that the next does not confirm."""

@@ -4,14 +4,13 @@ import threading
 
 import pytest
 import torch
+from helpers import hf_batch, llama, tiny, tiny_batch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import adaptmem
 from adaptmem import Mode
-from adaptmem.testing import SimulatedDevice
 from adaptmem.devices.tiers import host_allocations
-
-from helpers import hf_batch, llama, tiny, tiny_batch
+from adaptmem.testing import SimulatedDevice
 
 MiB = 2**20
 
@@ -23,7 +22,7 @@ def test_counts_allocations_and_frees():
         assert dev.allocated_bytes == 2 * MiB
         del a
         assert dev.allocated_bytes == MiB
-        view = b.view(-1)[: 10].t()  # views share the storage
+        view = b.view(-1)[:10].t()  # views share the storage
         b.add_(1)  # in place: no new storage
         assert dev.allocated_bytes == MiB
         del b, view
@@ -47,7 +46,9 @@ def test_only_what_is_allocated_inside_counts_unless_tracked():
     with SimulatedDevice() as dev:
         assert dev.allocated_bytes == 0
         added = dev.track(model)
-        assert added == sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+        assert added == sum(p.numel() * 4 for p in model.parameters()) + sum(
+            b.numel() * b.element_size() for b in model.buffers()
+        )
         assert dev.track(model) == 0  # already counted
 
 

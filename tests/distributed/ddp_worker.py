@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
 
-from helpers import tiny, tiny_batch  # noqa: E402
+from helpers import tiny, tiny_batch
 
 
 def main() -> None:
@@ -48,10 +48,12 @@ def main() -> None:
 
         def fail_in_backward(module, args, output):
             if rank == 0 and len(records) == 2 and not fired:
+
                 def fail(grad):
                     if not fired:
                         fired.append(1)
                         raise torch.OutOfMemoryError("injected out of memory in backward on rank 0")
+
                 output.register_hook(fail)
 
         model.blocks[2].register_forward_hook(fail_in_backward)
@@ -67,7 +69,9 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
                 records.append(mem.last_step)
             summary = mem.summary()
-        records = [{k: r[k] for k in ("plan", "observed_peak_bytes", "budget_bytes", "attempt", "step")} for r in records]
+        records = [
+            {k: r[k] for k in ("plan", "observed_peak_bytes", "budget_bytes", "attempt", "step")} for r in records
+        ]
         records.append({"summary": {k: summary[k] for k in ("steps", "ooms", "ooms_recovered", "pressure_events")}})
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "records": records}, out)
     dist.barrier()

@@ -21,8 +21,15 @@ def free_port() -> int:
 
 def run_ranks(tmp_path: Path, mode: str) -> list[dict]:
     port, outs = free_port(), [tmp_path / f"{mode}{r}.pt" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(port), str(outs[r]), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), "2", str(port), str(outs[r]), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for proc in procs:
         try:
             _, err = proc.communicate(timeout=240)  # a deadlock fails here instead of hanging the suite

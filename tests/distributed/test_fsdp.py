@@ -4,12 +4,11 @@ blocks, keep their names, and every lossless mode gives the gradients of unmanag
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import tiny, tiny_batch
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES
 from adaptmem.testing import SimulatedDevice
-
-from helpers import tiny, tiny_batch
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
@@ -30,8 +29,10 @@ def sharded():
 
 
 def full_grads(model):
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def test_every_lossless_mode_inside_fully_shard_is_exact(group):

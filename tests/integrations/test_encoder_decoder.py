@@ -9,11 +9,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-import adaptmem  # noqa: E402
-from adaptmem import Mode  # noqa: E402
-from adaptmem.testing import SimulatedDevice, measure_peak  # noqa: E402
+from helpers import _quiet_transformers, assert_same_state, training_state
 
-from helpers import _quiet_transformers, assert_same_state, training_state  # noqa: E402
+import adaptmem
+from adaptmem import Mode
+from adaptmem.testing import SimulatedDevice, measure_peak
 
 LENGTHS = [(48, 16), (96, 32), (32, 16), (96, 24), (64, 32), (48, 16)]  # (input, labels) per batch
 
@@ -23,16 +23,29 @@ def t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
-    return T5ForConditionalGeneration(T5Config(
-        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-        dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0, use_cache=False,
-    ))
+    return T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=256,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.1,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            use_cache=False,
+        )
+    )
 
 
 def batch(source: int, target: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(1, 256, (2, source), generator=g),
-            "labels": torch.randint(1, 256, (2, target), generator=g)}
+    return {
+        "input_ids": torch.randint(1, 256, (2, source), generator=g),
+        "labels": torch.randint(1, 256, (2, target), generator=g),
+    }
 
 
 def peak_with_adam(mode=None) -> int:

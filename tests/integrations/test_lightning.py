@@ -7,14 +7,13 @@ import torch
 
 lightning = pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
+from helpers import tiny, tiny_batch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 import adaptmem  # noqa: E402
 from adaptmem import read_log  # noqa: E402
 from adaptmem.integrations.lightning import AdaptMemCallback  # noqa: E402
 from adaptmem.testing import SimulatedDevice  # noqa: E402
-
-from helpers import tiny, tiny_batch  # noqa: E402
 
 
 class Batches(torch.utils.data.Dataset):
@@ -46,8 +45,13 @@ class LitTiny(pl.LightningModule):
         self.model.blocks[1].attn.register_forward_pre_hook(self._maybe_fail_forward)
 
     def _due(self, where: str) -> bool:
-        return (self.fail_at is not None and self.fail_at[0] == where and self.training
-                and self.fail_at[1] == self._batch_idx and not self.failed)
+        return (
+            self.fail_at is not None
+            and self.fail_at[0] == where
+            and self.training
+            and self.fail_at[1] == self._batch_idx
+            and not self.failed
+        )
 
     def _maybe_fail_forward(self, module, args):
         if self._due("forward") and torch._C._current_graph_task_id() == -1:
@@ -56,10 +60,12 @@ class LitTiny(pl.LightningModule):
 
     def _arm_backward(self, module, args, output):
         if self._due("backward") and output.requires_grad:
+
             def fail(grad):
                 if not self.failed:
                     self.failed += 1
                     raise torch.OutOfMemoryError("injected out of memory in backward")
+
             output.register_hook(fail)
 
     def training_step(self, batch, batch_idx):
@@ -79,13 +85,23 @@ def fit(tmp_path, *, callback=None, fail_at=None, steps=4, ckpt=None, module=Non
     module.fail_at = fail_at
     callbacks = [callback] if callback is not None else []
     if checkpoint_every:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=checkpoint_every,
-                                                      save_top_k=-1))
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=checkpoint_every, save_top_k=-1)
+        )
     trainer = pl.Trainer(
-        max_steps=steps, accumulate_grad_batches=2, val_check_interval=2, limit_val_batches=2,
-        check_val_every_n_epoch=None, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="logs"),
-        enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
-        callbacks=callbacks, num_sanity_val_steps=0,
+        max_steps=steps,
+        accumulate_grad_batches=2,
+        val_check_interval=2,
+        limit_val_batches=2,
+        check_val_every_n_epoch=None,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name="logs"),
+        enable_checkpointing=bool(checkpoint_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, loader(2 * steps), loader(2), ckpt_path=ckpt)
     return trainer, module
@@ -111,8 +127,9 @@ def test_a_fit_with_accumulation_validation_and_an_oom_is_exact(tmp_path, where)
     assert all(torch.equal(p, expected[n]) for n, p in params(managed).items())  # validation changed nothing
     steps = [r for r in read_log(tmp_path / "run.jsonl") if r["type"] == "step"]
     assert [r["label"]["batch_idx"] for r in steps] == list(range(8))
-    assert {"adaptmem/peak_bytes", "adaptmem/budget_bytes", "adaptmem/plan_changes",
-            "adaptmem/ooms_recovered"} <= set(trainer.logged_metrics)
+    assert {"adaptmem/peak_bytes", "adaptmem/budget_bytes", "adaptmem/plan_changes", "adaptmem/ooms_recovered"} <= set(
+        trainer.logged_metrics
+    )
 
 
 def test_a_resumed_fit_continues_counters_costs_and_the_log(tmp_path):
@@ -167,9 +184,17 @@ def test_each_micro_batch_and_its_closure_are_freed_when_it_ends_not_at_the_next
             return {k: v.clone() for k, v in self.items[i].items()}
 
     dev = SimulatedDevice(capacity_bytes=2**31)
-    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[AdaptMemCallback(budget="1GiB", device=dev)])
+    trainer = pl.Trainer(
+        max_steps=3,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[AdaptMemCallback(budget="1GiB", device=dev)],
+    )
     gc.collect()
     gc.disable()  # what a cycle holds stays held: only reference counts free anything
     try:

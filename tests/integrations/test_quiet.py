@@ -10,15 +10,15 @@ import torch
 
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
-import lightning.pytorch as pl  # noqa: E402
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM  # noqa: E402
+import lightning.pytorch as pl
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-import adaptmem  # noqa: E402
-from adaptmem import Mode  # noqa: E402
-from adaptmem.integrations.lightning import AdaptMemCallback  # noqa: E402
-from adaptmem.strategies.call import BlockCall  # noqa: E402
-from adaptmem.strategies.recompute import without_cache  # noqa: E402
-from adaptmem.testing import SimulatedDevice  # noqa: E402
+import adaptmem
+from adaptmem import Mode
+from adaptmem.integrations.lightning import AdaptMemCallback
+from adaptmem.strategies.call import BlockCall
+from adaptmem.strategies.recompute import without_cache
+from adaptmem.testing import SimulatedDevice
 
 CACHE_NOTICE = "KV cache is not written in training"
 
@@ -29,8 +29,9 @@ class LitStack(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
-                                          for _ in range(6))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(6)
+        )
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
@@ -46,8 +47,16 @@ def test_a_lightning_fit_without_a_logger_gets_no_warning_from_adaptmems_figures
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 16)), batch_size=4)
     dev = SimulatedDevice(capacity_bytes=2**31)
     callback = AdaptMemCallback(budget="1GiB", device=dev)
-    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer = pl.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
     with warnings.catch_warnings(record=True) as caught, dev:
         warnings.simplefilter("always")
         trainer.fit(LitStack(), data)
@@ -63,8 +72,14 @@ def neox() -> GPTNeoXForCausalLM:
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = GPTNeoXConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, max_position_embeddings=128)
+    config = GPTNeoXConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
     assert config.use_cache  # the default, left as it is
     return GPTNeoXForCausalLM(config)
 
@@ -99,9 +114,14 @@ def test_the_notice_is_kept_for_a_cache_the_caller_filled_and_not_for_one_the_mo
     said = {}
     for name, cache in (("built", DynamicCache(config=model.config)), ("filled", filled)):
         said[name] = []
-        call = BlockCall(module=layer, forward=layer.forward, args=(hidden,),
-                         kwargs={"cache": cache, "use_cache": True}, mode=Mode.CHECKPOINT,
-                         warn_once=lambda key, message, said=said[name]: said.append(message))
+        call = BlockCall(
+            module=layer,
+            forward=layer.forward,
+            args=(hidden,),
+            kwargs={"cache": cache, "use_cache": True},
+            mode=Mode.CHECKPOINT,
+            warn_once=lambda key, message, said=said[name]: said.append(message),
+        )
         _, kwargs = without_cache(call)
         assert kwargs["cache"] is None and kwargs["use_cache"] is False  # dropped either way
     assert said["built"] == []

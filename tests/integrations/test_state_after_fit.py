@@ -12,28 +12,36 @@ import torch
 
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
-import lightning.pytorch as pl  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments  # noqa: E402
+import lightning.pytorch as pl
+from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
 
-from adaptmem import read_log  # noqa: E402
-from adaptmem.integrations.lightning import AdaptMemCallback  # noqa: E402
-from adaptmem.integrations.transformers import AdaptMemTrainerCallback  # noqa: E402
-from adaptmem.testing import SimulatedDevice  # noqa: E402
+from adaptmem import read_log
+from adaptmem.integrations.lightning import AdaptMemCallback
+from adaptmem.integrations.transformers import AdaptMemTrainerCallback
+from adaptmem.testing import SimulatedDevice
 
 COLD = "holds no adaptmem state"
 
 
 def cold_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "adaptmem" and r.levelno == logging.WARNING and COLD in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "adaptmem" and r.levelno == logging.WARNING and COLD in r.getMessage()
+    ]
 
 
 # ------------------------------------------------------------------ Lightning
 class Residual(torch.nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
-                                        torch.nn.Dropout(0.1), torch.nn.Linear(4 * dim, dim))
+        self.body = torch.nn.Sequential(
+            torch.nn.LayerNorm(dim),
+            torch.nn.Linear(dim, 4 * dim),
+            torch.nn.GELU(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(4 * dim, dim),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.body(x)
@@ -67,11 +75,20 @@ def lightning_fit(root, callback, steps: int, ckpt=None, checkpoint_every=None):
     pl.seed_everything(0, verbose=False)
     callbacks = [callback] if callback is not None else []
     if checkpoint_every:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=checkpoint_every,
-                                                      save_top_k=-1))
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, callbacks=callbacks,
-                         enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=root)
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=checkpoint_every, save_top_k=-1)
+        )
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(checkpoint_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
     trainer.fit(LitMLP(), regression(12), ckpt_path=ckpt)
     return trainer
 
@@ -138,17 +155,38 @@ def qwen2() -> Qwen2ForCausalLM:
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=256, attention_dropout=0.1))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            attention_dropout=0.1,
+        )
+    )
 
 
 def hf_train(out, callback, steps: int, resume=None, save_steps=None):
-    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             max_steps=steps, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1,
-                             report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0,
-                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-                             disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=steps,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        disable_tqdm=True,
+    )
     callbacks = [callback] if callback is not None else None
     trainer = Trainer(model=qwen2(), args=args, train_dataset=Tokens(), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
@@ -215,11 +253,13 @@ def test_a_manager_built_with_state_logs_under_the_saved_run_id_and_a_wrong_stat
 
     log = tmp_path / "run.jsonl"
     module = LitMLP()
-    with adaptmem.MemoryManager(module, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31),
-                                log=str(log)) as first:
+    with adaptmem.MemoryManager(
+        module, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31), log=str(log)
+    ) as first:
         state = first.state_dict()
-    with adaptmem.MemoryManager(module, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31),
-                                log=str(log), state=state) as second:
+    with adaptmem.MemoryManager(
+        module, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31), log=str(log), state=state
+    ) as second:
         assert second.summary()["run"] == state["run"]
     assert {r["run"] for r in read_log(log)} == {state["run"]}
     assert [r["type"] for r in read_log(log)] == ["start", "end", "start", "resume", "end"]

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from helpers import llama  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from adaptmem import read_log  # noqa: E402
 from adaptmem.integrations.transformers import AdaptMemTrainerCallback, AdaptMemTrainerMixin  # noqa: E402
 from adaptmem.testing import SimulatedDevice  # noqa: E402
-
-from helpers import llama  # noqa: E402
 
 
 class Samples(torch.utils.data.Dataset):
@@ -33,10 +32,22 @@ class RetryingTrainer(AdaptMemTrainerMixin, Trainer):
 
 
 def arguments(tmp_path, **overrides):
-    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                   max_steps=3, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, report_to=[],
-                   use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, save_strategy="no",
-                   disable_tqdm=True)
+    options = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     options.update(overrides)
     return TrainingArguments(**options)
 
@@ -51,10 +62,12 @@ def inject_backward_oom(model, at_call: int):
         calls["n"] += 1
         out = output[0] if isinstance(output, tuple) else output
         if calls["n"] == at_call and out.requires_grad:
+
             def fail(grad):
                 if not calls["fired"]:
                     calls["fired"] += 1
                     raise torch.OutOfMemoryError("injected out of memory in backward")
+
             out.register_hook(fail)
 
     model.model.layers[1].register_forward_hook(arm)
@@ -64,8 +77,12 @@ def inject_backward_oom(model, at_call: int):
 def train(tmp_path, trainer_cls=Trainer, callback=None, oom_at=None, resume=None, **overrides):
     model = llama(layers=3, hidden=64)
     injected = inject_backward_oom(model, oom_at) if oom_at else None
-    trainer = trainer_cls(model=model, args=arguments(tmp_path, **overrides), train_dataset=Samples(),
-                          callbacks=[callback] if callback else None)
+    trainer = trainer_cls(
+        model=model,
+        args=arguments(tmp_path, **overrides),
+        train_dataset=Samples(),
+        callbacks=[callback] if callback else None,
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model, injected
 
@@ -81,7 +98,13 @@ def test_micro_batches_are_steps_and_an_oom_is_retried_exactly(tmp_path):
     assert summary["steps"] == 6 and callback.manager.closed  # 3 optimizer steps x 2 micro-batches
     steps = [r for r in read_log(tmp_path / "run.jsonl") if r["type"] == "step"]
     assert [(r["label"]["global_step"], r["label"]["micro_batch"]) for r in steps] == [
-        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    ]
     expected = dict(plain.named_parameters())
     assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
     logged = [entry for entry in trainer.state.log_history if "adaptmem/peak_bytes" in entry]
@@ -102,14 +125,21 @@ def test_state_is_saved_with_the_checkpoint_and_restored_on_resume(tmp_path):
     train(tmp_path / "out", RetryingTrainer, first, max_steps=2, save_strategy="steps", save_steps=2)
     run = first.manager.summary()["run"]
     second = AdaptMemTrainerCallback(budget="1GiB", device=dev, log=str(log))
-    trainer, _, _ = train(tmp_path / "out", RetryingTrainer, second, max_steps=3,
-                          resume=str(tmp_path / "out" / "checkpoint-2"))
+    trainer, _, _ = train(
+        tmp_path / "out", RetryingTrainer, second, max_steps=3, resume=str(tmp_path / "out" / "checkpoint-2")
+    )
     assert second.manager.summary()["steps"] == 6 and second.manager.summary()["run"] == run
     assert [r["step"] for r in read_log(log, run=run) if r["type"] == "step"] == list(range(1, 7))
     # with restore_callback_states_from_checkpoint the Trainer rebuilds the callback from its saved arguments
     third = AdaptMemTrainerCallback(budget="1GiB", device=dev)
-    trainer, _, _ = train(tmp_path / "out", RetryingTrainer, third, max_steps=3, restore_callback_states_from_checkpoint=True,
-                          resume=str(tmp_path / "out" / "checkpoint-2"))
+    trainer, _, _ = train(
+        tmp_path / "out",
+        RetryingTrainer,
+        third,
+        max_steps=3,
+        restore_callback_states_from_checkpoint=True,
+        resume=str(tmp_path / "out" / "checkpoint-2"),
+    )
     rebuilt = next(c for c in trainer.callback_handler.callbacks if isinstance(c, AdaptMemTrainerCallback))
     assert rebuilt is not third and rebuilt.options["device"] is dev  # the device JSON could not carry
     assert rebuilt.manager.summary()["steps"] == 6
@@ -121,8 +151,9 @@ def test_the_models_own_checkpointing_is_switched_off_with_one_line(tmp_path, ca
         _, model, _ = train(tmp_path, Trainer, callback, gradient_checkpointing=True, max_steps=1)
     assert not model.is_gradient_checkpointing
     assert sum("switched off the model's own gradient checkpointing" in r.getMessage() for r in caplog.records) == 1
-    kept = AdaptMemTrainerCallback(budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31),
-                                   keep_model_checkpointing=True)
+    kept = AdaptMemTrainerCallback(
+        budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31), keep_model_checkpointing=True
+    )
     _, model, _ = train(tmp_path / "kept", Trainer, kept, gradient_checkpointing=True, max_steps=1)
     assert model.is_gradient_checkpointing
     assert kept.manager.events.of_type("own_checkpointing")  # planned around
@@ -134,10 +165,15 @@ def test_the_loss_head_is_managed_in_a_trainer_and_the_callback_passes_head(tmp_
     heads = {}
     for head in ("auto", None):
         dev = SimulatedDevice(capacity_bytes=2**30)
-        callback = AdaptMemTrainerCallback(policy="long-context", device=dev, head=head,
-                                           log=str(tmp_path / f"{head}.jsonl"))
-        trainer = RetryingTrainer(model=llama(layers=2, hidden=64, dropout=0.0), args=arguments(tmp_path, max_steps=2),
-                                  train_dataset=Samples(n=8), callbacks=[callback])
+        callback = AdaptMemTrainerCallback(
+            policy="long-context", device=dev, head=head, log=str(tmp_path / f"{head}.jsonl")
+        )
+        trainer = RetryingTrainer(
+            model=llama(layers=2, hidden=64, dropout=0.0),
+            args=arguments(tmp_path, max_steps=2),
+            train_dataset=Samples(n=8),
+            callbacks=[callback],
+        )
         with dev:
             trainer.train()
         heads[head] = [r["head"] for r in read_log(str(tmp_path / f"{head}.jsonl")) if r["type"] == "step"]

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import hf_batch, llama, min_cosine, step, tiny, tiny_batch
 from torch import nn
 
 import adaptmem
@@ -9,8 +10,6 @@ from adaptmem import CompressOptions, Mode
 from adaptmem.strategies.compress import BitPacked, Quantized, encode
 from adaptmem.strategies.packing import Packer
 from adaptmem.strategies.payloads import restore
-
-from helpers import hf_batch, llama, min_cosine, step, tiny, tiny_batch
 
 
 def roundtrip(t, **opts):
@@ -40,7 +39,7 @@ def test_fp8_and_bf16_relative_error():
     t = torch.randn(64, 256)
     _, fp8 = roundtrip(t, codec="fp8")
     _, bf16 = roundtrip(t, codec="bf16")
-    rel = lambda x: ((x - t).norm() / t.norm()).item()  # noqa: E731
+    rel = lambda x: ((x - t).norm() / t.norm()).item()
     assert rel(fp8) < 0.05
     assert rel(bf16) < 0.005
 

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
+from helpers import assert_same, hf_batch, llama, min_cosine, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES, CompressOptions, Mode, OffloadOptions
 from adaptmem.strategies.cuda_offload import CudaTier
 from adaptmem.wrapping import get_instrumentation
-
-from helpers import assert_same, hf_batch, llama, min_cosine, tiny, tiny_batch
 
 pytestmark = pytest.mark.cuda
 
@@ -53,12 +52,15 @@ def test_prefetch_starts_the_previous_block_before_it_is_needed(monkeypatch):
     events = []
     fetch, finish = CudaTier.fetch, CudaTier.finish
     monkeypatch.setattr(CudaTier, "fetch", lambda self, c: (events.append(("fetch", id(c))), fetch(self, c))[1])
-    monkeypatch.setattr(CudaTier, "finish", lambda self, c, f: (events.append(("finish", id(c))), finish(self, c, f))[1])
+    monkeypatch.setattr(
+        CudaTier, "finish", lambda self, c, f: (events.append(("finish", id(c))), finish(self, c, f))[1]
+    )
     cuda_step(model, batch)
     finished = [e[1] for e in events if e[0] == "finish"]
+
     def ahead(c):  # its copy back began before another copy's use: while another block's backward ran
         start, end = events.index(("fetch", c)), events.index(("finish", c))
-        return any(kind == "finish" for kind, _ in events[start + 1:end])
+        return any(kind == "finish" for kind, _ in events[start + 1 : end])
 
     assert sum(map(ahead, finished)) >= len(finished) // 2  # all but the last block's were prefetched
 

@@ -13,13 +13,12 @@ import threading
 
 import pytest
 import torch
+from helpers import hf_batch, llama
 
 import adaptmem
 from adaptmem import Mode, OffloadOptions
 from adaptmem.strategies.cuda_offload import CopyWindow, CudaTier
 from adaptmem.wrapping import get_instrumentation
-
-from helpers import hf_batch, llama
 
 pytestmark = pytest.mark.cuda
 MiB = 2**20
@@ -93,8 +92,9 @@ def offloaded(window=64 * MiB, prefetch=True, seq=512):
     batch = {k: v.cuda() for k, v in hf_batch(batch=2, seq=seq).items()}
     with deterministic():
         reference = grads_of(model, batch)
-    adaptmem.instrument(model, mode=Mode.OFFLOAD,
-                        offload=OffloadOptions(min_bytes=0, max_in_flight_bytes=window, prefetch=prefetch))
+    adaptmem.instrument(
+        model, mode=Mode.OFFLOAD, offload=OffloadOptions(min_bytes=0, max_in_flight_bytes=window, prefetch=prefetch)
+    )
     return model, batch, reference
 
 
@@ -131,6 +131,7 @@ def test_without_the_window_the_copies_read_reused_memory(slow_side_streams, mon
 
 def test_without_the_h2d_wait_backward_reads_a_copy_not_yet_written(slow_side_streams, monkeypatch):
     """The guard removed: the compute stream does not wait for the copy back's event."""
+
     def finish(self, copy, fetched):
         return fetched[0]
 

@@ -4,13 +4,12 @@ when forced and never chosen by a manager that has seen a second backward."""
 
 import pytest
 import torch
+from helpers import budget_between, cnn, image_batch, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
 from adaptmem.config.policy import load_policy
 from adaptmem.testing import SimulatedDevice
-
-from helpers import budget_between, cnn, image_batch, tiny, tiny_batch
 
 TWICE_OK = [m for m in LOSSLESS_MODES if m is not Mode.SELECTIVE]
 MODELS = {
@@ -58,7 +57,7 @@ def test_forcing_selective_gives_a_clear_error(kind):
 
 def test_a_manager_that_sees_a_second_backward_never_chooses_selective():
     policy = load_policy().model_copy(update={"modes": ("NONE", "SELECTIVE", "CHECKPOINT")})
-    make = lambda: tiny(attention="eager", dim=128, n_layers=4)  # noqa: E731
+    make = lambda: tiny(attention="eager", dim=128, n_layers=4)
     batch = tiny_batch(make(), batch=4, seq=128)
     budget, _ = budget_between(make, batch, 0.5)
 

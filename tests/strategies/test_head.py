@@ -32,18 +32,39 @@ def hf_model(kind: str, **extra):
     import transformers
 
     torch.manual_seed(0)
-    small = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False)
+    small = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        use_cache=False,
+    )
     configs = {
         "llama": ("LlamaConfig", "LlamaForCausalLM", small),
         "mistral": ("MistralConfig", "MistralForCausalLM", small),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", small),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**small, "head_dim": 16, "final_logit_softcapping": 30.0}),
-        "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=384, n_embd=64, n_layer=2, n_head=4,
-                                                        n_positions=256, use_cache=False)),
-        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(vocab_size=384, hidden_size=64, intermediate_size=128,
-                                                                  num_hidden_layers=2, num_attention_heads=4,
-                                                                  max_position_embeddings=256, use_cache=False)),
+        "gpt2": (
+            "GPT2Config",
+            "GPT2LMHeadModel",
+            dict(vocab_size=384, n_embd=64, n_layer=2, n_head=4, n_positions=256, use_cache=False),
+        ),
+        "gpt_neox": (
+            "GPTNeoXConfig",
+            "GPTNeoXForCausalLM",
+            dict(
+                vocab_size=384,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=256,
+                use_cache=False,
+            ),
+        ),
     }
     config_name, model_name, kwargs = configs[kind]
     config = getattr(transformers, config_name)(**{**kwargs, **extra})
@@ -165,7 +186,10 @@ def test_a_model_of_ones_own_takes_one_line_and_its_logits_answer_clearly():
     idx = torch.randint(0, 200, (3, 20))
     targets = idx.roll(-1, 1)
     targets[:, -1] = -1
-    with SimulatedDevice(2**30) as dev, adaptmem.manage(model, head="lm_head", policy="long-context", device=dev) as mem:
+    with (
+        SimulatedDevice(2**30) as dev,
+        adaptmem.manage(model, head="lm_head", policy="long-context", device=dev) as mem,
+    ):
         with mem.step():
             logits, loss = model(idx, targets)
             loss.backward()
@@ -227,8 +251,10 @@ def test_bad_input_is_named_and_changes_nothing():
     batch = labels_for()
     with pytest.raises(ValueError, match="labels hold 30 targets"):
         logits = model(input_ids=batch["input_ids"]).logits  # unarmed: a real tensor
-        F.cross_entropy(ChunkedLogits.of(torch.randn(2, 40, 64), model.lm_head.weight, None, 8).view(-1, 384),
-                        torch.zeros(30, dtype=torch.long))
+        F.cross_entropy(
+            ChunkedLogits.of(torch.randn(2, 40, 64), model.lm_head.weight, None, 8).view(-1, 384),
+            torch.zeros(30, dtype=torch.long),
+        )
     assert logits.shape == (2, 40, 384)
     adaptmem.restore(model)
     assert "forward" not in model.lm_head.__dict__ and not model._forward_pre_hooks

@@ -4,11 +4,10 @@ import itertools
 
 import pytest
 import torch
+from helpers import assert_same, gpt2, hf_batch, llama, step, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
-
-from helpers import assert_same, gpt2, hf_batch, llama, step, tiny, tiny_batch
 
 RECOMPUTED_OR_MOVED = [m for m in LOSSLESS_MODES if m is not Mode.NONE]
 

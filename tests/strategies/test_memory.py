@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from helpers import hf_batch, llama
 
 import adaptmem
 from adaptmem import CompressOptions, Mode
 from adaptmem.testing import SimulatedDevice
-
-from helpers import hf_batch, llama
 
 # bound on the step's peak device bytes, as a fraction of every block NONE
 BOUNDS = {

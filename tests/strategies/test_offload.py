@@ -4,6 +4,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import step, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import Mode, OffloadOptions
@@ -11,8 +12,6 @@ from adaptmem.strategies.offload import HostCopy, PackGroup
 from adaptmem.strategies.offload_runtime import OffloadRuntime
 from adaptmem.strategies.pinned import size_class
 from adaptmem.testing import SimulatedDevice
-
-from helpers import step, tiny, tiny_batch
 
 
 class RecordingTier:
@@ -48,8 +47,18 @@ def test_restoring_a_block_prefetches_the_block_before_it():
     for copy in reversed(copies):  # backward order
         copy.restore()
     assert tier.log == [  # the copy needed now is fetched before the block before it is prefetched
-        ("fetch", 21), ("fetch", 10), ("fetch", 11), ("finish", 21), ("fetch", 20), ("finish", 20),
-        ("fetch", 0), ("fetch", 1), ("finish", 11), ("finish", 10), ("finish", 1), ("finish", 0),
+        ("fetch", 21),
+        ("fetch", 10),
+        ("fetch", 11),
+        ("finish", 21),
+        ("fetch", 20),
+        ("finish", 20),
+        ("fetch", 0),
+        ("fetch", 1),
+        ("finish", 11),
+        ("finish", 10),
+        ("finish", 1),
+        ("finish", 0),
     ]
 
 
@@ -129,7 +138,10 @@ def test_parameters_and_buffers_are_never_offloaded():
     packer = Packer(lin, offload=OffloadOptions(min_bytes=0), runtime=OffloadRuntime())
     for state in (lin.weight, lin.weight.t(), lin.table):
         packed = packer(state)
-        assert isinstance(packed, torch.Tensor) and packed.untyped_storage().data_ptr() == state.untyped_storage().data_ptr()
+        assert (
+            isinstance(packed, torch.Tensor)
+            and packed.untyped_storage().data_ptr() == state.untyped_storage().data_ptr()
+        )
     assert isinstance(packer(torch.randn(256, 256)), HostCopy)
 
 

@@ -3,12 +3,11 @@ embeddings and frozen base weights plus small trainable adapters (LoRA-like)."""
 
 import pytest
 import torch
+from helpers import assert_same, budget_between, cnn, image_batch, step, tiny, tiny_batch, tiny_lora
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
 from adaptmem.testing import SimulatedDevice
-
-from helpers import assert_same, budget_between, cnn, image_batch, step, tiny, tiny_batch, tiny_lora
 
 MODES = [m for m in LOSSLESS_MODES if m is not Mode.NONE]
 
@@ -47,7 +46,7 @@ def test_frozen_base_with_adapters_is_bit_identical(mode):
 def test_the_recorder_measures_frozen_and_autocast_steps(dtype):
     """The first block's input needs no gradient (frozen embeddings): the step is still cut
     at every block, predicted closely, and kept under a budget that needs managing."""
-    make = lambda: tiny_lora(dim=128, n_layers=4)  # noqa: E731
+    make = lambda: tiny_lora(dim=128, n_layers=4)
     batch = tiny_batch(make(), batch=4, seq=128)
 
     def forward_backward(model):

@@ -68,8 +68,13 @@ def _train(mode):
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(B, D, requires_grad=True)
-    handles = adaptmem.instrument(model, mode=mode, offload=OffloadOptions(min_bytes=0),
-                                  compress=CompressOptions(min_bytes=0)) if mode is not None else []
+    handles = (
+        adaptmem.instrument(
+            model, mode=mode, offload=OffloadOptions(min_bytes=0), compress=CompressOptions(min_bytes=0)
+        )
+        if mode is not None
+        else []
+    )
     dev = SimulatedDevice(link_bytes_per_s=1.0)
     dev.link = link = CountingLink()
     dev.track(model)
@@ -245,9 +250,19 @@ def test_a_phi3_with_fused_projections_offloads_exactly():
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
-    config = Phi3Config(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+    config = Phi3Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
     base = Phi3ForCausalLM(config)
     ids = torch.randint(3, 512, (2, 64))
     grads = []

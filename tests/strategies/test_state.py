@@ -3,11 +3,10 @@
 
 import pytest
 import torch
+from helpers import assert_same_state, cnn, image_batch, mixed, mixed_batch, tiny, tiny_batch, training_state
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
-
-from helpers import assert_same_state, cnn, image_batch, mixed, mixed_batch, tiny, tiny_batch, training_state
 
 MODELS = {
     "cnn": (cnn, lambda i: image_batch(seed=i)),
@@ -95,6 +94,7 @@ class Scaled(torch.nn.Module):
 def test_a_buffer_saved_for_backward_survives_the_recompute_putting_buffers_back(mode):
     """The recompute's buffers are put back without a new version: a buffer that autograd
     saved elsewhere is not refused as modified in place, and gradients and statistics are exact."""
+
     def make():
         torch.manual_seed(0)
         return Scaled()

@@ -20,38 +20,71 @@ from adaptmem.testing import SimulatedDevice  # noqa: E402
 
 SMALL = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
 TEXT = {
-    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                                                     bos_token_id=0, eos_token_id=0)),
-    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(**SMALL, ffn_dim=64, max_position_embeddings=64,
-                                                  word_embed_proj_dim=32, dropout=0.1)),
-    "bloom": lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=256, hidden_size=32, n_layer=2, n_head=2,
-                                                        hidden_dropout=0.1, attention_dropout=0.1)),
+    "gpt2": lambda: tf.GPT2LMHeadModel(
+        tf.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
+    ),
+    "opt": lambda: tf.OPTForCausalLM(
+        tf.OPTConfig(**SMALL, ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.1)
+    ),
+    "bloom": lambda: tf.BloomForCausalLM(
+        tf.BloomConfig(vocab_size=256, hidden_size=32, n_layer=2, n_head=2, hidden_dropout=0.1, attention_dropout=0.1)
+    ),
     "falcon": lambda: tf.FalconForCausalLM(tf.FalconConfig(**SMALL, alibi=True, attention_dropout=0.1)),
-    "gptj": lambda: tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=256, n_embd=32, n_layer=2, n_head=2, rotary_dim=8,
-                                                     n_positions=64)),
-    "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(**SMALL, intermediate_size=64, max_position_embeddings=64,
-                                                  resid_pdrop=0.1)),
-    "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, intermediate_size=64, num_key_value_heads=1,
-                                                        head_dim=16, max_position_embeddings=64)),
-    "mistral-sdpa": lambda: tf.MistralForCausalLM(tf.MistralConfig(
-        **SMALL, intermediate_size=64, num_key_value_heads=1, sliding_window=16, max_position_embeddings=64,
-        attn_implementation="sdpa")),
-    "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(
-        **SMALL, intermediate_size=64, num_key_value_heads=1, head_dim=16, sliding_window=16,
-        max_position_embeddings=64, attn_implementation="eager")),
+    "gptj": lambda: tf.GPTJForCausalLM(
+        tf.GPTJConfig(vocab_size=256, n_embd=32, n_layer=2, n_head=2, rotary_dim=8, n_positions=64)
+    ),
+    "phi": lambda: tf.PhiForCausalLM(
+        tf.PhiConfig(**SMALL, intermediate_size=64, max_position_embeddings=64, resid_pdrop=0.1)
+    ),
+    "qwen3": lambda: tf.Qwen3ForCausalLM(
+        tf.Qwen3Config(**SMALL, intermediate_size=64, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    ),
+    "mistral-sdpa": lambda: tf.MistralForCausalLM(
+        tf.MistralConfig(
+            **SMALL,
+            intermediate_size=64,
+            num_key_value_heads=1,
+            sliding_window=16,
+            max_position_embeddings=64,
+            attn_implementation="sdpa",
+        )
+    ),
+    "gemma2": lambda: tf.Gemma2ForCausalLM(
+        tf.Gemma2Config(
+            **SMALL,
+            intermediate_size=64,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=16,
+            max_position_embeddings=64,
+            attn_implementation="eager",
+        )
+    ),
     "olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**SMALL, intermediate_size=64, max_position_embeddings=64)),
     "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(**SMALL, intermediate_size=64, max_position_embeddings=64)),
-    "mamba": lambda: tf.MambaForCausalLM(tf.MambaConfig(vocab_size=256, hidden_size=32, state_size=4,
-                                                        num_hidden_layers=2, use_mambapy=False)),
+    "mamba": lambda: tf.MambaForCausalLM(
+        tf.MambaConfig(vocab_size=256, hidden_size=32, state_size=4, num_hidden_layers=2, use_mambapy=False)
+    ),
 }
 IMAGES = {
-    "vit": lambda: tf.ViTForImageClassification(tf.ViTConfig(
-        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, num_labels=3, hidden_dropout_prob=0.1)),
-    "convnext": lambda: tf.ConvNextForImageClassification(tf.ConvNextConfig(
-        hidden_sizes=[8, 16], depths=[1, 2], num_stages=2, num_labels=3, drop_path_rate=0.2)),
-    "resnet": lambda: tf.ResNetForImageClassification(tf.ResNetConfig(
-        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)),
+    "vit": lambda: tf.ViTForImageClassification(
+        tf.ViTConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=3,
+            hidden_dropout_prob=0.1,
+        )
+    ),
+    "convnext": lambda: tf.ConvNextForImageClassification(
+        tf.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 2], num_stages=2, num_labels=3, drop_path_rate=0.2)
+    ),
+    "resnet": lambda: tf.ResNetForImageClassification(
+        tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    ),
 }
 MODES = [Mode.SELECTIVE, Mode.CHECKPOINT, Mode.OFFLOAD, Mode.CHECKPOINT | Mode.OFFLOAD]
 

@@ -5,13 +5,12 @@ import io
 
 import pytest
 import torch
+from helpers import assert_same, gpt2, hf_batch, llama, step, tiny, tiny_batch
 from torch import nn
 
 import adaptmem
 from adaptmem import ALLOWED_MODES, Mode
 from adaptmem import strategies as strategies_mod
-
-from helpers import assert_same, gpt2, llama, hf_batch, step, tiny, tiny_batch
 
 
 def snapshot(model):

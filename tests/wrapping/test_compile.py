@@ -7,13 +7,12 @@ trace through, so these tests read the stand-in without entering it."""
 
 import pytest
 import torch
+from helpers import cnn, image_batch, step, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
 from adaptmem.control.compiling import CompileCounter
 from adaptmem.testing import SimulatedDevice
-
-from helpers import cnn, image_batch, step, tiny, tiny_batch
 
 MODELS = {"transformer": (tiny, tiny_batch), "cnn": (cnn, lambda m: image_batch())}
 

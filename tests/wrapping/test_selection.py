@@ -2,13 +2,12 @@ import ast
 
 import pytest
 import torch
+from helpers import gpt2, llama, tiny
 from torch import nn
 
 import adaptmem
-from adaptmem.wrapping import find_blocks
 from adaptmem.demo.tiny import Block
-
-from helpers import gpt2, llama, tiny
+from adaptmem.wrapping import find_blocks
 
 
 def names(model, blocks="auto"):

@@ -23,8 +23,15 @@ def resnet():
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(0)
-    return ResNetForImageClassification(ResNetConfig(embedding_size=16, hidden_sizes=[32, 64, 128, 256],
-                                                     depths=[3, 4, 6, 3], layer_type="bottleneck", num_labels=4))
+    return ResNetForImageClassification(
+        ResNetConfig(
+            embedding_size=16,
+            hidden_sizes=[32, 64, 128, 256],
+            depths=[3, 4, 6, 3],
+            layer_type="bottleneck",
+            num_labels=4,
+        )
+    )
 
 
 def swin():
@@ -32,8 +39,11 @@ def swin():
     from transformers import SwinConfig, SwinForImageClassification
 
     torch.manual_seed(0)
-    return SwinForImageClassification(SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[2, 4],
-                                                 num_heads=[1, 2], window_size=4, num_labels=4))
+    return SwinForImageClassification(
+        SwinConfig(
+            image_size=64, patch_size=4, embed_dim=16, depths=[2, 4], num_heads=[1, 2], window_size=4, num_labels=4
+        )
+    )
 
 
 def pictures(px: int) -> dict:
@@ -41,14 +51,16 @@ def pictures(px: int) -> dict:
     return {"pixel_values": torch.randn(4, 3, px, px, generator=gen), "labels": torch.tensor([0, 1, 2, 3])}
 
 
-@pytest.mark.parametrize("make,px,stages,layers", [(resnet, 96, r"resnet\.encoder\.stages\.\d+", 16),
-                                                   (swin, 64, r"swin\.encoder\.layers\.\d+", 6)])
+@pytest.mark.parametrize(
+    "make,px,stages,layers",
+    [(resnet, 96, r"resnet\.encoder\.stages\.\d+", 16), (swin, 64, r"swin\.encoder\.layers\.\d+", 6)],
+)
 def test_the_automatic_blocks_of_a_staged_model_are_its_layers_and_save_more(make, px, stages, layers):
     model = make()
     auto = find_blocks(model)
     assert len(auto) == layers
     assert len(find_blocks(model, stages)) < layers
-    batch = lambda: pictures(px)  # noqa: E731
+    batch = lambda: pictures(px)
     none = measure_peak(model, batch)
     per_layer = measure_peak(model, batch, mode=Mode.CHECKPOINT)
     adaptmem.instrument(model, blocks=stages)
@@ -62,8 +74,16 @@ def test_a_transformers_alike_layers_stay_the_blocks():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _quiet()
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     assert [name for name, _ in find_blocks(model)] == [f"model.layers.{i}" for i in range(3)]
 
 

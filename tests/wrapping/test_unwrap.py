@@ -3,11 +3,10 @@
 
 import torch
 import torch.distributed as dist
+from helpers import tiny, tiny_batch
 
 import adaptmem
 from adaptmem.testing import SimulatedDevice
-
-from helpers import tiny, tiny_batch
 
 
 def test_ddp_and_its_module_give_the_same_names_and_loadable_state(tmp_path):
