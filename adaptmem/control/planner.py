@@ -16,9 +16,8 @@ count is rounded up to a step, so a plan the planner calls feasible is feasible
 in exact bytes; with integer sizes and a capacity of at most `bins` bytes the
 axis is exact to the byte.
 
-When nothing fits, the result is the tightest plan (smallest predicted peak;
-among those, the one holding the fewest bytes, then the cheapest) with
-`feasible=False` and the shortfall in bytes.
+When nothing fits, the result is the tightest plan (smallest predicted peak,
+cheapest among those) with `feasible=False` and the shortfall in bytes.
 """
 
 from __future__ import annotations
@@ -74,14 +73,7 @@ def plan(options: list[list[Option]], capacity: float, final: float = 0.0, bins:
     if found is not None:
         return _result(options, found, final, capacity, feasible=True)
     tight = tightest_capacity(options, final, bins)
-    # nothing fits, so the predictions are past what they were made for: among the plans at the
-    # tightest peak, the one that holds the least, then the cheapest. Held by time alone, a block off
-    # the predicted peak stays in NONE, and a peak predicted in the wrong place runs out of memory
-    # where every block saving would have fitted (a ConvNeXt at 224 px, 3 of 10 blocks in NONE)
-    holding = [
-        [Option(o.mode, o.saved, o.need, o.saved + o.seconds * _SECOND, o.host) for o in opts] for opts in options
-    ]
-    found = _solve(holding, tight, final, bins, use_cost=True)
+    found = _solve(options, tight, final, bins, use_cost=True)
     if found is None:  # pragma: no cover - tightest_capacity guarantees a solution
         raise RuntimeError("planner found no plan at the tightest capacity")
     return _result(options, found, final, capacity, feasible=False)
@@ -110,7 +102,6 @@ def tightest_capacity(options: list[list[Option]], final: float = 0.0, bins: int
     return high
 
 
-_SECOND = 1.0  # bytes a second weighs against bytes held where nothing fits: a tie-break among equal holdings
 _CHUNK = 8  # blocks whose index rows are built at once: small enough to stay in cache, never mapped afresh
 
 

@@ -79,15 +79,3 @@ def test_empty_and_bad_input():
     assert plan([], capacity=10).feasible
     with pytest.raises(ValueError, match="at least one option"):
         plan([[]], capacity=10)
-
-
-def test_where_nothing_fits_the_tightest_plan_holds_the_least():
-    """Block 0's backward sets the peak whatever the others do; where nothing fits, the others do not
-    stay in their cheapest mode (a peak predicted in the wrong place would then run out of memory
-    where every saving block would have fitted): they hold the least, the cheapest among equals."""
-    none, offload, checkpoint = ALLOWED_MODES[0], ALLOWED_MODES[3], ALLOWED_MODES[2]
-    first = [Option(none, 10, 100, 0.0), Option(checkpoint, 2, 100, 5.0)]
-    rest = [Option(none, 10, 12, 0.0), Option(offload, 1, 12, 1.0), Option(checkpoint, 1, 12, 3.0)]
-    result = plan([first] + [rest] * 3, capacity=50)
-    assert not result.feasible and result.peak == 100 + 0  # block 0's need above nothing saved before it
-    assert result.modes == (checkpoint, offload, offload, offload)
