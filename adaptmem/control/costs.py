@@ -388,14 +388,10 @@ class CostModel(ModeTimes):
             {k: Fit.from_state(lat[k]) if k in lat else _fit(k) for k in LATENT_NAMES} for lat in state["latent"]
         ]
         self.grad = [Fit.from_state(f) for f in state["grad"]]
-        self.grad_kept = (
-            [Fit.from_state(f) for f in state["grad_kept"]]
-            if "grad_kept" in state
-            else [Fit("base") for _ in self.grad]
-        )  # saved before accumulating steps were learned apart
+        self.grad_kept = [Fit.from_state(f) for f in state["grad_kept"]]
         self.head = Fit.from_state(state["head"])
         self.tail = Fit.from_state(state["tail"])
-        self.tail_kept = Fit.from_state(state["tail_kept"]) if "tail_kept" in state else Fit("base")
+        self.tail_kept = Fit.from_state(state["tail_kept"])
         if self.head_costs is not None and state.get("head_costs"):
             self.head_costs.load_state_dict(state["head_costs"])
         self.elem_size = int(state["elem_size"])

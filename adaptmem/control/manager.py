@@ -58,6 +58,7 @@ from adaptmem.control.retry import (
     set_rng_state,
 )
 from adaptmem.control.sampler import Sampler
+from adaptmem.control.samples import StepState
 from adaptmem.control.schedule import MeasureSchedule
 from adaptmem.control.unfit import Trace
 from adaptmem.devices.cuda import CudaProbe
@@ -167,23 +168,16 @@ class MemoryManager(Reactions):
         )
         self._current: tuple[Mode, ...] = tuple(h.mode for h in self.handles)
         self._current_head: HeadChoice | None = None
-        self._in_step = False
+        self.now = StepState()  # the step in hand, from begin_step to end_step
         self._closed = False
-        self._label: Any = None
-        self._step_key: tuple[int, int, bool] | None = None
-        self._step_pred: float | None = None
-        self._step_feasible = True  # the step's plan was predicted to fit (else it is the tightest there is)
-        self._step_start = 0
         self.lengths = LengthsSeen()  # what `longest_sequence` extrapolates from
         self.measuring = MeasureSchedule(p, self.costs)  # which steps are measured block by block
         self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
         self._unmarked_warned = self._idle_warned = self._overlap_warned = False  # warnings given once
         self._agree = RankAgreement() if distributed() else None  # ranks plan and retry together
         self._rank = self._agree.rank if self._agree is not None else 0
-        self._plan_point_passed = False
         self._syncing = False  # this step runs in DDP's no_sync(): gradients are averaged after it
         self._buffer_copies = BufferCopies()  # run_step's host copies of the buffers, kept from step to step
-        self._overlapping = False  # the current step ran a second forward before its backward
         self._own_checkpointing: frozenset[int] = frozenset()  # blocks whose model checkpoints them itself
         self.steps = self.ooms = self.ooms_recovered = self.plan_changes = self.pressure_events = 0
         self.peak_bytes = 0
@@ -192,7 +186,6 @@ class MemoryManager(Reactions):
         self._last_failure: dict = {}
         self._attempts: list[dict] = []  # the failures of the batch in hand (since the last step that ran)
         self._trace: Trace | None = None  # the controller as it was before that batch (adaptmem.control.unfit)
-        self._refused = False  # the step in hand was given up: no plan can fit it
         self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
         if state is not None:  # a state for other blocks is refused here, before the thread starts
             restore_manager_state(self, state)
@@ -248,7 +241,7 @@ class MemoryManager(Reactions):
     @property
     def in_step(self) -> bool:
         """A step is open (between `begin_step` and `end_step`)."""
-        return self._in_step
+        return self.now.open
 
     @property
     def closed(self) -> bool:
@@ -287,18 +280,13 @@ class MemoryManager(Reactions):
         goes into the step's record."""
         if self._closed:
             raise RuntimeError("this MemoryManager is closed; create a new one to manage the model again")
-        if self._in_step:
+        if self.now.open:
             raise RuntimeError("a step is already open: call end_step() before begin_step() (steps do not nest)")
         self._check_own_checkpointing()
         with self._lock:
             if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
                 self._trace, self._attempts = Trace.take(self), []
-            self._rng = rng_state()  # put back if the step is given up before a block runs
-            self._in_step = True
-            self._overlapping = False
-            self._plan_point_passed = False
-            self._label = label
-            self._step_key, self._step_pred, self._step_feasible = None, None, True
+            self.now = StepState(open=True, label=label, rng=rng_state())
             kept = any(w.grad is not None for w in self.handles[-1].module.parameters())
             self.recorder.begin().grads_resident = self.costs.grads_resident = kept  # planned for as it is
 
@@ -306,17 +294,17 @@ class MemoryManager(Reactions):
         """Close the step. `error`: None for a step that finished; a `torch.OutOfMemoryError`
         is recorded (the next step plans tighter); any other error drops the step unlearned
         of its verdict. Returns the step's record (an `oom` record after an OOM)."""
-        if not self._in_step:
+        if not self.now.open:
             raise RuntimeError("end_step() without an open step: call begin_step() first")
         sample = self.recorder.end()
         self._check_device_counted(sample)
         error = self._agree_on_failure(error)
-        refused, self._refused = self._refused, False
+        refused, self.now.refused = self.now.refused, False
         with self._lock:
-            self._in_step = False
+            self.now.open = False
             if refused:  # given up before a block ran: the batch leaves no trace
                 self._trace.restore(self)
-                set_rng_state(self._rng)
+                set_rng_state(self.now.rng)
                 return None
             if (sample is not None and sample.double_backward) or isinstance(error, SelectiveBackwardError):
                 self._no_second_backward_for(Mode.SELECTIVE)
@@ -416,7 +404,7 @@ class MemoryManager(Reactions):
                 self.costs,
                 self.plans,
                 self.budgets.user if fits is None else fits,
-                0 if self._in_step else self.probe.allocated(),
+                0 if self.now.open else self.probe.allocated(),
             )
 
     def summary(self) -> dict[str, Any]:
@@ -430,9 +418,9 @@ class MemoryManager(Reactions):
             return
         self._closed = True
         self._sampler.stop()
-        if self._in_step:
+        if self.now.open:
             self.recorder.end()
-            self._in_step = False
+            self.now.open = False
         self._runtime.observer = None
         self.events.emit("end", step=self.steps, summary=self.summary(), reach=end_record(self))
         self._compiles.close()

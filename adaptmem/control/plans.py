@@ -447,10 +447,9 @@ class PlanBook:
     def load_state_dict(self, state: list) -> None:
         self.cache = OrderedDict()
         self._predicted_for = None  # the cost model was loaded beside it
-        for k, modes, start, pred, *rest in state:
-            extent, seen, learned, *more = rest or (k[1], k[1], 0)  # saved before plans kept their extent: the top
-            k = (*k, False)[:3]  # saved before plans were kept per gradient state: a fresh step's
-            head = HeadChoice.parse(more[0]) if more and more[0] else None  # saved before heads were planned: none
+        for k, modes, start, pred, extent, seen, learned, head in state:
+            k = tuple(k)
+            head = HeadChoice.parse(head) if head else None
             self.cache[k] = PlanRecord(
                 tuple(Mode.parse(m) for m in modes),
                 k,

@@ -33,14 +33,14 @@ log = logging.getLogger("adaptmem")
 class Reactions:
     # ------------------------------------------------------- observer API
     def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
-        if self._in_step and self.recorder.ran(handle.index):
+        if self.now.open and self.recorder.ran(handle.index):
             self._second_forward()
-        if self._in_step and not self.recorder.forward_started:
+        if self.now.open and not self.recorder.forward_started:
             self._plan_forward(shape_of(args, kwargs))
-        elif not self._in_step and handle.index == 0:
+        elif not self.now.open and handle.index == 0:
             self._warn_unmarked()
             self._plan_forward(shape_of(args, kwargs))
-        elif self._in_step and self._overlapping and handle.index == 0:
+        elif self.now.open and self.now.overlapping and handle.index == 0:
             self._plan_second_forward(shape_of(args, kwargs))
         self.recorder.block_start(handle, args, kwargs)
 
@@ -50,12 +50,12 @@ class Reactions:
         Before it (two forwards, then one backward), the second forward is planned for the
         memory the first leaves free, and the step teaches only its peak."""
         if self.recorder.backward_done:
-            label = self._label
+            label = self.now.label
             self.end_step()
             self.begin_step(label)
             return
-        if not self._overlapping:
-            self._overlapping = True
+        if not self.now.overlapping:
+            self.now.overlapping = True
             self.recorder.overlap()
             if not self._overlap_warned:
                 self._overlap_warned = True
@@ -129,7 +129,7 @@ class Reactions:
     def _plan_forward(self, shape: InputShape) -> None:
         with self._lock:
             if (
-                self._in_step
+                self.now.open
                 and self.plans.failed is not None
                 and self.plans.failed_shape is not None
                 and self.plans.failed_shape != (shape.batch, shape.extent)
@@ -139,22 +139,22 @@ class Reactions:
                 self.plans.succeeded()
                 self._trace, self._attempts = Trace.take(self), []
             batch, extent, start, budget = shape.batch, shape.extent, self.recorder.probe.allocated(), self.budget
-            agree = self._agree is not None and self._in_step
+            agree = self._agree is not None and self.now.open
             if agree:  # every rank plans for the largest shape and allocation, the smallest budget
                 batch, extent, start, budget = self._agree.figures(batch, extent, start, budget)
-                self._plan_point_passed = True
+                self.now.plan_point_passed = True
             record = self.plans.choose(batch, extent, start, budget)
             if agree:  # and runs rank 0's plan
                 record = replace(record, modes=self._agree.plan(record.modes))
-            if self._in_step:
+            if self.now.open:
                 self._refuse_unfittable(record, shape, start)
             self._apply(record)
-            if self._in_step:
+            if self.now.open:
                 self.recorder.detail = self.measuring.worth(record)
-                self._step_key = record.key
-                self._step_pred = self.plans.predict(record.modes, batch, extent, start, record.head)
-                self._step_feasible = record.feasible
-                self._step_start = start
+                self.now.key = record.key
+                self.now.predicted = self.plans.predict(record.modes, batch, extent, start, record.head)
+                self.now.feasible = record.feasible
+                self.now.start = start
 
     def _refuse_unfittable(self, record: PlanRecord, shape: InputShape, start: int) -> None:
         """Give the step up before a block runs when no plan can fit it (see `adaptmem.control.unfit`).
@@ -180,11 +180,11 @@ class Reactions:
         message = refusal(
             self, record, shape.batch, shape.extent, shape.seq if shape.width else 0, start, self._attempts
         )
-        self._refused = True
+        self.now.refused = True
         self.events.emit(
             "refused",
             step=self.steps + 1,
-            label=self._label,
+            label=self.now.label,
             batch=shape.batch,
             seq=shape.seq,
             sample_elements=shape.extent,
@@ -201,7 +201,7 @@ class Reactions:
         if self._agree is None:
             return error
         oom = isinstance(error, torch.OutOfMemoryError)
-        if oom and not self._plan_point_passed:
+        if oom and not self.now.plan_point_passed:
             self._join_plan_point()
         if self._agree.any(oom) and not oom and error is None:
             return torch.OutOfMemoryError("another rank ran out of memory in this step")
@@ -224,7 +224,7 @@ class Reactions:
         """A rank that failed before its first block still takes part in the plan collectives."""
         self._agree.figures(0, 0, 0, 2**62)
         self._agree.plan(tuple(h.mode for h in self.handles))
-        self._plan_point_passed = True
+        self.now.plan_point_passed = True
 
     def _plan_second_forward(self, shape: InputShape) -> None:
         """Plan a forward for what the step's first forward leaves free (not cached: a lone
@@ -272,7 +272,7 @@ class Reactions:
         head = self.head
         if head is not None and record.head is not None:
             head.planned(record.head.mode, record.head.chunk)
-            if self._in_step and self.recorder.sample is not None:
+            if self.now.open and self.recorder.sample is not None:
                 self.recorder.sample.head = record.head
         if record.modes != self._current or record.head != self._current_head:
             self.plan_changes += 1
@@ -321,7 +321,7 @@ class Reactions:
             decision = HOLD
         elif self._beyond_any_plan(observed):
             decision = HOLD
-            if self._step_pred is not None and observed > self._step_pred:
+            if self.now.predicted is not None and observed > self.now.predicted:
                 self.decider.bias = 1.0  # the predictions were not too high after all
         else:
             ratio = observed / self.budget if self.budget else 0.0
@@ -331,7 +331,7 @@ class Reactions:
             if retried and decision != ESCALATE and self._agree is None:
                 decision = self.decider.escalate()  # the allocator had to free and retry: close to an OOM
         self.decisions[decision] += 1
-        pred, error = (None, None) if sample.overlapped else (self._step_pred, None)
+        pred, error = (None, None) if sample.overlapped else (self.now.predicted, None)
         if pred is not None and observed > 0:
             error = (pred - observed) / observed
             self.errors.append(error)
@@ -340,15 +340,15 @@ class Reactions:
             pred is not None
             and decision == HOLD
             and not (calibrating or sample.unmeasured)
-            and observed > self._step_start
+            and observed > self.now.start
         ):
             # aim again with the predictions' bias taken out
-            rebias = self.decider.learn_bias(pred - self._step_start, observed - self._step_start)
+            rebias = self.decider.learn_bias(pred - self.now.start, observed - self.now.start)
         missed = pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget
         if decision == ESCALATE:  # the next step has something to teach: measure it block by block
             self.measuring.again()
         elif missed:
-            self.measuring.missed(self._step_key)
+            self.measuring.missed(self.now.key)
         # a first offload's time is cold (it allocated its host memory): a replan that is not for
         # memory waits one step, so the plan runs again and is remade from the warm reading
         if (
@@ -362,7 +362,7 @@ class Reactions:
             self.plans.cache.clear()
             self._replan_when_warm = False
         elif missed:
-            self.plans.cache.pop(self._step_key, None)
+            self.plans.cache.pop(self.now.key, None)
         self.plans.succeeded()
         self._attempts = []
         relief = self.budgets.relieve(self._reading(self.budgets.available, None))
@@ -372,7 +372,7 @@ class Reactions:
         return self.events.emit(
             "step",
             step=self.steps,
-            label=self._label,
+            label=self.now.label,
             rank=self._rank,
             attempt=self.plans.attempt,
             batch=sample.batch,
@@ -404,7 +404,7 @@ class Reactions:
         steps between them would start over at each). A wrong prediction is learned from by
         measuring (a new size is measured; a missed prediction is measured again). Alone, not
         with other ranks, whose deciders must move alike."""
-        return not self._step_feasible and self._agree is None and observed >= self.policy.low_watermark * self.budget
+        return not self.now.feasible and self._agree is None and observed >= self.policy.low_watermark * self.budget
 
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
         self.ooms += 1
@@ -415,19 +415,19 @@ class Reactions:
         ran = sample is not None and bool(sample.blocks)
         executed = tuple(sample.plan.get(i, h.mode) for i, h in enumerate(self.handles)) if ran else ()
         if ran:  # a plan was running: the retry must not run it again
-            self.plans.failure(executed, sample.head, (sample.batch, sample.extent), foreseen=not self._step_feasible)
+            self.plans.failure(executed, sample.head, (sample.batch, sample.extent), foreseen=not self.now.feasible)
         self._last_failure = failure_record(
             err,
             sample,
             executed,
-            self._step_pred or 0,
+            self.now.predicted or 0,
             self.budget,
             self.decider.headroom,
             self._reading(self.budgets.available, None),
         )
         self._attempts.append(dict(self._last_failure))
         return self.events.emit(
-            "oom", step=self.steps + 1, label=self._label, attempt=self.plans.attempt, **self._last_failure
+            "oom", step=self.steps + 1, label=self.now.label, attempt=self.plans.attempt, **self._last_failure
         )
 
     def _free_after_oom(self) -> None:

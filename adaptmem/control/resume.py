@@ -62,7 +62,7 @@ def restore_manager_state(mgr: Any, state: dict[str, Any]) -> str:
         mgr.steps, mgr.ooms = counters["steps"], counters["ooms"]
         mgr.ooms_recovered, mgr.plan_changes = counters["ooms_recovered"], counters["plan_changes"]
         mgr.peak_bytes = counters["peak_bytes"]
-        mgr.lengths.load_state_dict(state.get("lengths") or {})  # saved before: learned from the next step
+        mgr.lengths.load_state_dict(state["lengths"])
         current = tuple(Mode.parse(m) for m in state["current"])
         for handle, mode in zip(mgr.handles, current):
             handle.mode = mode

@@ -3,6 +3,7 @@
 BlockSample   one block in one step: its bytes, transients and times
 StepSample    one step: its shape, peaks, blocks, plan (and the loss head's choice)
 InputShape    a block's main input size, what plans and costs are keyed on (`shape_of`)
+StepState     the step in hand as the manager sees it: its label, plan point and verdict so far
 """
 
 from __future__ import annotations
@@ -112,3 +113,19 @@ def shape_of(args: tuple, kwargs: dict) -> InputShape:
         return InputShape(1, max(1, t.numel()), int(t.shape[0]), int(t.shape[1]))
     batch = max(1, int(t.shape[0]))
     return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]), int(t.shape[2]) if t.dim() == 3 else 0)
+
+
+@dataclass
+class StepState:
+    """The step in hand as the manager sees it, from `begin_step` to `end_step` (a new one each step)."""
+
+    open: bool = False  # between begin_step and end_step
+    label: Any = None  # the caller's label, written into the step's records
+    rng: Any = None  # the RNG states at begin_step, put back if the step is given up before a block runs
+    key: tuple[int, int, bool] | None = None  # the shape bucket the step's plan was made for
+    predicted: float | None = None  # the plan's predicted peak (bytes)
+    feasible: bool = True  # the plan was predicted to fit (else it is the tightest there is)
+    start: int = 0  # bytes allocated at the plan point (the first block's forward)
+    plan_point_passed: bool = False  # with other ranks: this rank took part in the plan point's collectives
+    overlapping: bool = False  # a second forward ran before this step's backward
+    refused: bool = False  # given up at the plan point: no plan can fit it
