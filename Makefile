@@ -14,12 +14,16 @@ STAMP      := $(VENV)/.adaptmem-installed
 CONSTRAINTS := $(VENV)/constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-cuda lint format bench stress venv clean
+.PHONY: demo test test-all test-cuda lint format bench stress venv clean
 
 demo: $(STAMP)
 	$(PY) -m adaptmem.demo
 
+# tests over 20 s on 2 cores are marked slow: `make test-all` runs them too
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # ruff's lint and its formatter's check (the configuration is in pyproject.toml); `make format` formats

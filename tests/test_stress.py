@@ -8,7 +8,6 @@ import pytest
 SCENARIOS = ["lengths", "pressure", "ooms", "soak", "probe", "drift"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario_short_version_breaks_no_promise(name, capsys):
     scenario = importlib.import_module(f"stress.scenario_{name}")

@@ -30,8 +30,7 @@ def uniform_peak(make, make_batch, mode):
     return measure_peak(model, lambda: make_batch(model), mode=mode, optimizer=opt, steps=2)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny", "hf-llama"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("hf-llama", marks=pytest.mark.slow)])
 def test_peak_stays_within_budget_after_the_first_step(name):
     make, make_batch = models()[name]
     low = uniform_peak(make, make_batch, Mode.CHECKPOINT)
@@ -76,7 +75,6 @@ def ladder_rank(plan_counts):
     return sum(labels.index(label) * n for label, n in plan_counts.items())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
 def test_varying_lengths_survive_and_the_plan_relaxes_after_the_spike(name):
     make, make_batch = models()[name]
@@ -122,7 +120,6 @@ def clean_grads(model, batches):
     return {n: p.grad.clone() for n, p in ref.named_parameters()}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
 def test_injected_ooms_are_recovered_with_exact_gradients(name):
     make, make_batch = models()[name]
@@ -323,7 +320,6 @@ def test_exit_restores_the_model_and_stops_the_thread_even_on_error():
     assert not any(t.name == "adaptmem-sampler" for t in threading.enumerate())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
 def test_resumed_manager_starts_with_the_same_plan(tmp_path, name):
     make, make_batch = models()[name]

@@ -57,7 +57,6 @@ def _learned(state: dict) -> dict:
     return {k: v for k, v in state.items() if k not in ("counters", "run")}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_an_outlier_fails_fast_and_later_plans_are_as_without_it(arch):
     plain, plain_state, _, _, _ = run(arch, None)

@@ -41,7 +41,6 @@ def run_ranks(tmp_path: Path, mode: str) -> list[dict]:
     return [torch.load(out, weights_only=False) for out in outs]
 
 
-@pytest.mark.slow
 def test_ranks_agree_and_retry_together(tmp_path):
     plain = run_ranks(tmp_path, "plain")
     managed = run_ranks(tmp_path, "managed")

@@ -135,7 +135,6 @@ def _losses(mode, codec="int8", steps=50):
     return losses
 
 
-@pytest.mark.slow
 def test_int8_training_loss_within_two_percent_of_exact_over_50_steps():
     exact = _losses(Mode.NONE)
     int8 = _losses(Mode.COMPRESS)
