@@ -19,7 +19,7 @@ def tiny_batch(model: TinyTransformer, batch: int = 2, seq: int = 32) -> dict:
     return random_batch(model.cfg, batch, seq, generator=torch.Generator().manual_seed(1))
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -27,7 +27,7 @@ def _quiet_transformers() -> None:
 
 def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1, vocab: int = 512):
     """A Hugging Face Llama built from a small config (random weights, attention dropout > 0)."""
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1, vocab: int =
 def gpt2(layers: int = 3, hidden: int = 64, dropout: float = 0.1, use_cache: bool = False):
     """A Hugging Face GPT-2 built from a small config (dropout > 0 everywhere); with `use_cache`
     it hands a KV cache to each block, positionally."""
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -66,6 +66,47 @@ def gpt2(layers: int = 3, hidden: int = 64, dropout: float = 0.1, use_cache: boo
         eos_token_id=0,
     )
     return GPT2LMHeadModel(cfg)
+
+
+def lightning_trainer(**options):
+    """A Lightning `Trainer` on the CPU that writes and prints nothing of its own (no logger, checkpoints,
+    progress bar or model summary) unless `options` say so."""
+    import lightning.pytorch as pl
+
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(**{**defaults, **options})
+
+
+def hf_arguments(out, **overrides):
+    """`TrainingArguments` for a short, deterministic CPU run in `out`: batch 2, two micro-batches a step,
+    3 steps, a constant learning rate, no reporters and no checkpoints unless `overrides` say so."""
+    from transformers import TrainingArguments
+
+    options = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    options.update(overrides)
+    return TrainingArguments(**options)
 
 
 def hf_batch(batch: int = 2, seq: int = 32, vocab: int = 512) -> dict:

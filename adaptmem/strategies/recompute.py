@@ -14,6 +14,7 @@ the checkpoint (inside the checkpoint, checkpoint's own hooks are innermost).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -298,10 +299,23 @@ def _holds_past(module: torch.nn.Module, cache: Any) -> bool:
     if isinstance(cache, (tuple, list)):
         return len(cache) > 0  # a legacy (key, value) pair: only ever the caller's past
     length = getattr(cache, "get_seq_length", None)
-    index = next((m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
-    if length is None or index is None:
+    if length is None:
+        return False
+    index = _layer_index(module)
+    if index is None:
         return False
     try:
         return length(index) > 0
     except (ValueError, IndexError):  # a slot with no sequence (a linear-attention layer's state)
         return False
+
+
+#: A block's `layer_idx`, found once: every training call of a model with a cache asks for it.
+_LAYER_INDEX: weakref.WeakKeyDictionary[torch.nn.Module, int | None] = weakref.WeakKeyDictionary()
+
+
+def _layer_index(module: torch.nn.Module) -> int | None:
+    if module not in _LAYER_INDEX:
+        found = (m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int))
+        _LAYER_INDEX[module] = next(found, None)
+    return _LAYER_INDEX[module]

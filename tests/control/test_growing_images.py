@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from helpers import quiet_transformers
 
 import adaptmem
 from adaptmem.config.policy import load_policy
@@ -24,9 +25,8 @@ QUIET = load_policy("balanced").model_copy(update={"sample_interval_s": 10.0})  
 
 def resnet():
     from transformers import ResNetConfig, ResNetForImageClassification
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
     torch.manual_seed(0)
     cfg = ResNetConfig(
         embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[2, 2, 2, 2], layer_type="basic", num_labels=10

@@ -62,9 +62,9 @@ def test_a_length_never_seen_is_planned_for_with_the_weights_gradients_held_cons
     the weights whose backward has run do not grow with the tokens: scaled with them, a small
     model's were predicted at 3x their size, every plan looked over the budget, and the
     cheapest of those overshot it by 12%, where checkpointing every block fitted."""
-    from helpers import _quiet_transformers
+    from helpers import quiet_transformers
 
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from helpers import _quiet_transformers, assert_same_state, training_state
+from helpers import assert_same_state, quiet_transformers, training_state
 
 import adaptmem
 from adaptmem import Mode
@@ -19,7 +19,7 @@ LENGTHS = [(48, 16), (96, 32), (32, 16), (96, 24), (64, 32), (48, 16)]  # (input
 
 
 def t5():
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 
 lightning = pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
-from helpers import tiny, tiny_batch  # noqa: E402
+from helpers import lightning_trainer, tiny, tiny_batch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 import adaptmem  # noqa: E402
@@ -88,18 +88,14 @@ def fit(tmp_path, *, callback=None, fail_at=None, steps=4, ckpt=None, module=Non
         callbacks.append(
             pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=checkpoint_every, save_top_k=-1)
         )
-    trainer = pl.Trainer(
+    trainer = lightning_trainer(
         max_steps=steps,
         accumulate_grad_batches=2,
         val_check_interval=2,
         limit_val_batches=2,
         check_val_every_n_epoch=None,
-        accelerator="cpu",
-        devices=1,
         logger=CSVLogger(tmp_path, name="logs"),
         enable_checkpointing=bool(checkpoint_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
         num_sanity_val_steps=0,
     )
@@ -184,16 +180,8 @@ def test_each_micro_batch_and_its_closure_are_freed_when_it_ends_not_at_the_next
             return {k: v.clone() for k, v in self.items[i].items()}
 
     dev = SimulatedDevice(capacity_bytes=2**31)
-    trainer = pl.Trainer(
-        max_steps=3,
-        accumulate_grad_batches=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[AdaptMemCallback(budget="1GiB", device=dev)],
+    trainer = lightning_trainer(
+        max_steps=3, accumulate_grad_batches=2, callbacks=[AdaptMemCallback(budget="1GiB", device=dev)]
     )
     gc.collect()
     gc.disable()  # what a cycle holds stays held: only reference counts free anything

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 import lightning.pytorch as pl
+from helpers import lightning_trainer, quiet_transformers
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 import adaptmem
@@ -47,16 +48,7 @@ def test_a_lightning_fit_without_a_logger_gets_no_warning_from_adaptmems_figures
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 16)), batch_size=4)
     dev = SimulatedDevice(capacity_bytes=2**31)
     callback = AdaptMemCallback(budget="1GiB", device=dev)
-    trainer = pl.Trainer(
-        max_steps=4,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
+    trainer = lightning_trainer(max_steps=4, callbacks=[callback])
     with warnings.catch_warnings(record=True) as caught, dev:
         warnings.simplefilter("always")
         trainer.fit(LitStack(), data)
@@ -68,9 +60,7 @@ def test_a_lightning_fit_without_a_logger_gets_no_warning_from_adaptmems_figures
 def neox() -> GPTNeoXForCausalLM:
     """A GPT-NeoX from a default-valued config (`use_cache=True`): each training call builds a
     cache and hands it to every layer, with `use_cache=True`, though the caller asked for none."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
     torch.manual_seed(0)
     config = GPTNeoXConfig(
         vocab_size=256,

@@ -13,7 +13,8 @@ import torch
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 import lightning.pytorch as pl
-from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
+from helpers import hf_arguments, lightning_trainer, quiet_transformers
+from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer
 
 from adaptmem import read_log
 from adaptmem.integrations.lightning import AdaptMemCallback
@@ -78,16 +79,8 @@ def lightning_fit(root, callback, steps: int, ckpt=None, checkpoint_every=None):
         callbacks.append(
             pl.callbacks.ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=checkpoint_every, save_top_k=-1)
         )
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        callbacks=callbacks,
-        enable_checkpointing=bool(checkpoint_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
+    trainer = lightning_trainer(
+        max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(checkpoint_every), default_root_dir=root
     )
     trainer.fit(LitMLP(), regression(12), ckpt_path=ckpt)
     return trainer
@@ -151,9 +144,7 @@ class Tokens(torch.utils.data.Dataset):
 
 def qwen2() -> Qwen2ForCausalLM:
     """A two-layer Qwen2 from a config (grouped-query attention, biased q/k/v projections)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
     torch.manual_seed(0)
     return Qwen2ForCausalLM(
         Qwen2Config(
@@ -170,22 +161,8 @@ def qwen2() -> Qwen2ForCausalLM:
 
 
 def hf_train(out, callback, steps: int, resume=None, save_steps=None):
-    args = TrainingArguments(
-        output_dir=str(out),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=steps,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500,
-        disable_tqdm=True,
+    args = hf_arguments(
+        out, max_steps=steps, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500
     )
     callbacks = [callback] if callback is not None else None
     trainer = Trainer(model=qwen2(), args=args, train_dataset=Tokens(), callbacks=callbacks)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from helpers import llama  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from helpers import hf_arguments, llama  # noqa: E402
+from transformers import Trainer  # noqa: E402
 
 from adaptmem import read_log  # noqa: E402
 from adaptmem.integrations.transformers import AdaptMemTrainerCallback, AdaptMemTrainerMixin  # noqa: E402
@@ -29,27 +29,6 @@ class Samples(torch.utils.data.Dataset):
 
 class RetryingTrainer(AdaptMemTrainerMixin, Trainer):
     pass
-
-
-def arguments(tmp_path, **overrides):
-    options = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=3,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    options.update(overrides)
-    return TrainingArguments(**options)
 
 
 def inject_backward_oom(model, at_call: int):
@@ -79,7 +58,7 @@ def train(tmp_path, trainer_cls=Trainer, callback=None, oom_at=None, resume=None
     injected = inject_backward_oom(model, oom_at) if oom_at else None
     trainer = trainer_cls(
         model=model,
-        args=arguments(tmp_path, **overrides),
+        args=hf_arguments(tmp_path, **overrides),
         train_dataset=Samples(),
         callbacks=[callback] if callback else None,
     )
@@ -170,7 +149,7 @@ def test_the_loss_head_is_managed_in_a_trainer_and_the_callback_passes_head(tmp_
         )
         trainer = RetryingTrainer(
             model=llama(layers=2, hidden=64, dropout=0.0),
-            args=arguments(tmp_path, max_steps=2),
+            args=hf_arguments(tmp_path, max_steps=2),
             train_dataset=Samples(n=8),
             callbacks=[callback],
         )

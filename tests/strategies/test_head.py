@@ -17,7 +17,7 @@ import adaptmem
 from adaptmem import HeadMode, LogitsNotMaterializedError
 from adaptmem.strategies.head import ChunkedLogits
 from adaptmem.testing import SimulatedDevice
-from tests.helpers import _quiet_transformers
+from tests.helpers import quiet_transformers
 
 BOUND = 1e-5  # fp32: max relative error of the loss, every gradient, and the weights after 20 AdamW steps
 
@@ -28,7 +28,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def hf_model(kind: str, **extra):
-    _quiet_transformers()
+    quiet_transformers()
     import transformers
 
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import quiet_transformers
 
 import adaptmem
 from adaptmem import Mode
@@ -12,14 +13,8 @@ from adaptmem.testing import measure_peak
 from adaptmem.wrapping import find_blocks, get_instrumentation
 
 
-def _quiet():
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-
-
 def resnet():
-    _quiet()
+    quiet_transformers()
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(0)
@@ -35,7 +30,7 @@ def resnet():
 
 
 def swin():
-    _quiet()
+    quiet_transformers()
     from transformers import SwinConfig, SwinForImageClassification
 
     torch.manual_seed(0)
@@ -73,7 +68,7 @@ def test_a_transformers_alike_layers_stay_the_blocks():
     """Layers alike in shape are the layers themselves, even with an expert list inside each."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    _quiet()
+    quiet_transformers()
     model = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=64,
