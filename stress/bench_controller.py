@@ -81,8 +81,8 @@ def controller_fraction(steps: int = 20, seq: int = 512, measure_every: int | No
             model.zero_grad(set_to_none=True)
         runtime = get_instrumentation(model).runtime
         own = Timed()
-        tell, bwd = runtime.tell, mem.recorder._bwd_boundary
-        runtime.tell, mem.recorder._bwd_boundary = own.wrap(tell), own.wrap(bwd)
+        tell, bwd = runtime.tell, mem._controller.recorder._bwd_boundary
+        runtime.tell, mem._controller.recorder._bwd_boundary = own.wrap(tell), own.wrap(bwd)
         sampler = _thread_clock(mem.sampler)
         stepped, measured, background, around = 0.0, 0, 0.0, 0.0
         inside = Timed()  # the step function's own time, which run_step wraps
@@ -98,7 +98,7 @@ def controller_fraction(steps: int = 20, seq: int = 512, measure_every: int | No
             background += (sampler() - s0) if sampler else 0.0
             measured += mem.last_step["measured"] == "blocks"
             model.zero_grad(set_to_none=True)
-        runtime.tell, mem.recorder._bwd_boundary = tell, bwd
+        runtime.tell, mem._controller.recorder._bwd_boundary = tell, bwd
         direct = (own.spent + around) / stepped
         ab = _side_by_side(mem, model, work, runtime, max(6, steps // 2))
     finally:

@@ -83,7 +83,7 @@ def run(short: bool = False) -> list[str]:
                 violations.append(f"step {i}: gradients differ from unmanaged training")
             reference.zero_grad(set_to_none=True)
             managed.zero_grad(set_to_none=True)
-        failures = mem.recorder.probe.failures
+        failures = mem._controller.recorder.probe.failures
     print(
         f"{steps} steps; the probe raised {probe.raised} times ({failures} counted in steps), "
         f"all of its readings failed for steps {down.start}..{down.stop - 1}"

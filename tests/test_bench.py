@@ -359,11 +359,11 @@ def test_the_controller_fraction_counts_what_run_step_does_around_the_step(monke
     20 ms of CPU shows in the fraction, at about 20 ms over the step's time."""
     import time
 
-    from adaptmem.control import manager
+    from adaptmem.control import retry
     from stress.bench_controller import controller_fraction
 
     plain = controller_fraction(steps=4, seq=32)
-    guard = manager.StepGuard
+    guard = retry.StepGuard
 
     class SlowGuard(guard):
         def __init__(self, *args, **kwargs):
@@ -372,7 +372,7 @@ def test_the_controller_fraction_counts_what_run_step_does_around_the_step(monke
                 pass
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(manager, "StepGuard", SlowGuard)
+    monkeypatch.setattr(retry, "StepGuard", SlowGuard)
     slow = controller_fraction(steps=4, seq=32)
     assert 0 < plain["direct"] < slow["direct"]
     assert slow["direct"] - plain["direct"] > 0.5 * slow["direct"]  # the guard's 20 ms are most of it

@@ -21,7 +21,8 @@ sum): a rank failing in backward can then never leave DDP's reducer waiting.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -72,3 +73,53 @@ class RankAgreement:
                 if p.grad is not None:
                     p.grad.div_(self.world)
                     dist.all_reduce(p.grad)
+
+
+class Ranks:
+    """The manager's side of the agreement: `agree` is None alone, a `RankAgreement` with other ranks.
+
+    `ddp`: the model's `DistributedDataParallel` wrapper, if any. Its gradient reduction is held
+    off inside a step (`no_sync`) and done by `average_gradients` once every rank succeeded.
+    """
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel | None) -> None:
+        self.agree = RankAgreement() if distributed() else None
+        self.rank = self.agree.rank if self.agree is not None else 0
+        self._ddp = ddp
+        self._syncing = False  # this step runs in DDP's no_sync(): gradients are averaged after it
+
+    @property
+    def alone(self) -> bool:
+        return self.agree is None
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Under DDP with other ranks: no gradient reduction inside the step (a rank that fails
+        in backward would leave DDP's reducer waiting); `average_gradients` does it after."""
+        if self.agree is not None and self._ddp is not None and self._ddp.require_backward_grad_sync:
+            self._syncing = True
+            return self._ddp.no_sync()
+        self._syncing = False
+        return contextlib.nullcontext()
+
+    def average_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        if self.agree is not None and self._syncing:
+            self.agree.average_gradients(params)
+
+    def join_plan_point(self, modes: tuple[Mode, ...]) -> None:
+        """A rank that failed before its first block still takes part in the plan collectives."""
+        self.agree.figures(0, 0, 0, 2**62)
+        self.agree.plan(modes)
+
+    def failure(
+        self, error: BaseException | None, joined: bool, modes: Callable[[], tuple[Mode, ...]]
+    ) -> BaseException | None:
+        """When any rank ran out of memory in this step, every rank records it. `joined`: this rank
+        took part in the plan point's collectives (else it joins them now, with the `modes()` it runs)."""
+        if self.agree is None:
+            return error
+        oom = isinstance(error, torch.OutOfMemoryError)
+        if oom and not joined:
+            self.join_plan_point(modes())
+        if self.agree.any(oom) and not oom and error is None:
+            return torch.OutOfMemoryError("another rank ran out of memory in this step")
+        return error

@@ -55,6 +55,10 @@ class BudgetKeeper:
         self.calm = 0
         return before, self.current
 
+    def resume(self, current: int) -> None:
+        """A saved run's budget in force, never above the user's."""
+        self.current = min(self.user, int(current))
+
     def set_user(self, value: int, available: int | None) -> tuple[int, int]:
         """A new user budget, in force at once (within what others leave): (before, after)."""
         before = self.current

@@ -62,7 +62,7 @@ def _fit(name: str) -> Fit:
     return Fit(span=_TIME_SPAN) if name == "seconds" or name.endswith("_s") else Fit()
 
 
-class CostModel(ModeTimes):
+class CostModel:
     """Per-block, per-mode costs for one instrumented model, learned step by step.
 
     `priors` default to `CUDA_PRIORS` on CUDA and `HOST_PRIORS` elsewhere.
@@ -90,8 +90,8 @@ class CostModel(ModeTimes):
         # block's backward: one fit for steps that allocate the weights' gradients and one for steps
         # that find them kept from the step before (accumulating), which differ by those gradients
         self.grad: list[Fit] = [Fit("base") for _ in range(n)]
-        self.grad_kept: list[Fit] = [Fit("base") for _ in range(n)]
-        self.tail, self.tail_kept = Fit("base"), Fit("base")
+        self.grad_resident: list[Fit] = [Fit("base") for _ in range(n)]
+        self.tail, self.tail_resident = Fit("base"), Fit("base")
         # before a block's backward, the gradients of the later blocks' weights have been allocated
         # whatever the shape (unless they were there before the step): extrapolated from one shape,
         # they would grow with the tokens
@@ -99,17 +99,34 @@ class CostModel(ModeTimes):
         self._weights = list(weights)
         for i in reversed(range(n - 1)):
             self._weights_after[i] = self._weights_after[i + 1] + weights[i + 1]
-        self.grads_resident = False  # in the step being planned (set at its start) or learned
+        self._grads_resident = False  # in the step being planned (`expect_gradients`) or learned
         self.head = Fit("base")
         self.head_costs = head_costs  # the managed loss head's modes (None: no head is managed)
         self.elem_size = 4
         self.steps_learned = 0
         self.provisional = False  # the last step run held a first offload, whose time stands only until the next
-        self._offloaded: set[tuple[int, Mode]] = set()  # (block, mode) with OFFLOAD that has run in this process
+        self.offloaded: set[tuple[int, Mode]] = set()  # (block, mode) with OFFLOAD that has run in this process
         self.cold: set[tuple[int, Mode]] = set()  # (block, mode) whose only time reading is its first offload's
-        self._pool_key: tuple | None = None  # (batch, extent, steps_learned) the pooled overheads are for
-        self._pool: dict = {}
-        self._alike: dict = {}
+        self.times = ModeTimes(self)  # the seconds each mode adds (adaptmem.control.timings)
+
+    @property
+    def grads_resident(self) -> bool:
+        """The step planned for starts with the weights' gradients allocated (accumulation): the
+        figures of the gradients and the tail are those of that state."""
+        return self._grads_resident
+
+    def expect_gradients(self, resident: bool) -> None:
+        """The step about to be planned starts with (True) or without the weights' gradients."""
+        self._grads_resident = resident
+
+    def snapshot(self) -> tuple:
+        """Everything learned, to put back with `restore` (a batch given up leaves no trace)."""
+        return self.state_dict(), self.provisional, set(self.offloaded), set(self.cold)
+
+    def restore(self, snapshot: tuple) -> None:
+        state, self.provisional, offloaded, cold = snapshot
+        self.load_state_dict(state)
+        self.offloaded, self.cold = set(offloaded), set(cold)
 
     @property
     def known(self) -> bool:
@@ -122,7 +139,7 @@ class CostModel(ModeTimes):
     def ran(self, modes: tuple[Mode, ...]) -> None:
         """A step not measured block by block runs `modes`: its offloads allocate their host memory,
         and it is the last step run, so none of its offloads is a first one learned (`provisional`)."""
-        self._offloaded.update((i, m) for i, m in enumerate(modes) if m & Mode.OFFLOAD)
+        self.offloaded.update((i, m) for i, m in enumerate(modes) if m & Mode.OFFLOAD)
         self.provisional = False
 
     # ---------------------------------------------------------------- learn
@@ -133,7 +150,7 @@ class CostModel(ModeTimes):
         start0 = sample.blocks[0].start
         self.provisional = False
         self.elem_size = sample.blocks[0].elem_size or self.elem_size
-        self.grads_resident = sample.grads_resident
+        self._grads_resident = sample.grads_resident
         prefix = 0
         for blk in sample.blocks:
             if blk.index >= len(self.direct) or blk.held is None:
@@ -141,7 +158,7 @@ class CostModel(ModeTimes):
             prefix += blk.held
             self._learn_block(blk, b, s)
             if blk.bwd_start is not None:
-                grad = self.grad_kept if sample.grads_resident else self.grad
+                grad = self.grad_resident if sample.grads_resident else self.grad
                 grad[blk.index].add(b, s, blk.bwd_start - (start0 + prefix))
         if sample.head_top:
             above = sample.head_top - (start0 + prefix)
@@ -152,7 +169,7 @@ class CostModel(ModeTimes):
         if sample.completed:
             # above the first block's start, where plans add it: from the step's start, what runs before
             # the blocks (a ResNet's stem) was counted twice
-            tail = self.tail_kept if sample.grads_resident else self.tail
+            tail = self.tail_resident if sample.grads_resident else self.tail
             tail.add(b, s, max(sample.tail_top, start0) - start0)
         self.steps_learned += 1
 
@@ -187,9 +204,9 @@ class CostModel(ModeTimes):
         if complete:
             # a block's first offload allocates the host memory its copies go to (pinned, on CUDA):
             # its time stands only until the next reading, which replaces it; that step is measured
-            first = bool(mode & Mode.OFFLOAD) and (blk.index, mode) not in self._offloaded
+            first = bool(mode & Mode.OFFLOAD) and (blk.index, mode) not in self.offloaded
             if first:
-                self._offloaded.add((blk.index, mode))
+                self.offloaded.add((blk.index, mode))
                 self.provisional = True
                 self.cold.add((blk.index, mode))
             else:
@@ -215,8 +232,8 @@ class CostModel(ModeTimes):
         from a single length, the measurement is carried to the new shape by how
         the derived figures scale, since the latents learn the shape from every mode.
         """
-        derived = self._derive(mode, self._latents(index, batch, extent), self._covers(index, mode, batch, extent))
-        fits = self.direct[index].get(mode) or self._sibling(index, mode, batch, extent)
+        derived = self._derive(mode, self.latents(index, batch, extent), self.times.covers(index, mode, batch, extent))
+        fits = self.direct[index].get(mode) or self.sibling(index, mode, batch, extent)
         if fits is None or not fits["held"]:
             return replace(derived, wx=derived.wx + self.own_grads(index))
         extents = {s for _, s in fits["held"].points}
@@ -227,7 +244,7 @@ class CostModel(ModeTimes):
         else:
             tokens = batch * extent
             (b0, e0), _ = fits["held"].nearest(batch, extent)
-            there = self._derive(mode, self._latents(index, b0, e0))  # its bytes: no covers needed
+            there = self._derive(mode, self.latents(index, b0, e0))  # its bytes: no covers needed
             linear = tokens / max(1, b0 * e0)
 
             def carry(fit: Fit, here: float, at: float) -> float:
@@ -244,7 +261,7 @@ class CostModel(ModeTimes):
             fx = carry(fits["fx"], derived.fx, there.fx)
             wx = carry(fits["wx"], derived.wx, there.wx) if (b0, e0) in fits["wx"].points else derived.wx
         return Figures(
-            held, fx, wx + self.own_grads(index), self._seconds(index, mode, batch, extent, derived), derived.host
+            held, fx, wx + self.own_grads(index), self.times.seconds(index, mode, batch, extent, derived), derived.host
         )
 
     def own_grads(self, index: int) -> float:
@@ -252,7 +269,7 @@ class CostModel(ModeTimes):
         are kept from the step before)."""
         return 0.0 if self.grads_resident else float(self._weights[index])
 
-    def _latents(self, index: int, batch: int, extent: int) -> Latents:
+    def latents(self, index: int, batch: int, extent: int) -> Latents:
         q = self.policy.quadratic_prior
         return Latents(
             **{
@@ -268,7 +285,7 @@ class CostModel(ModeTimes):
         seen at 128 tokens alone, grown with the prior's quadratic share, was predicted at 265 MiB
         for 2389 tokens, where its siblings, seen at three lengths, showed it linear: 47 MiB."""
         fit = self.latent[index][name]
-        group = self._alike_groups(batch, extent)[index]
+        group = self.times.alike_groups(batch, extent)[index]
         guides = [self.latent[j][name] for j in group if j != index]
         if not name.endswith("_s"):
             guides += [self.latent[j]["activations"] for j in group]
@@ -279,12 +296,12 @@ class CostModel(ModeTimes):
         there = guide.predict(b0, e0)
         return y0 * guide.predict(batch, extent) / there if there > 0 else fit.predict(batch, extent)
 
-    def _sibling(self, index: int, mode: Mode, batch: int, extent: int) -> dict[str, Fit] | None:
-        """The fits of `mode` on the first block alike with `index` (`_group`: its class, its input
+    def sibling(self, index: int, mode: Mode, batch: int, extent: int) -> dict[str, Fit] | None:
+        """The fits of `mode` on the first block alike with `index` (`times.group`: its class, its input
         size) that has run it. A block of the same class in another stage of a network holds
         another size: a CNN's later stage, borrowed for the first ones, put SELECTIVE on three
         stages at 96 pixels that ran at 1.14x the budget."""
-        for j in self._group(index, batch, extent):
+        for j in self.times.group(index, batch, extent):
             if j != index and mode in self.direct[j] and self.direct[j][mode]["held"]:
                 return self.direct[j][mode]
         return None
@@ -294,7 +311,7 @@ class CostModel(ModeTimes):
         hides behind (`covers`: out, back), plus a lossy mode's penalty."""
         assumptions = Assumptions(self.priors, self.policy.prior_margin, self._kappa(), *covers)
         figures = DERIVATIONS[mode](lat, assumptions)
-        return replace(figures, seconds=figures.seconds + self._penalty(mode, lat))
+        return replace(figures, seconds=figures.seconds + self.penalty(mode, lat))
 
     def _kappa(self) -> float:
         """Compressed bytes per original byte under the policy's codec."""
@@ -303,7 +320,7 @@ class CostModel(ModeTimes):
             return min(1.0, 2 / elem)
         return min(1.0, (1 + 4 / self.policy.compress_group_size) / elem)
 
-    def _penalty(self, mode: Mode, lat: Latents) -> float:
+    def penalty(self, mode: Mode, lat: Latents) -> float:
         """Planner cost of a lossy mode: a share of the block's forward time (policy.compress_penalty)."""
         return self.policy.compress_penalty * lat.forward_s if Mode.COMPRESS in mode else 0.0
 
@@ -335,7 +352,7 @@ class CostModel(ModeTimes):
         """What block `index`'s backward starts with beyond the saved tensors, in a step of the
         state planned (`grads_resident`): learned in that state, or, for a first step that finds
         the gradients kept, what a step allocating them starts with less the later blocks' ones."""
-        kept = self.grad_kept[index]
+        kept = self.grad_resident[index]
         if self.grads_resident and kept:
             return kept.predict(batch, extent)
         after = self._weights_after[index]
@@ -352,7 +369,7 @@ class CostModel(ModeTimes):
         return self.head.predict(batch, extent)
 
     def tail_bytes(self, batch: int, extent: int) -> float:
-        fit = self.tail_kept if self.grads_resident and self.tail_kept else self.tail
+        fit = self.tail_resident if self.grads_resident and self.tail_resident else self.tail
         return fit.predict(batch, extent)
 
     # ---------------------------------------------------------------- state
@@ -364,10 +381,10 @@ class CostModel(ModeTimes):
             ],
             "latent": [{k: f.state_dict() for k, f in lat.items()} for lat in self.latent],
             "grad": [f.state_dict() for f in self.grad],
-            "grad_kept": [f.state_dict() for f in self.grad_kept],
+            "grad_resident": [f.state_dict() for f in self.grad_resident],
             "head": self.head.state_dict(),
             "tail": self.tail.state_dict(),
-            "tail_kept": self.tail_kept.state_dict(),
+            "tail_resident": self.tail_resident.state_dict(),
             "head_costs": self.head_costs.state_dict() if self.head_costs is not None else None,
             "elem_size": self.elem_size,
             "steps_learned": self.steps_learned,
@@ -388,15 +405,15 @@ class CostModel(ModeTimes):
             {k: Fit.from_state(lat[k]) if k in lat else _fit(k) for k in LATENT_NAMES} for lat in state["latent"]
         ]
         self.grad = [Fit.from_state(f) for f in state["grad"]]
-        self.grad_kept = [Fit.from_state(f) for f in state["grad_kept"]]
+        self.grad_resident = [Fit.from_state(f) for f in state["grad_resident"]]
         self.head = Fit.from_state(state["head"])
         self.tail = Fit.from_state(state["tail"])
-        self.tail_kept = Fit.from_state(state["tail_kept"])
+        self.tail_resident = Fit.from_state(state["tail_resident"])
         if self.head_costs is not None and state.get("head_costs"):
             self.head_costs.load_state_dict(state["head_costs"])
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
-        self._pool_key, self._alike = None, {}  # kept per steps learned, which may have gone back
+        self.times.forget()  # its pools are kept per steps learned, which may have gone back
 
 
 def _extents(fit: Fit) -> int:

@@ -54,5 +54,5 @@ def needs_warm(costs: CostModel, modes: tuple[Mode, ...]) -> bool:
         fit = costs.direct[i].get(m, {}).get("seconds")
         return (i, m) not in costs.cold and fit is not None and fit.settled
 
-    warm = {(costs.classes[i], m) for i, m in costs._offloaded if warm_reading(i, m)}
+    warm = {(costs.classes[i], m) for i, m in costs.offloaded if warm_reading(i, m)}
     return any((i, m) in costs.cold and (costs.classes[i], m) not in warm for i, m in enumerate(modes))

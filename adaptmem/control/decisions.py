@@ -108,6 +108,10 @@ class Decider:
         self.bias = new
         return moved
 
+    def forget_bias(self) -> None:
+        """The predictions were not too high after all: aim with them as they are."""
+        self.bias = 1.0
+
     def escalate(self) -> str:
         """Escalate for a reason other than the peak (the allocator retrying, say)."""
         self.bias = 1.0

@@ -45,6 +45,12 @@ class EventLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
 
+    def continue_run(self, run_id: str | None) -> str:
+        """Log under a saved run's id from now on (a resumed run); returns the id used before."""
+        before = self.run_id
+        self.run_id = run_id or before
+        return before
+
     def emit(self, kind: str, **fields: Any) -> dict:
         record = {"type": kind, "time": round(time.time(), 6), "run": self.run_id, **fields}
         with self._lock:

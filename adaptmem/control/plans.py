@@ -111,7 +111,7 @@ class PlanBook:
         self.tried: set[tuple[tuple[Mode, ...], HeadChoice | None]] = set()
         self.failed_shape: Shape | None = None  # the (batch, extent) they failed on
         self.failed_unforeseen = False  # every plan that failed was predicted to fit: the figures were wrong
-        self.attempt = 0
+        self.attempt = 0  # the retry in hand (0: the batch's first run); `start_attempt` sets it
         # predicted peaks above the start, per (modes, batch, extent), while the cost model and the
         # policy stay as they were: steady-state steps ask for the same plan's prediction each step
         self._predicted: dict[tuple, float] = {}
@@ -158,6 +158,29 @@ class PlanBook:
             return True
         self.cache[record.key] = replace(record, learned=self.costs.steps_learned)
         return False
+
+    def forget(self, key: Key | None = None) -> None:
+        """Drop the plan cached for `key`, or every cached plan: they are made again when next asked for."""
+        if key is None:
+            self.cache.clear()
+        else:
+            self.cache.pop(key, None)
+
+    def start_attempt(self, attempt: int) -> None:
+        """The batch runs for the `attempt`-th time (0: its first run; retries name their plans by it)."""
+        self.attempt = attempt
+
+    def snapshot(self) -> tuple:
+        """The cached plans and the shortfalls warned of, to put back with `restore`."""
+        return self.cache.copy(), set(self._warned)
+
+    def restore(self, snapshot: tuple, *, costs_changed: bool) -> None:
+        """Put back a `snapshot`. `costs_changed`: the cost model went back too, so the predictions
+        kept for its last state are dropped."""
+        cache, warned = snapshot
+        self.cache, self._warned = cache.copy(), set(warned)
+        if costs_changed:
+            self._predicted_for = None
 
     def pin(self, pinned: dict[int, Mode]) -> None:
         """Blocks that keep the given modes whatever the plan (cached plans are dropped)."""

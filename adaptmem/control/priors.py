@@ -176,7 +176,7 @@ class Assumptions:
         return min(self.priors.in_flight_cap, max(0.0, backlog))
 
 
-def _kept(lat: Latents) -> float:
+def _irreducible(lat: Latents) -> float:
     """What a block keeps that no mode removes: its input and its output's growth."""
     return lat.input_bytes + lat.output_growth
 
@@ -192,7 +192,7 @@ def _moved(lat: Latents) -> float:
 
 def none(lat: Latents, a: Assumptions) -> Figures:
     """Keeps everything: its figures follow from the latents."""
-    held = _kept(lat) + lat.activations
+    held = _irreducible(lat) + lat.activations
     return Figures(a.measured * held, a.measured * max(_transient(lat), held), a.measured * lat.backward_temp, 0.0, 0.0)
 
 
@@ -201,7 +201,7 @@ def selective(lat: Latents, a: Assumptions) -> Figures:
     keep = a.priors.selective_keep_share * lat.activations
     recompute = lat.recompute_s or lat.forward_s
     return Figures(
-        a.guess * (_kept(lat) + keep),
+        a.guess * (_irreducible(lat) + keep),
         a.guess * (_transient(lat) + keep),
         a.measured * (lat.activations + lat.backward_temp),
         a.priors.selective_recompute_share * recompute,
@@ -212,7 +212,7 @@ def selective(lat: Latents, a: Assumptions) -> Figures:
 def checkpoint(lat: Latents, a: Assumptions) -> Figures:
     """Keeps the input; rematerializes the activations in backward, for one more forward."""
     return Figures(
-        a.measured * _kept(lat),
+        a.measured * _irreducible(lat),
         a.measured * _transient(lat),
         a.measured * (lat.activations + lat.backward_temp),
         lat.recompute_s or lat.forward_s,
@@ -223,7 +223,7 @@ def checkpoint(lat: Latents, a: Assumptions) -> Figures:
 def offload(lat: Latents, a: Assumptions) -> Figures:
     """Sends input and activations to the host; they come back (prefetched on CUDA) in backward."""
     move = _moved(lat)
-    held = _kept(lat) + a.priors.offload_residue_share * lat.activations + a.in_flight(move, lat.forward_s)
+    held = _irreducible(lat) + a.priors.offload_residue_share * lat.activations + a.in_flight(move, lat.forward_s)
     return Figures(
         a.guess * held,
         a.guess * _transient(lat),
@@ -237,7 +237,7 @@ def checkpoint_offload(lat: Latents, a: Assumptions) -> Figures:
     """CHECKPOINT with its input on the host."""
     x = lat.input_bytes
     return Figures(
-        a.measured * (_kept(lat) + a.in_flight(x, lat.forward_s)),
+        a.measured * (_irreducible(lat) + a.in_flight(x, lat.forward_s)),
         a.measured * _transient(lat),
         a.measured * (_moved(lat) + lat.backward_temp),
         (lat.recompute_s or lat.forward_s) + a.transfer_s(x),
@@ -249,7 +249,7 @@ def compress(lat: Latents, a: Assumptions) -> Figures:
     """Keeps a `kappa` share of input and activations; backward holds both forms while it decodes."""
     move, k = _moved(lat), a.kappa
     return Figures(
-        a.guess * (_kept(lat) + k * move),
+        a.guess * (_irreducible(lat) + k * move),
         a.guess * (_transient(lat) + k * move),
         a.guess * ((1 + k) * move + lat.backward_temp),
         a.codec_s(move),
@@ -260,7 +260,7 @@ def compress(lat: Latents, a: Assumptions) -> Figures:
 def compress_offload(lat: Latents, a: Assumptions) -> Figures:
     """COMPRESS, with the smaller payload on the host."""
     move, k = _moved(lat), a.kappa
-    held = _kept(lat) + a.in_flight(k * move, lat.forward_s)
+    held = _irreducible(lat) + a.in_flight(k * move, lat.forward_s)
     return Figures(
         a.guess * held,
         a.guess * (_transient(lat) + k * move),

@@ -130,13 +130,13 @@ class LengthsSeen:
         self.start = state.get("start", 0)
 
 
-def end_record(manager) -> dict | None:
+def end_record(ctl) -> dict | None:
     """For a log's end record (`adaptmem report`): the longest sequence at the last step's batch."""
-    last = manager.events.last("step")
-    if manager.events.path is None or last is None or not manager.costs.known or not manager.lengths.width:
+    last = ctl.events.last("step")
+    if ctl.events.path is None or last is None or not ctl.costs.known or not ctl.lengths.width:
         return None
     try:
-        return manager.longest_sequence(max(1, int(last.get("batch") or 1))).as_record()
+        return ctl.reacher(None).longest(max(1, int(last.get("batch") or 1))).as_record()
     except Exception as err:  # a prediction must never stop a run from closing
         log.warning("adaptmem: the longest sequence could not be predicted for the log: %s", err)
         return None

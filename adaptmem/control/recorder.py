@@ -14,7 +14,7 @@ boundary, then resets the peak. From these:
 and, around the blocks, what the model does before them (embeddings), after
 them (head and loss, forward and backward) and in backward (gradients).
 
-Allocations at boundaries leave out offloaded copies still in flight (`_kept`).
+Allocations at boundaries leave out offloaded copies still in flight (`_allocated`).
 
 A step recorded without `detail` (the manager's steady state: shapes seen, plan
 held, predictions on target) reads the probe only at its start, at the first
@@ -28,6 +28,7 @@ every step's end would leave the device idle while the host issues the next.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -36,12 +37,25 @@ from typing import Any
 import torch
 
 from adaptmem.control.readings import SafeReadings
-from adaptmem.control.samples import BlockSample, StepSample, shape_of, tensors_in
+from adaptmem.control.samples import BlockSample, StepSample, shape_of
 from adaptmem.devices.probe import MemoryProbe
 from adaptmem.modes import Mode
+from adaptmem.pytree import tensors_in
 from adaptmem.strategies import BlockCall
 from adaptmem.strategies.call import main_input
 from adaptmem.wrapping import BlockHandle
+
+
+class Segment(enum.Enum):
+    """Which stretch of the step the next peak reading belongs to."""
+
+    IDLE = "idle"  # no step open
+    BEFORE_BLOCKS = "before blocks"  # from the step's start to the first block (embeddings)
+    OVERLAP = "overlap"  # a second forward ran before the first's backward: only the peak counts
+    BLOCK = "block"  # a block's forward
+    BETWEEN = "between"  # after a block's forward, before the next block's (or the head and loss)
+    BACKWARD = "backward"  # a block's backward
+    TAIL = "tail"  # after the first block's backward: the backward before the blocks
 
 
 class StepRecorder:
@@ -57,19 +71,20 @@ class StepRecorder:
         self._bwd_current: BlockSample | None = None
         self._step_mark: Any = None
         self._step_host = 0.0
-        self.detail = True  # measure the step block by block (the manager sets it at the first block)
+        self.detail = True  # measure the step block by block (`measure_blocks`, at the first block)
 
     # ---------------------------------------------------------------- steps
-    def begin(self) -> StepSample:
+    def begin(self, *, grads_resident: bool = False) -> StepSample:
+        """Open a step; `grads_resident`: it starts with the weights' gradients allocated."""
         with self._lock:
             started = getattr(self.probe, "step_started", None)
             if started is not None:  # scripted probes follow the step count
                 started()
             self._failures_at_begin = self.probe.failures
             self.probe.reset_peak()
-            self.sample = StepSample(start=self._kept())
+            self.sample = StepSample(start=self._allocated(), grads_resident=grads_resident)
             self.detail = True
-            self._open = "pre"
+            self._open = Segment.BEFORE_BLOCKS
             self._bwd_current = None
             self._step_mark = self.probe.mark()
             self._step_host = time.perf_counter()
@@ -89,8 +104,17 @@ class StepRecorder:
             self._finish(sample, end_mark, waited)
             sample.unmeasured = self.probe.failures > self._failures_at_begin
             self.sample = None
-            self._open = "idle"
+            self._open = Segment.IDLE
             return sample
+
+    def measure_blocks(self, detail: bool) -> None:
+        """Measure the open step block by block (True) or read its peak only."""
+        self.detail = detail
+
+    def planned_head(self, head: Any) -> None:
+        """The loss head's choice for the open step, as its plan set it."""
+        if self.sample is not None:
+            self.sample.head = head
 
     @property
     def forward_started(self) -> bool:
@@ -130,7 +154,7 @@ class StepRecorder:
             if self.sample is not None:
                 self._close_segment()
                 self.sample.overlapped = True
-                self._open = "overlap"
+                self._open = Segment.OVERLAP
 
     def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
         with self._lock:
@@ -143,7 +167,7 @@ class StepRecorder:
                 return
             if not sample.blocks:
                 sample.detailed = self.detail
-            now = self._close_segment() if sample.detailed else self._kept()
+            now = self._close_segment() if sample.detailed else self._allocated()
             grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
             if not sample.blocks:
                 sample.batch, sample.extent, sample.seq, sample.width = shape_of(args, kwargs)
@@ -162,7 +186,7 @@ class StepRecorder:
                 block._marks["fwd0"] = self.probe.mark()
             sample.blocks.append(block)
             sample.plan[handle.index] = handle.mode
-            self._open = "block"
+            self._open = Segment.BLOCK
 
     def block_end(self, handle: BlockHandle, call: BlockCall, output: Any) -> None:
         with self._lock:
@@ -187,7 +211,7 @@ class StepRecorder:
             grad_out = next((t for t in outs if t.requires_grad), None)
             if grad_out is not None:
                 grad_out.register_hook(self._make_bwd_hook(block))
-            self._open = "between"
+            self._open = Segment.BETWEEN
 
     def recompute(self, handle: BlockHandle, begin: bool) -> None:
         with self._lock:
@@ -195,10 +219,10 @@ class StepRecorder:
             if block is None or block.index != handle.index:
                 return
             if begin:
-                block._marks["rc0"] = (self._kept(), self.probe.mark())
+                block._marks["rc0"] = (self._allocated(), self.probe.mark())
             elif "rc0" in block._marks:
                 before, _ = block._marks["rc0"]
-                block.recompute_bytes = self._kept() - before
+                block.recompute_bytes = self._allocated() - before
                 block._marks["rc1"] = self.probe.mark()
 
     # ---------------------------------------------------------------- inner
@@ -226,26 +250,26 @@ class StepRecorder:
             now = self._close_segment()
             if block is None:
                 self._bwd_current = None
-                self._open = "tail"
+                self._open = Segment.TAIL
                 self.sample.completed_once = True
                 return
             block.bwd_start = now
             block._marks["bwd0"] = self.probe.mark()
             self._bwd_current = block
-            self._open = "bwd"
+            self._open = Segment.BACKWARD
 
     def _seen_twice(self, block: BlockSample | None) -> bool:
         """This boundary was passed before in this step: backward is running again."""
         return block.bwd_start is not None if block is not None else self.sample.completed_once
 
-    def _kept(self) -> int:
+    def _allocated(self) -> int:
         """Allocation now, less the device bytes of offloaded copies still in flight: those land
         on the link's schedule, not the block's, so a block's `held` must not count them coming
         or going (they show, where they are, in the peaks: transients, head, backward)."""
         return self._less_in_flight(self.probe.allocated())
 
     def _take_peak(self) -> tuple[int, int]:
-        """The peak since the last boundary and the allocation now (as `_kept` counts it), in one
+        """The peak since the last boundary and the allocation now (as `_allocated` counts it), in one
         reading where the probe can; the peak starts again from here."""
         top, now = self.probe.take_peak()
         return top, self._less_in_flight(now)
@@ -261,15 +285,15 @@ class StepRecorder:
             return 0
         top, now = self._take_peak()
         sample.peak = max(sample.peak, top)
-        if self._open == "between":  # only before the first backward boundary: the last one is the head and loss
+        if self._open is Segment.BETWEEN:  # only before the first backward boundary: the last one is the head and loss
             sample.head_top = max(sample.head_top, top)
-        elif self._open == "block" and sample.blocks:
+        elif self._open is Segment.BLOCK and sample.blocks:
             sample.blocks[-1].fwd_top = max(sample.blocks[-1].fwd_top, top)
-        elif self._open == "bwd" and self._bwd_current is not None:
+        elif self._open is Segment.BACKWARD and self._bwd_current is not None:
             current = self._bwd_current
             current.bwd_top = max(current.bwd_top or 0, top)
             current._marks["bwd1"] = self.probe.mark()
-        elif self._open == "tail":
+        elif self._open is Segment.TAIL:
             sample.tail_top = max(sample.tail_top, top)
         return now
 

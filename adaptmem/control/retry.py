@@ -268,3 +268,33 @@ def plan_text(modes: tuple, head: Any) -> str:
     """A plan as the messages write it: `1 x CHECKPOINT, 3 x NONE; head CHUNKED:256`."""
     text = counts_text(Counter(m.label for m in modes))
     return text + (f"; head {head.label}" if head is not None else "")
+
+
+class RetryGuard:
+    """What `run_step` needs to take a batch again: the failures of the batch in hand, the
+    controller's state before it (a `Trace`, put back when the batch is given up), and the
+    buffers' host copies kept from step to step."""
+
+    def __init__(self) -> None:
+        self.attempts: list[dict] = []  # the failures of the batch in hand (since the last step that ran)
+        self.trace: Any = None  # the controller as it was before that batch (adaptmem.control.unfit.Trace)
+        self.last_failure: dict = {}
+        self._copies = BufferCopies()
+
+    def new_batch(self, trace: Any) -> None:
+        self.trace, self.attempts = trace, []
+
+    def failed(self, record: dict) -> None:
+        self.last_failure = record
+        self.attempts.append(dict(record))
+
+    def succeeded(self) -> None:
+        self.attempts = []
+
+    def guard(self, model: torch.nn.Module, snapshot: str, buffer_limit: int) -> StepGuard:
+        """A `StepGuard` for one batch: what it changes can be undone before a retry."""
+        return StepGuard(model, snapshot, buffer_limit=buffer_limit, copies=self._copies)
+
+    def report(self, max_retries: int) -> StepOutOfMemoryError:
+        """The error for a batch every retry failed: each attempt, what it ran, and what to do."""
+        return StepOutOfMemoryError(oom_report(self.attempts, max_retries), list(self.attempts))

@@ -11,9 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
-from torch.utils._pytree import tree_flatten
-
 from adaptmem.modes import Mode
 from adaptmem.strategies.call import main_input
 
@@ -82,11 +79,6 @@ class StepSample:
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(obj)
-    return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
 class InputShape(NamedTuple):

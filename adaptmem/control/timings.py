@@ -1,4 +1,4 @@
-"""What a mode adds to a step's time: the time half of the cost model (`CostModel` inherits it).
+"""What a mode adds to a step's time: the time half of the cost model (`CostModel.times`).
 
 A mode's cost is what it does that NONE does not, read within the step it ran in:
 
@@ -24,9 +24,10 @@ steps. Block by block that difference is biased and noisy: it read SELECTIVE 10 
 
 from __future__ import annotations
 
-from adaptmem.config.policy import Policy
+from typing import Any
+
 from adaptmem.control.fits import Fit, non_decreasing
-from adaptmem.control.priors import Figures, Priors
+from adaptmem.control.priors import Figures
 from adaptmem.modes import Mode
 
 RECOMPUTES = (Mode.CHECKPOINT, Mode.SELECTIVE)  # modes whose only extra work is their recompute
@@ -34,22 +35,20 @@ MOVES = Mode.OFFLOAD | Mode.COMPRESS  # modes whose extra work is in their pack 
 
 
 class ModeTimes:
-    """The time part of `CostModel`, which provides `direct` (per block, per mode, its fits),
-    `latent`, `classes`, `cuda`, `priors`, `policy`, `steps_learned`, `_latents`, `_penalty` and
-    `_sibling`."""
+    """The time half of one `CostModel`: reads its fits (`direct`, `latent`), its blocks' classes, its
+    priors and policy, and keeps the figures it pools per shape until the cost model learns again."""
 
-    direct: list[dict[Mode, dict[str, Fit]]]
-    latent: list[dict[str, Fit]]
-    classes: list[str]
-    cuda: bool
-    priors: Priors
-    policy: Policy
-    steps_learned: int
-    _pool_key: tuple | None
-    _pool: dict
-    _alike: dict[tuple[int, int, int], list[tuple[int, ...]]]
+    def __init__(self, costs: Any) -> None:
+        self.costs = costs
+        self._pool_key: tuple | None = None  # (batch, extent, steps_learned) the pooled figures are for
+        self._pool: dict = {}
+        self._alike: dict[tuple[int, int, int], list[tuple[int, ...]]] = {}
 
-    def _seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
+    def forget(self) -> None:
+        """The cost model was loaded (its steps learned may have gone back): pool afresh."""
+        self._pool_key, self._alike = None, {}
+
+    def seconds(self, index: int, mode: Mode, batch: int, extent: int, derived: Figures) -> float:
         """What `mode` adds to a step on block `index`: its own work read within its steps (its
         recompute, `_recompute_floor`; its packing, `_moved`) where some alike block has run it;
         else its measured time less NONE's, averaged over the alike blocks (an offload's own where
@@ -59,7 +58,7 @@ class ModeTimes:
         floor = self._recompute_floor(index, mode, batch, extent)
         if floor is not None and mode in RECOMPUTES:  # what it does that NONE does not, read in its own step
             return floor + (self._forward_extra(index, mode, batch, extent) if mode is Mode.SELECTIVE else 0.0)
-        penalty = self._penalty(mode, self._latents(index, batch, extent)) if mode & Mode.COMPRESS else 0.0
+        penalty = self.costs.penalty(mode, self.costs.latents(index, batch, extent)) if mode & Mode.COMPRESS else 0.0
         moved = self._moved(index, mode, batch, extent)
         if moved is not None and (floor is not None or not mode & Mode.CHECKPOINT):
             return (floor or 0.0) + moved + penalty
@@ -67,7 +66,7 @@ class ModeTimes:
         if overhead is None:
             overhead = self._pooled_overhead(index, mode, batch, extent)
         if overhead is None:  # no block like it has run the mode and NONE (or a checkpoint) both
-            overhead = self._own_overhead(index, mode, batch, extent, siblings=True)
+            overhead = self.own_overhead(index, mode, batch, extent, siblings=True)
         if overhead is None:
             return derived.seconds
         return max(0.0, overhead, floor or 0.0) + penalty
@@ -88,9 +87,9 @@ class ModeTimes:
     def _mean_reading(self, index: int, mode: Mode, batch: int, extent: int, quantity: str) -> float | None:
         """The mean of `quantity`, read within `mode`'s steps, over the blocks alike with `index`
         that have a reading of it; None where none has."""
-        group = self._group(index, batch, extent)
+        group = self.group(index, batch, extent)
         if ("mean", group, mode, quantity) not in self._pool:
-            own = [f.predict(batch, extent) for j in group if (f := self.direct[j].get(mode, {}).get(quantity))]
+            own = [f.predict(batch, extent) for j in group if (f := self.costs.direct[j].get(mode, {}).get(quantity))]
             self._pool["mean", group, mode, quantity] = sum(own) / len(own) if own else None
         return self._pool["mean", group, mode, quantity]
 
@@ -105,12 +104,12 @@ class ModeTimes:
         within its block, between its start and its end, so the difference of two steps' forwards
         does not carry what backward's attribution does.
         """
-        group = self._group(index, batch, extent)
+        group = self.group(index, batch, extent)
         if ("forward", group, mode) not in self._pool:
             extra = []
             for j in group:
-                own = self.direct[j].get(mode, {}).get("forward_s")
-                plain = self.direct[j].get(Mode.NONE, {}).get("forward_s") or self.latent[j]["forward_s"]
+                own = self.costs.direct[j].get(mode, {}).get("forward_s")
+                plain = self.costs.direct[j].get(Mode.NONE, {}).get("forward_s") or self.costs.latent[j]["forward_s"]
                 if own and plain:
                     extra.append(own.predict(batch, extent) - plain.predict(batch, extent))
             self._pool["forward", group, mode] = max(0.0, sum(extra) / len(extra)) if extra else 0.0
@@ -120,7 +119,7 @@ class ModeTimes:
         """The time `mode`'s pack and unpack hooks took on block `index` (an offload's in block
         order, `_ordered`; a compression's the mean over the alike blocks); None where no alike
         block has a reading, and on CUDA, whose copies the host does not wait for."""
-        if self.cuda or not mode & MOVES:
+        if self.costs.cuda or not mode & MOVES:
             return None
         if mode & Mode.OFFLOAD:
             return self._ordered(index, mode, batch, extent, "moved_s")
@@ -136,9 +135,9 @@ class ModeTimes:
         by that noise. Alike means the same class with the same input size, so a stage of a
         network whose blocks share a class but not a shape is pooled only with itself.
         """
-        group = self._group(index, batch, extent)
+        group = self.group(index, batch, extent)
         if (group, mode) not in self._pool:
-            own = [o for j in group if (o := self._own_overhead(j, mode, batch, extent)) is not None]
+            own = [o for j in group if (o := self.own_overhead(j, mode, batch, extent)) is not None]
             self._pool[group, mode] = sum(own) / len(own) if own else None
         return self._pool[group, mode]
 
@@ -160,22 +159,22 @@ class ModeTimes:
         memory) counts as not measured while an alike block has a settled one: left at its
         cold time, a plan that moved away from it never came back to read it warm.
         """
-        group = self._group(index, batch, extent)
+        group = self.group(index, batch, extent)
         if ("ordered", group, mode, quantity) not in self._pool:
             own: dict[int, float] = {}
             for j in group:
-                fit = self.direct[j].get(mode, {}).get(quantity)
+                fit = self.costs.direct[j].get(mode, {}).get(quantity)
                 if (
                     fit
                     and (
-                        reading := self._own_overhead(j, mode, batch, extent)
+                        reading := self.own_overhead(j, mode, batch, extent)
                         if quantity == "seconds"
                         else fit.predict(batch, extent)
                     )
                     is not None
                 ):
                     own[j] = reading
-            settled = {j: o for j, o in own.items() if self.direct[j][mode][quantity].settled}
+            settled = {j: o for j, o in own.items() if self.costs.direct[j][mode][quantity].settled}
             own = settled or own
             self._pool["ordered", group, mode, quantity] = (
                 dict(zip(own, non_decreasing(list(own.values())))),
@@ -189,62 +188,64 @@ class ModeTimes:
         held = min(pooled, above[0]) if above else pooled  # no dearer than the next measured block
         return max(held, below[-1]) if below else held  # nor cheaper than the one before
 
-    def _own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *, siblings: bool = False) -> float | None:
+    def own_overhead(self, index: int, mode: Mode, batch: int, extent: int, *, siblings: bool = False) -> float | None:
         """Block `index`'s measured time in `mode` less its time without it (with `siblings`, a
         figure it lacks is taken from the first block alike with it that has one)."""
 
         def fits_of(m: Mode) -> dict[str, Fit] | None:
-            return self.direct[index].get(m) or (self._sibling(index, m, batch, extent) if siblings else None)
+            return self.costs.direct[index].get(m) or (
+                self.costs.sibling(index, m, batch, extent) if siblings else None
+            )
 
         fits, none = fits_of(mode), fits_of(Mode.NONE)
-        baseline = none["seconds"] if none is not None and none["seconds"] else self.latent[index]["none_s"]
+        baseline = none["seconds"] if none is not None and none["seconds"] else self.costs.latent[index]["none_s"]
         if fits is None or not fits["seconds"] or not baseline:
             return None
         return fits["seconds"].predict(batch, extent) - baseline.predict(batch, extent)
 
-    def _covers(self, index: int, mode: Mode, batch: int, extent: int) -> tuple[float, float]:
+    def covers(self, index: int, mode: Mode, batch: int, extent: int) -> tuple[float, float]:
         """The compute block `index`'s offloaded copies can hide behind, where the priors say copies
         travel while compute goes on: going out, the forward of the blocks after it; coming back,
         the backward of the block after it (its NONE time less its forward), which runs while
         the prefetch brings this block's copies back. (0, 0) elsewhere."""
-        if not (mode & Mode.OFFLOAD and self.priors.covered_by_compute):
+        if not (mode & Mode.OFFLOAD and self.costs.priors.covered_by_compute):
             return 0.0, 0.0
         pool = self._shape_pool(batch, extent)
         if "covers" not in pool:
-            q = self.policy.quadratic_prior
-            fwd = [lat["forward_s"].predict(batch, extent, q) for lat in self.latent]
-            bwd = [max(0.0, lat["none_s"].predict(batch, extent, q) - f) for lat, f in zip(self.latent, fwd)]
+            q = self.costs.policy.quadratic_prior
+            fwd = [lat["forward_s"].predict(batch, extent, q) for lat in self.costs.latent]
+            bwd = [max(0.0, lat["none_s"].predict(batch, extent, q) - f) for lat, f in zip(self.costs.latent, fwd)]
             after = [sum(fwd[j + 1 :]) for j in range(len(fwd))]
             pool["covers"] = list(zip(after, bwd[1:] + [0.0]))
         return pool["covers"][index]
 
-    def _group(self, index: int, batch: int, extent: int) -> tuple[int, ...]:
+    def group(self, index: int, batch: int, extent: int) -> tuple[int, ...]:
         """The blocks alike with `index` at this shape; the pooled figures are kept until the
         shape or the cost model changes."""
         self._shape_pool(batch, extent)
-        return self._alike_groups(batch, extent)[index]
+        return self.alike_groups(batch, extent)[index]
 
     def _shape_pool(self, batch: int, extent: int) -> dict:
         """The figures pooled at this shape, emptied when the shape or the cost model changes."""
-        key = (batch, extent, self.steps_learned)
+        key = (batch, extent, self.costs.steps_learned)
         if self._pool_key != key:
             self._pool_key, self._pool = key, {}
         return self._pool
 
-    def _alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
+    def alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
         """Per block, the blocks of its class whose input is within 2% of its own size (kept per
         shape until the cost model changes: the pool is for one shape, these for any)."""
-        key = (batch, extent, self.steps_learned)
+        key = (batch, extent, self.costs.steps_learned)
         if key not in self._alike:
-            if len(self._alike) > 64 or any(k[2] != self.steps_learned for k in self._alike):
+            if len(self._alike) > 64 or any(k[2] != self.costs.steps_learned for k in self._alike):
                 self._alike.clear()
-            sizes = [lat["input_bytes"].predict(batch, extent) for lat in self.latent]
+            sizes = [lat["input_bytes"].predict(batch, extent) for lat in self.costs.latent]
             self._alike[key] = [
                 tuple(
                     j
-                    for j, (c, x) in enumerate(zip(self.classes, sizes))
+                    for j, (c, x) in enumerate(zip(self.costs.classes, sizes))
                     if c == cls and abs(x - size) <= 0.02 * max(x, size, 1.0)
                 )
-                for cls, size in zip(self.classes, sizes)
+                for cls, size in zip(self.costs.classes, sizes)
             ]
         return self._alike[key]

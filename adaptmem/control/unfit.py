@@ -30,7 +30,8 @@ what that attempt measured).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from adaptmem.config.units import format_bytes
@@ -46,53 +47,22 @@ __all__ = ["REFUSE_MARGIN", "Trace", "refusal", "unfittable"]
 
 @dataclass
 class Trace:
-    """The controller's learned and deciding state before a step, to put back if the step is given up."""
+    """The controller's learned and deciding state before a batch, put back if the batch is given up.
+    The controller takes it (`Controller.trace`) and puts it back (`Controller.rewind`)."""
 
     decider: dict
-    cache: Any
-    measuring: Any  # the MeasureSchedule
-    warned: set
-    current: tuple
-    current_head: Any
+    plans: tuple  # PlanBook.snapshot()
+    measuring: Any  # a copy of the MeasureSchedule
+    modes: tuple  # the plan in force
+    head: Any
     replan_when_warm: bool
-    costs: dict | None = None
+    costs: tuple | None = None  # CostModel.snapshot(), taken when the batch first ran out of memory
     lengths: dict | None = None
-    cost_flags: tuple = field(default=())
 
-    @classmethod
-    def take(cls, mgr: Any) -> Trace:
-        return cls(
-            mgr.decider.state_dict(),
-            mgr.plans.cache.copy(),
-            mgr.measuring.copy(),
-            set(mgr.plans._warned),
-            mgr._current,
-            mgr._current_head,
-            mgr._replan_when_warm,
-        )
-
-    def before_learning(self, mgr: Any) -> None:
-        """The step ran out of memory and is about to learn from it: keep the cost model as it was."""
+    def before_learning(self, costs: Any, lengths: Any) -> None:
+        """The batch ran out of memory and is about to learn from it: keep the cost model as it was."""
         if self.costs is None:
-            self.costs, self.lengths = mgr.costs.state_dict(), mgr.lengths.state_dict()
-            self.cost_flags = (mgr.costs.provisional, set(mgr.costs._offloaded), set(mgr.costs.cold))
-
-    def restore(self, mgr: Any) -> None:
-        mgr.decider.load_state_dict(self.decider)
-        mgr.plans.cache = self.cache.copy()
-        mgr.plans._warned = set(self.warned)
-        mgr.measuring = self.measuring.copy()
-        mgr._replan_when_warm = self.replan_when_warm
-        if self.costs is not None:
-            mgr.costs.load_state_dict(self.costs)
-            mgr.lengths.load_state_dict(self.lengths)
-            mgr.costs.provisional, mgr.costs._offloaded, mgr.costs.cold = self.cost_flags
-            mgr.plans._predicted_for = None  # its predictions are kept per steps learned, gone back now
-        mgr._current, mgr._current_head = self.current, self.current_head
-        for handle, mode in zip(mgr.handles, self.current):
-            handle.mode = mode
-        if mgr.head is not None and self.current_head is not None:
-            mgr.head.planned(self.current_head.mode, self.current_head.chunk)
+            self.costs, self.lengths = costs.snapshot(), lengths.state_dict()
 
 
 def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool) -> bool:
@@ -102,14 +72,21 @@ def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool
     return start + (record.predicted - start) * (1 - REFUSE_MARGIN) > limit
 
 
-def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, start: int, attempts: list[dict]) -> str:
-    """The message of a refused step: what was asked, what the tightest plan needs, what fits."""
-    limit = mgr._reading(mgr.budgets.available, None)
-    predicted = (
-        record.predicted
-        if record.predicted is not None
-        else mgr.plans.predict(record.modes, batch, extent, start, record.head)
-    )
+def refusal(
+    record: PlanRecord,
+    batch: int,
+    extent: int,
+    seq: int,
+    start: int,
+    attempts: list[dict],
+    *,
+    predicted: float | None,
+    budget: int,
+    limit: int | None,
+    longest: Callable[[int], Any],
+) -> str:
+    """The message of a refused step: what was asked, what the tightest plan needs (`predicted`),
+    the budget and the device's usable memory (`limit`), and what fits (`longest(batch)`, a `Reach`)."""
     size = f"batch {batch} x {seq:,} tokens" if seq else f"batch {batch} x {extent:,} input elements"
     why = (
         f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step"
@@ -123,8 +100,7 @@ def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, sta
         f"  tightest plan: {counts}{head}; predicted peak "
         + (format_bytes(predicted) if predicted is not None else "unknown"),
         f"  floor (allocated before the step: weights, optimizer state): {format_bytes(start)}",
-        f"  budget {format_bytes(mgr.budget)}"
-        + (f"; device usable {format_bytes(limit)}" if limit is not None else ""),
+        f"  budget {format_bytes(budget)}" + (f"; device usable {format_bytes(limit)}" if limit is not None else ""),
     ]
     for i, a in enumerate(attempts, 1):
         tried = counts_text(a["plan_counts"])
@@ -132,7 +108,7 @@ def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, sta
             f"  attempt {i}: {tried or 'no managed block ran'}; predicted peak "
             f"{format_bytes(a['predicted_peak_bytes'])}; out of memory in {a['phase']}"
         )
-    fits = _longest(mgr, batch) if seq else None
+    fits = _longest(longest, batch) if seq else None
     lines.append(
         (f"  The longest sequence predicted to fit at batch {batch}: {fits:,} tokens. " if fits else "  ")
         + "Split or truncate this batch, lower the batch size, or raise the budget. The controller's "
@@ -141,8 +117,8 @@ def refusal(mgr: Any, record: PlanRecord, batch: int, extent: int, seq: int, sta
     return "\n".join(lines)
 
 
-def _longest(mgr: Any, batch: int) -> int | None:
+def _longest(longest: Callable[[int], Any], batch: int) -> int | None:
     try:
-        return mgr.longest_sequence(batch).length
+        return longest(batch).length
     except Exception:  # a prediction must never hide the error it explains
         return None

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from adaptmem.config.units import format_bytes
 from adaptmem.devices.link import SimulatedLink
 from adaptmem.devices.probe import HostClock
 from adaptmem.devices.tiers import allocating_on_host, using_link
+from adaptmem.pytree import tensors_in
 
 __all__ = ["PeakWindow", "SimulatedDevice", "SimulatedProbe"]
 
@@ -244,8 +244,7 @@ class SimulatedDevice:
     def _account(self, out: Any) -> None:
         if self.link is not None:
             self.link.poll()  # copies that have reached the host free their device bytes
-        leaves, _ = tree_flatten(out)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        tensors = tensors_in(out)
         if tensors:
             tier = _HOST if allocating_on_host() else _DEVICE
             self._register(tensors, tier=tier, check=True)

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from adaptmem.modes import Mode
+from adaptmem.pytree import tensors_in
 from adaptmem.strategies.compress import CompressOptions
 from adaptmem.strategies.offload import OffloadOptions
 from adaptmem.strategies.offload_runtime import OffloadRuntime
@@ -25,9 +25,8 @@ from adaptmem.strategies.offload_runtime import OffloadRuntime
 def main_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """A block's main input: its first floating tensor argument of two or more dimensions
     (positional, then keyword), the activations that flow from block to block."""
-    leaves, _ = tree_flatten((args, kwargs))
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2:
+    for t in tensors_in((args, kwargs)):
+        if t.is_floating_point() and t.dim() >= 2:
             return t
     return None
 

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from adaptmem.pytree import tensors_in
 
 
 class Payload:
@@ -100,5 +101,4 @@ def nbytes_of(t: torch.Tensor) -> int:
 def backward_entry(output: Any) -> torch.Tensor | None:
     """The first tensor of a block's output that requires grad: a hook on it runs as backward
     reaches the block. None when no output needs a gradient."""
-    leaves, _ = tree_flatten(output)
-    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    return next((t for t in tensors_in(output) if t.requires_grad), None)

@@ -35,7 +35,7 @@ def test_a_plan_is_made_for_the_largest_input_seen_in_its_bucket_once_that_shape
     model, dev = small()
     lengths = (100, 104, 96, 110, 110)
     with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
-        book = mem.plans
+        book = mem._controller.plans
         (top,) = {book.bucket(2, seq * 64)[1] for seq in lengths}  # one bucket (ratio 1.25)
         extents = []
         for seq in lengths:
@@ -55,7 +55,7 @@ def test_when_no_plan_fits_a_buckets_top_the_input_itself_is_planned_for_without
     model, dev = small()
     with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
         run_steps(mem, model, seq=100, n=3)
-    book, seen = mem.plans, 104 * 64  # a longer input in the same bucket, not measured
+    book, seen = mem._controller.plans, 104 * 64  # a longer input in the same bucket, not measured
     key = book.bucket(2, seen)
     assert key[1] > seen and not book.costs.measured(2, seen)
     tightest = tuple(Mode.CHECKPOINT for _ in range(book.n))
@@ -75,7 +75,7 @@ def test_a_shortfall_predicted_for_a_size_not_run_yet_says_it_is_extrapolated(ca
     model, dev = small()
     with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
         run_steps(mem, model, seq=64, n=2)
-        book = mem.plans
+        book = mem._controller.plans
         key = book.bucket(2, 160 * 64)
         assert not book.costs.measured(2, 160 * 64)
         tightest = book.predict(tuple(Mode.CHECKPOINT for _ in range(book.n)), 2, 160 * 64, 0)
@@ -123,12 +123,12 @@ def test_when_fuller_plans_are_cheaper_steady_peaks_fill_the_budget_and_never_pa
     assert statistics.median(ratios[-10:]) >= 0.93, ratios
     # and no fuller plan fits: one block more kept would be predicted over the planner's aim
     modes = mem.last_step["plan"]
-    start = mem.recorder.probe.allocated()
+    start = mem._controller.recorder.probe.allocated()
     extent = mem.last_step["sample_elements"]
     for i, mode in enumerate(modes):
         if mode == "CHECKPOINT":
             fuller = tuple(Mode.NONE if j == i else Mode.parse(m) for j, m in enumerate(modes))
-            assert mem.plans.predict(fuller, 2, extent, start) > mem.decider.headroom * mem.budget
+            assert mem._controller.plans.predict(fuller, 2, extent, start) > mem.headroom * mem.budget
 
 
 def test_a_cached_plan_that_what_was_learned_says_no_longer_fits_is_made_again():
@@ -144,7 +144,7 @@ def test_a_cached_plan_that_what_was_learned_says_no_longer_fits_is_made_again()
             with mem.step():
                 model(**batch).loss.backward()
             model.zero_grad(set_to_none=True)
-    book = mem.plans
+    book = mem._controller.plans
     (key, record) = next(iter(book.cache.items()))
     start = 0
     everything = tuple(Mode.NONE for _ in record.modes)
@@ -200,13 +200,15 @@ def test_no_block_is_held_under_the_peak_that_follows_the_blocks_whatever_the_pl
                 model(**hf_batch(1, seq, 8192)).loss.backward()
             model.zero_grad(set_to_none=True)
         extent = 64 * 128
-        tail = mem.costs.tail_bytes(1, extent)
-        rows = mem.costs.options(1, extent, (Mode.NONE,), {})
-        blocks = predicted_peak([row[0] for row in rows], mem.costs.head_bytes(1, extent))
+        tail = mem._controller.costs.tail_bytes(1, extent)
+        rows = mem._controller.costs.options(1, extent, (Mode.NONE,), {})
+        blocks = predicted_peak([row[0] for row in rows], mem._controller.costs.head_bytes(1, extent))
         assert tail > 1.2 * blocks, (tail, blocks)
-        key, start, headroom = mem.plans.bucket(1, extent), dev.allocated_bytes, mem.decider.headroom
+        key, start, headroom = mem._controller.plans.bucket(1, extent), dev.allocated_bytes, mem.headroom
         for aim in (0.8 * blocks, 0.4 * blocks):
-            mem.plans.cache.clear()
-            record = mem.plans.make(key, start, int((start + aim) / headroom), fixed={}, reason="test", extent=extent)
+            mem._controller.plans.cache.clear()
+            record = mem._controller.plans.make(
+                key, start, int((start + aim) / headroom), fixed={}, reason="test", extent=extent
+            )
             assert set(record.modes) == {Mode.NONE}, record.modes
             assert not record.feasible and record.predicted == pytest.approx(start + tail)  # over by the tail alone

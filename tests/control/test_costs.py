@@ -55,7 +55,7 @@ def test_steps_that_find_the_gradients_kept_are_learned_apart_from_steps_that_al
         )
 
     def grads(resident):
-        costs.grads_resident = resident  # as the manager sets it at the start of the step it plans
+        costs.expect_gradients(resident)  # as the controller sets it at the start of the step it plans
         return [costs.grad_bytes(i, 2, 1000) for i in range(3)]
 
     costs.learn(starting([55, 35, 5], resident=False))  # 5 of activation gradients, and the later weights'
@@ -66,7 +66,7 @@ def test_steps_that_find_the_gradients_kept_are_learned_apart_from_steps_that_al
     again = CostModel(["Layer"] * 3, load_policy("balanced"), cuda=False, weight_grad_bytes=[10, 20, 30])
     again.load_state_dict(costs.state_dict())
     for resident in (False, True):
-        again.grads_resident = resident
+        again.expect_gradients(resident)
         assert [again.grad_bytes(i, 2, 1000) for i in range(3)] == grads(resident)
 
 
@@ -121,7 +121,7 @@ def test_the_plan_cache_forgets_the_least_recently_used_bucket():
     with adaptmem.manage(model, budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31)) as mem:
         with mem.step():
             model(**tiny_batch(model)).loss.backward()
-        book = mem.plans
+        book = mem._controller.plans
         for seq in range(1, MAX_CACHED_PLANS + 1):
             book.choose(seq, 64, 0, mem.budget)
         book.choose(1, 64, 0, mem.budget)  # used again
@@ -367,7 +367,7 @@ def test_a_mode_not_run_on_a_block_is_borrowed_only_from_a_block_alike():
     sizes = [500, 1000, 1000]  # the first: another stage, half the input
     costs.learn(_timed_step([N] * 3, [0.03] * 3, sizes))
     costs.learn(_timed_step([S, N, N], [0.03] * 3, sizes, recompute=0.002))
-    derived = costs._derive(S, costs._latents(1, 2, 1000)).held
+    derived = costs._derive(S, costs.latents(1, 2, 1000)).held
     assert costs.figures(1, S, 2, 1000).held == pytest.approx(derived)
     assert derived != pytest.approx(costs.direct[0][S]["held"].predict(2, 1000))
     costs.learn(_timed_step([S, S, N], [0.03] * 3, sizes, recompute=0.002))
@@ -382,7 +382,7 @@ def test_a_recomputing_mode_costs_at_least_its_recompute_read_in_the_same_step()
     sizes = [1000] * 4
     costs.learn(_timed_step([Mode.NONE] * 4, [0.060] * 4, sizes))  # a slow spell
     costs.learn(_timed_step([Mode.SELECTIVE] * 2 + [Mode.NONE] * 2, [0.050] * 2 + [0.040] * 2, sizes, recompute=0.006))
-    assert costs._own_overhead(0, Mode.SELECTIVE, 2, 1000) < 0  # the difference alone: free
+    assert costs.times.own_overhead(0, Mode.SELECTIVE, 2, 1000) < 0  # the difference alone: free
     assert costs.figures(0, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.006)
     assert costs.figures(3, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.006)  # alike: pooled
     costs.learn(_timed_step([Mode.CHECKPOINT] * 4, [0.070] * 4, sizes, recompute=0.025))
@@ -405,7 +405,7 @@ def test_a_recomputing_mode_costs_its_recompute_not_a_difference_of_two_steps():
             recompute=0.003,
         )
     )
-    assert costs._own_overhead(1, Mode.SELECTIVE, 2, 1000) > 0.015  # the difference: a cold, noisy reading
+    assert costs.times.own_overhead(1, Mode.SELECTIVE, 2, 1000) > 0.015  # the difference: a cold, noisy reading
     for i in range(4):
         assert costs.figures(i, Mode.SELECTIVE, 2, 1000).seconds == pytest.approx(0.003)
     # CHECKPOINT: the mean of the alike blocks' recompute readings (block 0's second one was 3 ms)
@@ -454,11 +454,11 @@ def test_a_packing_mode_costs_its_hooks_time_read_in_its_own_step():
     for sample in steps:
         host.learn(sample)
         cuda.learn(replace(sample, blocks=[replace(b) for b in sample.blocks]))
-    assert host._own_overhead(0, O, 2, 1000) > 0.03 and host._own_overhead(1, O, 2, 1000) < 0
+    assert host.times.own_overhead(0, O, 2, 1000) > 0.03 and host.times.own_overhead(1, O, 2, 1000) < 0
     offload = [host.figures(i, O, 2, 1000).seconds for i in range(4)]
     assert offload == pytest.approx([0.004, 0.007, 0.007, 0.007], abs=1e-5)  # own, then held at the last
     assert host.figures(0, K, 2, 1000).seconds == pytest.approx(0.020 + 0.002, abs=1e-5)
-    penalty = host._penalty(C, host._latents(1, 2, 1000))
+    penalty = host.penalty(C, host.latents(1, 2, 1000))
     assert host.figures(3, C, 2, 1000).seconds == pytest.approx(0.003 + penalty, abs=1e-5)
     # the two blocks' second readings (a first offload's stands only until the next), non-decreasing: pooled
     difference = ((0.128 - 0.095) + (0.093 - 0.095)) / 2
@@ -505,14 +505,14 @@ def test_among_alike_blocks_a_later_offload_never_costs_less():
 
     costs.learn(_timed_step([O, O, N, N, N, O, O, N], [0.044, 0.046, 0.04, 0.04, 0.04, 0.058, 0.060, 0.04], sizes))
     seconds = [costs.figures(i, O, 2, 1000).seconds for i in range(8)]
-    own = [costs._own_overhead(i, O, 2, 1000) for i in (0, 1, 5, 6)]
+    own = [costs.times.own_overhead(i, O, 2, 1000) for i in (0, 1, 5, 6)]
     assert own == sorted(own) and [seconds[i] for i in (0, 1, 5, 6)] == pytest.approx(own)  # in order: their own
     assert own[1] <= seconds[3] <= own[2]  # between its measured neighbours
 
     # block 2's first offload is cold; while alike blocks have warm readings it counts as not yet read
     costs.learn(_timed_step([O, O, O, N, N, O, O, N], [0.044, 0.046, 0.300, 0.04, 0.04, 0.058, 0.060, 0.04], sizes))
-    assert costs.provisional and costs._own_overhead(2, O, 2, 1000) > 0.25
-    own = [costs._own_overhead(i, O, 2, 1000) for i in (0, 1, 5, 6)]
+    assert costs.provisional and costs.times.own_overhead(2, O, 2, 1000) > 0.25
+    own = [costs.times.own_overhead(i, O, 2, 1000) for i in (0, 1, 5, 6)]
     assert own[1] <= costs.figures(2, O, 2, 1000).seconds <= own[2]
 
 
@@ -595,7 +595,7 @@ def test_a_backwards_own_weight_gradients_are_not_scaled_with_the_tokens():
     assert costs.direct[0][Mode.NONE]["wx"].predict(1, 1000) == pytest.approx(2000)  # learned less them
     # within the derivation's measured margin, which a carried figure keeps on what it adds
     assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(own + 2 * 8000, rel=0.05)
-    costs.grads_resident = True  # found kept from the step before: the backward allocates none
+    costs.expect_gradients(True)  # resident from the step before: the backward allocates none
     assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(2 * 8000, rel=0.05)
 
 
@@ -688,8 +688,8 @@ def test_only_a_step_that_offloads_a_cold_block_is_measured_for_its_warm_reading
     assert not schedule.worth(record((Mode.NONE, Mode.OFFLOAD), 1200))  # block 1's first offload: light
     assert schedule.worth(record((Mode.OFFLOAD, Mode.NONE), 1300))  # block 0's warm reading
     costs.learn(_timed_step([Mode.OFFLOAD, Mode.NONE], [0.046, 0.040], [1000] * 2))
-    assert costs.cold == set() and (1, Mode.OFFLOAD) in costs._offloaded  # block 1 ran it, unmeasured
-    costs._offloaded.discard((1, Mode.OFFLOAD))
+    assert costs.cold == set() and (1, Mode.OFFLOAD) in costs.offloaded  # block 1 ran it, unmeasured
+    costs.offloaded.discard((1, Mode.OFFLOAD))
     costs.learn(_timed_step([Mode.OFFLOAD, Mode.OFFLOAD], [0.046, 0.300], [1000] * 2))  # block 1 cold
     assert costs.cold == {(1, Mode.OFFLOAD)}
     assert not schedule.worth(record((Mode.OFFLOAD,) * 2, 1400))  # block 0, alike, has a warm reading

@@ -316,7 +316,7 @@ def test_exit_restores_the_model_and_stops_the_thread_even_on_error():
             1 / 0  # noqa: B018 - the body raises
     assert adaptmem.get_handles(model) == []
     assert all("forward" not in m.__dict__ for m in model.modules())
-    assert not mem._sampler.is_alive()
+    assert not mem.sampler.is_alive()
     assert not any(t.name == "adaptmem-sampler" for t in threading.enumerate())
 
 
@@ -391,7 +391,7 @@ def test_scripted_probe_gives_the_exact_decision_sequence():
         "recover",
         "hold",
     ]
-    assert mem.decider.headroom == pytest.approx(0.92)
+    assert mem.headroom == pytest.approx(0.92)
 
 
 def test_scripted_probe_shows_no_flip_flop():
@@ -403,9 +403,7 @@ def test_scripted_probe_shows_no_flip_flop():
     policy = load_policy().model_copy(update={"calm_steps": 2})
     start = policy.headroom
     # the load is over the high watermark whenever the plan aims above where it started
-    probe = ScriptedProbe(
-        2 * budget, lambda step: int((0.99 if holder["mem"].decider.headroom > start else 0.7) * budget)
-    )
+    probe = ScriptedProbe(2 * budget, lambda step: int((0.99 if holder["mem"].headroom > start else 0.7) * budget))
     with adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         holder["mem"] = mem
         for _ in range(40):
@@ -545,9 +543,9 @@ def test_gradients_kept_from_the_step_before_are_not_taken_as_allocated_within_i
     with adaptmem.manage(model, budget=64 * MiB, device=SimulatedDevice(capacity_bytes=256 * MiB)) as mem:
         mem.run_step(lambda: model(**batch).loss.backward())
         layer = sum(w.numel() * w.element_size() for w in mem.handles[-1].module.parameters())
-        assert mem.costs.grad_constant(0) == 2 * layer
+        assert mem._controller.costs.grad_constant(0) == 2 * layer
         mem.run_step(lambda: model(**batch).loss.backward())  # accumulates: no zero_grad between
-        assert mem.last_step["measured"] and mem.costs.grad_constant(0) == 0
+        assert mem.last_step["measured"] and mem._controller.costs.grad_constant(0) == 0
 
 
 def _kept_peak(model, batch, mode=None):
@@ -610,7 +608,7 @@ def test_a_budget_no_micro_step_fits_is_warned_of_once_not_once_per_kind_of_micr
                 with mem.step():
                     (model(**batch).loss / 2).backward()
             model.zero_grad(set_to_none=True)
-        assert {key[2] for key in mem.plans.cache} == {False, True}  # a plan for each kind
+        assert {key[2] for key in mem._controller.plans.cache} == {False, True}  # a plan for each kind
     warned = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
     assert len([w for w in warned if "lower the batch or input size" in w]) == 1
 

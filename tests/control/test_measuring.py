@@ -68,8 +68,8 @@ def test_a_replan_after_a_first_offload_waits_for_its_warm_reading():
     )
     with dev, adaptmem.manage(model, budget=2 * budget, device=probe, policy=policy) as mem:
         run(mem, model, probe, [128] * 4)
-        made, make = [], mem.plans.make
-        mem.plans.make = lambda *a, **k: made.append(mem.steps + 1) or make(*a, **k)
+        made, make = [], mem._controller.plans.make
+        mem._controller.plans.make = lambda *a, **k: made.append(mem.steps + 1) or make(*a, **k)
         mem.set_budget(budget)
         records = [r for r, _, _ in run(mem, model, probe, [128] * 5)]
     first = next(i for i, r in enumerate(records) if "OFFLOAD" in r["plan"])
@@ -82,7 +82,7 @@ def test_steady_steps_read_only_their_peak_and_measure_every_nth():
     model, dev, probe, budget, policy = managed(every=5)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         steps = run(mem, model, probe, [128] * 24)
-        learned = mem.costs.steps_learned
+        learned = mem.steps_learned
     measured = [r["measured"] for r, _, _ in steps]
     plans = [tuple(r["plan"]) for r, _, _ in steps]
     assert "peak" in measured and measured[0] == "blocks"
@@ -117,7 +117,7 @@ def test_a_new_shape_and_a_drifting_prediction_are_measured():
         assert first[8] == "blocks"  # a new shape bucket
         assert first[4:8].count("peak") >= 2
         assert first[-1] == "peak"  # back at a shape seen, on target: light again
-        before = mem.costs.steps_learned
+        before = mem.steps_learned
         # the prediction drifts: every block now keeps 600 kB more (a hook the plan knows
         # nothing of), which the next step's peak shows
         extra = []
@@ -127,7 +127,7 @@ def test_a_new_shape_and_a_drifting_prediction_are_measured():
         extra.clear()
     after = [r for r, _, _ in steps]
     assert abs(after[0]["prediction_error"]) > policy.replan_tolerance * budget / after[0]["observed_peak_bytes"]
-    assert after[1]["measured"] == "blocks" and mem.costs.steps_learned > before
+    assert after[1]["measured"] == "blocks" and mem.steps_learned > before
 
 
 def test_double_backward_is_seen_in_a_light_step():
@@ -135,13 +135,13 @@ def test_double_backward_is_seen_in_a_light_step():
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         run(mem, model, probe, [128] * 6)
         assert mem.last_step["measured"] == "peak"
-        samples, end = [], mem.recorder.end
+        samples, end = [], mem._controller.recorder.end
 
         def keep():
             samples.append(end())
             return samples[-1]
 
-        mem.recorder.end = keep
+        mem._controller.recorder.end = keep
         batch = tiny_batch(model, batch=4, seq=128)
         for twice in (False, True):
             with mem.step():
@@ -180,7 +180,7 @@ def test_the_step_after_a_blocks_first_offload_is_measured_again():
     assert records[first + 1]["plan"] == records[first]["plan"] and records[first + 1]["measured"] == "blocks"
     assert records[-1]["measured"] == "peak"
     offloaded = [i for i, m in enumerate(records[first]["plan"]) if m == "OFFLOAD"]
-    assert all(mem.costs.direct[i][adaptmem.Mode.OFFLOAD]["seconds"] for i in offloaded)
+    assert all(mem._controller.costs.direct[i][adaptmem.Mode.OFFLOAD]["seconds"] for i in offloaded)
 
 
 def test_steady_steps_reuse_their_prediction_until_the_cost_model_learns():
@@ -190,7 +190,7 @@ def test_steady_steps_reuse_their_prediction_until_the_cost_model_learns():
     model, dev, probe, budget, policy = managed(every=4)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         run(mem, model, probe, [128] * 6)
-        worked, options, predict, inside = [], mem.costs.options, mem.plans.predict, []
+        worked, options, predict, inside = [], mem._controller.costs.options, mem._controller.plans.predict, []
 
         def predicting(*a, **k):  # a prediction's own figures (a new plan's are counted apart)
             inside.append(1)
@@ -199,14 +199,14 @@ def test_steady_steps_reuse_their_prediction_until_the_cost_model_learns():
             finally:
                 inside.pop()
 
-        mem.costs.options = lambda *a, **k: (inside and worked.append(mem.steps + 1)) or options(*a, **k)
-        mem.plans.predict = predicting
+        mem._controller.costs.options = lambda *a, **k: (inside and worked.append(mem.steps + 1)) or options(*a, **k)
+        mem._controller.plans.predict = predicting
         steps = [r for r, _, _ in run(mem, model, probe, [128] * 9)]
-        mem.costs.options, mem.plans.predict = options, predict
-        shape = next(iter(mem.plans._predicted))[:3]  # (modes, batch, extent) of the plan held
-        reused = mem.plans.predict(*shape, 0)
-        mem.plans._predicted_for = None
-        assert mem.plans.predict(*shape, 0) == reused
+        mem._controller.costs.options, mem._controller.plans.predict = options, predict
+        shape = next(iter(mem._controller.plans._predicted))[:3]  # (modes, batch, extent) of the plan held
+        reused = mem._controller.plans.predict(*shape, 0)
+        mem._controller.plans._predicted_for = None
+        assert mem._controller.plans.predict(*shape, 0) == reused
     pairs = list(zip(steps, steps[1:]))
     after_light = [r["step"] for prev, r in pairs if prev["measured"] == "peak" and prev["plan"] == r["plan"]]
     after_learned = [r["step"] for prev, r in pairs if prev["measured"] == "blocks"]
@@ -265,8 +265,8 @@ def test_a_probe_that_reads_peak_and_allocation_at_once_is_read_once_per_boundar
         model, dev, _, budget, policy = managed(every=1000)
         probe = kind(dev)
         with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
-            samples, end = [], mem.recorder.end
-            mem.recorder.end = lambda: samples.append(end()) or samples[-1]
+            samples, end = [], mem._controller.recorder.end
+            mem._controller.recorder.end = lambda: samples.append(end()) or samples[-1]
             ((record, n, _),) = run(mem, model, probe, [128])
         assert record["measured"] == "blocks"
         reads.append(n)
@@ -285,7 +285,7 @@ def test_new_lengths_are_predicted_not_measured_once_two_sizes_are():
     model, dev, probe, budget, policy = managed(every=1000)
     with dev, adaptmem.manage(model, budget=4 * budget, device=probe, policy=policy) as mem:  # all NONE
         run(mem, model, probe, [64, 256, 64, 256])  # calibration, then both sizes under NONE
-        assert {s for b, s in mem.costs.latent[0]["input_bytes"].points if b == 4} == {64 * 128, 256 * 128}
+        assert {s for b, s in mem._controller.costs.latent[0]["input_bytes"].points if b == 4} == {64 * 128, 256 * 128}
         records = [r for r, _, _ in run(mem, model, probe, [96, 160, 200, 112, 240, 72, 180, 144])]
         how = [(r["measured"][0], round(r["prediction_error"], 3), r["seq"]) for r in records]
         assert sum(r["measured"] == "blocks" for r in records) <= 1, how  # at most one, after a miss
@@ -298,7 +298,7 @@ def test_new_lengths_are_predicted_not_measured_once_two_sizes_are():
         assert run(mem, model, probe, [1100])[0][0]["measured"] == "blocks"  # past twice: measured
         assert run(mem, model, probe, [1600])[0][0]["measured"] == "peak"  # three sizes or more: up to four times
         # a miss: the bucket's next step is measured
-        key = mem.plans.bucket(4, 96 * 128)
-        mem.measuring.missed(key)
+        key = mem._controller.plans.bucket(4, 96 * 128)
+        mem._controller.measuring.missed(key)
         assert run(mem, model, probe, [96])[0][0]["measured"] == "blocks"
         assert run(mem, model, probe, [96])[0][0]["measured"] == "peak"

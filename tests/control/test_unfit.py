@@ -77,7 +77,7 @@ def test_an_outlier_fails_fast_and_later_plans_are_as_without_it(arch):
     assert with_outlier == plain
     # (the cost models differ in their timings, wall-clock figures of two runs; not in what decides)
     assert state["decider"] == plain_state["decider"] and state["lengths"] == plain_state["lengths"]
-    assert mem.decider.headroom >= mem.policy.headroom  # never lowered by the outlier
+    assert mem.headroom >= mem.policy.headroom  # never lowered by the outlier
     assert mem.events.of_type("refused")[-1]["attempts"] == len(err.attempts)
 
 
@@ -94,12 +94,12 @@ def test_a_measured_shape_predicted_far_over_the_device_is_refused_before_any_bl
             model.zero_grad(set_to_none=True)
         dev.set_capacity(dev.allocated_bytes + MiB)  # the card is now far too small for this shape
         mem.set_budget("90%")
-        headroom = mem.decider.headroom
+        headroom = mem.headroom
         ran.clear()
         with pytest.raises(StepOutOfMemoryError) as err:
             mem.run_step(lambda: model(**hf_batch(2, 512, VOCAB)).loss.backward())
         assert err.value.attempts == [] and ran == []  # no attempt: refused at the plan point
-        assert mem.ooms == 0 and mem.decider.headroom == headroom
+        assert mem.ooms == 0 and mem.headroom == headroom
         assert "the tightest plan is predicted over the device's usable memory" in str(err.value)
         assert mem.events.of_type("refused")[-1]["attempts"] == 0
         # step() refuses alike, and the next batch that fits runs
@@ -150,4 +150,4 @@ def test_after_an_oom_episode_the_plan_is_all_none_again_within_seven_steps():
         assert plans[0] != {"NONE"}  # the retry and the steps right after aim lower
         back = plans.index({"NONE"})
         assert back <= 7 and all(p == {"NONE"} for p in plans[back:]), plans
-        assert mem.decider.headroom == pytest.approx(mem.policy.headroom)
+        assert mem.headroom == pytest.approx(mem.policy.headroom)

@@ -32,7 +32,7 @@ def test_a_second_forward_after_backward_is_a_second_micro_batch():
             for b in batches:
                 model(**b).loss.backward()
         steps = mem.events.of_type("step")
-        assert mem.costs.steps_learned == 2
+        assert mem.steps_learned == 2
     assert [(s["label"], s["seq"]) for s in steps] == [("window 0", 32), ("window 0", 48)]
     expected = grads_of(plain)
     assert all(torch.equal(g, expected[n]) for n, g in grads_of(model).items())
@@ -51,12 +51,12 @@ def test_two_forwards_before_one_backward_are_planned_together_and_not_learned_p
             with mem.step():  # a normal step first, so the second is planned from learned costs
                 model(**a).loss.backward()
             model.zero_grad(set_to_none=True)
-            learned = mem.costs.steps_learned
+            learned = mem.steps_learned
             torch.manual_seed(1)
             with mem.step():  # a contrastive-style step
                 (model(**a).loss + model(**b).loss).backward()
             record = mem.last_step
-            assert mem.costs.steps_learned == learned  # its per-block figures are mixed: not learned
+            assert mem.steps_learned == learned  # its per-block figures are mixed: not learned
     assert record["prediction_error"] is None and record["observed_peak_bytes"] > 0
     assert sum("second forward before its backward" in r.getMessage() for r in caplog.records) == 1
     expected = grads_of(plain)
@@ -91,7 +91,7 @@ def test_a_validation_forward_inside_a_step_changes_nothing():
                     step(model, seq, validate)
                 records.append(mem.last_step["plan_counts"])
             calls = [h.calls for h in mem.handles]
-            learned = mem.costs.steps_learned
+            learned = mem.steps_learned
         return records, calls, learned, grads_of(model)
 
     with_val, without, plain = run(True), run(False), run(True, managed=False)

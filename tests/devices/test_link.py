@@ -161,13 +161,13 @@ def test_by_default_a_slow_link_holds_one_block_calls_bytes_in_flight():
 def test_the_planner_is_told_the_window_where_copies_take_time():
     model = tiny()
     with adaptmem.manage(model, budget=2**29, device=SimulatedDevice(2**30, link_bytes_per_s=100 * MiB)) as mem:
-        assert mem.costs.priors.in_flight_cap == float("inf")  # one block's worth: each block's own backlog
+        assert mem._controller.costs.priors.in_flight_cap == float("inf")  # one block's worth: each block's own backlog
     for speed, expected in ((None, 0.0), (100 * MiB, 4 * MiB)):
         model = tiny()
         adaptmem.instrument(model, offload=adaptmem.OffloadOptions(max_in_flight_bytes=4 * MiB))
         dev = SimulatedDevice(capacity_bytes=2**30, link_bytes_per_s=speed)
         with adaptmem.manage(model, budget=2**29, device=dev) as mem:
-            assert mem.costs.priors.in_flight_cap == expected
+            assert mem._controller.costs.priors.in_flight_cap == expected
 
 
 def test_the_manager_times_steps_on_the_links_clock():

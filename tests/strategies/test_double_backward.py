@@ -76,7 +76,7 @@ def test_a_manager_that_sees_a_second_backward_never_chooses_selective():
                         grads.append(backward_twice(model, batch, kind))
                 chosen.append(set(mem.plan.values()))
             events = mem.events.of_type("restrict")
-            allowed = mem.plans.allowed
+            allowed = mem.allowed_modes
         return chosen, grads, events, allowed
 
     # with one backward, SELECTIVE stays among the modes the planner weighs (whether it wins here

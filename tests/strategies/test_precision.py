@@ -69,7 +69,7 @@ def test_the_recorder_measures_frozen_and_autocast_steps(dtype):
             peaks.append(truth.peak_bytes)
             errors.append(mem.last_step["prediction_error"])
             measured += mem.last_step["measured"] == "blocks"
-        sample_blocks = mem.costs.steps_learned
+        sample_blocks = mem.steps_learned
     assert sample_blocks == measured >= 3  # every step measured block by block was learned
     assert max(peaks[1:]) <= budget, [round(p / budget, 3) for p in peaks]
     assert -0.02 < errors[-1] < 0.10, errors  # close, and if off then on the safe side

@@ -1,0 +1,60 @@
+"""The managed blocks and loss head, and the plan they run now."""
+
+from __future__ import annotations
+
+from adaptmem.control.headcosts import HeadChoice
+from adaptmem.modes import Mode
+from adaptmem.wrapping import BlockHandle, HeadHandle, checkpoints_itself
+
+
+class ManagedBlocks:
+    """Sets each block's mode (and the head's choice); `modes` and `head_choice` are the plan in force."""
+
+    def __init__(self, handles: list[BlockHandle], head: HeadHandle | None) -> None:
+        self.handles = handles
+        self.head = head
+        self.modes: tuple[Mode, ...] = tuple(h.mode for h in handles)
+        self.head_choice: HeadChoice | None = None
+        self._own_checkpointing: frozenset[int] = frozenset()
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self.handles]
+
+    def running(self) -> tuple[Mode, ...]:
+        """The mode each block's wrapper runs in now (a plan made for part of a forward included)."""
+        return tuple(h.mode for h in self.handles)
+
+    def apply(self, modes: tuple[Mode, ...], head: HeadChoice | None) -> bool:
+        """Run `modes` (and the head's `head`, where it has one) from the next block on; True when
+        that changes the plan in force."""
+        for handle, mode in zip(self.handles, modes):
+            handle.mode = mode
+        if self.head is not None and head is not None:
+            self.head.planned(head.mode, head.chunk)
+        if modes == self.modes and head == self.head_choice:
+            return False
+        self.modes, self.head_choice = modes, head
+        return True
+
+    def restore(self, modes: tuple[Mode, ...], head: HeadChoice | None) -> None:
+        """Put back a plan in force as it was (a resumed run, or a batch given up)."""
+        self.apply(modes, head)
+        self.modes, self.head_choice = modes, head
+
+    def set_each(self, modes: tuple[Mode, ...]) -> None:
+        """Set the wrappers' modes and nothing else (giving the model back with the user's modes)."""
+        for handle, mode in zip(self.handles, modes):
+            handle.mode = mode
+
+    def own_checkpointing(self) -> tuple[frozenset[int], frozenset[int]] | None:
+        """The blocks whose model checkpoints them itself (Hugging Face's `gradient_checkpointing`),
+        with those added since the last call; None when that has not changed."""
+        own = frozenset(h.index for h in self.handles if checkpoints_itself(h.module))
+        if own == self._own_checkpointing:
+            return None
+        added, self._own_checkpointing = own - self._own_checkpointing, own
+        return own, added

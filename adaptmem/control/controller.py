@@ -1,0 +1,614 @@
+"""The controller: per step, read the device, plan, apply, record, learn and decide.
+
+One step's data flow, from `begin_step` to `end_step`:
+
+  begin     `begin_step`: the step's record opens (`StepState`), the recorder starts
+            reading, and a new batch's `Trace` is taken (what a batch given up puts back)
+  read      `block_start` of the first managed block: the live input's shape and what
+            is allocated now (`_plan_forward`)
+  plan      the plan book's plan for that shape under the budget in force (cached per
+            shape bucket; made by the planner from the cost model)
+  apply     every block's mode, and the loss head's, set before the block runs
+  record    the blocks run; the recorder reads the probe at their boundaries
+  end       `end_step`: the cost model learns from the step (if it was measured block by
+            block), the decider holds, escalates or relaxes on its peak, and the step's
+            record goes to the log (`_after_step`); an OOM is recorded instead (`_record_oom`)
+
+`run` wraps that in the retry loop `run_step` gives users. The background thread
+calls `tick`: when others take memory the budget shrinks at once and the blocks
+not yet run get a tighter plan.
+
+Every collaborator keeps its own state and is changed only through its methods:
+the budget keeper (`budgets`), the event log (`events`), the managed blocks and
+the plan in force (`blocks`), the recorder, the cost model (`costs`), the decider,
+the plan book (`plans`), the lengths seen (`lengths`), the measuring schedule
+(`measuring`), the ranks (`ranks`), the retry guard (`retries`), the run's
+statistics (`stats`) and the warnings given once (`notices`).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaptmem.config.policy import Policy
+from adaptmem.control.agreement import Ranks
+from adaptmem.control.blocks import ManagedBlocks
+from adaptmem.control.budgeting import BudgetKeeper
+from adaptmem.control.costs import CostModel
+from adaptmem.control.decisions import ESCALATE, HOLD, Decider
+from adaptmem.control.events import EventLog
+from adaptmem.control.headcosts import HeadCosts
+from adaptmem.control.notices import Notices, no_second_backward, own_checkpointing
+from adaptmem.control.plans import RETRY_STEP, PlanBook, PlanRecord
+from adaptmem.control.priors import priors_for
+from adaptmem.control.reach import LengthsSeen, Reacher
+from adaptmem.control.recorder import StepRecorder
+from adaptmem.control.retry import (
+    RetryGuard,
+    StepOutOfMemoryError,
+    failure_record,
+    rng_state,
+    set_rng_state,
+)
+from adaptmem.control.samples import InputShape, StepSample, StepState, shape_of
+from adaptmem.control.schedule import MeasureSchedule
+from adaptmem.control.stats import RunStats
+from adaptmem.control.unfit import Trace, refusal, unfittable
+from adaptmem.devices.cuda import CudaProbe
+from adaptmem.devices.host import HostProbe
+from adaptmem.modes import Mode
+from adaptmem.strategies import SelectiveBackwardError
+from adaptmem.wrapping import BlockHandle, HeadHandle
+
+
+class Controller:
+    """Decides, step by step, the mode each managed block runs in; the observer of its blocks.
+
+    `user_modes`: the modes the user set before managing (the plan before anything is learned),
+    or None (calibrate: every block checkpointed). `ddp`: the model's DDP wrapper, if any.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        handles: list[BlockHandle],
+        head: HeadHandle | None,
+        *,
+        policy: Policy,
+        probe: Any,
+        budgets: BudgetKeeper,
+        events: EventLog,
+        in_flight: Callable[[], int],
+        user_modes: tuple[Mode, ...] | None,
+        ddp: nn.parallel.DistributedDataParallel | None,
+    ) -> None:
+        p = policy
+        self.model, self.policy, self.probe = model, policy, probe
+        self.budgets, self.events = budgets, events
+        self.blocks = ManagedBlocks(handles, head)
+        self.recorder = StepRecorder(probe, in_flight)
+        cuda = isinstance(probe, CudaProbe)
+        self.costs = CostModel(
+            [type(h.module).__name__ for h in handles],
+            p,
+            cuda=cuda,
+            priors=priors_for(probe, cuda, [h.offload_options for h in handles]),
+            weight_grad_bytes=[
+                sum(w.numel() * w.element_size() for w in h.module.parameters() if w.requires_grad) for h in handles
+            ],
+            head_costs=HeadCosts(head.vocab, head.hidden, head.weight_bytes, cuda=cuda) if head is not None else None,
+        )
+        self.decider = Decider(p)
+        self.plans = PlanBook(
+            len(handles),
+            p,
+            self.costs,
+            self.decider,
+            probe,
+            start_plan=user_modes,
+            one_memory=isinstance(probe, HostProbe),
+        )
+        self.user_modes = user_modes
+        self.lengths = LengthsSeen()  # what `longest_sequence` extrapolates from
+        self.measuring = MeasureSchedule(p, self.costs)  # which steps are measured block by block
+        self.ranks = Ranks(ddp)  # with other ranks: one plan for all, retries taken together
+        self.retries = RetryGuard()
+        self.stats = RunStats()
+        self.notices = Notices()
+        self.now = StepState()  # the step in hand, from begin_step to end_step
+        self.lock = threading.RLock()
+        self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
+        self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
+
+    # ------------------------------------------------------------ the step
+    def begin_step(self, label: Any = None) -> None:
+        """begin: open the step's record and start reading."""
+        self._check_own_checkpointing()
+        with self.lock:
+            if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
+                self.retries.new_batch(self.trace())
+            self.now = StepState(open=True, label=label, rng=rng_state())
+            resident = any(w.grad is not None for w in self.blocks.handles[-1].module.parameters())
+            self.costs.expect_gradients(resident)  # planned for as it is
+            self.recorder.begin(grads_resident=resident)
+
+    def end_step(self, error: BaseException | None = None) -> dict | None:
+        """end: learn from the step and decide (`_after_step`), or record its OOM (`_record_oom`)."""
+        sample = self.recorder.end()
+        self.notices.device_idle(self.probe, sample, self.stats.steps + 1)
+        error = self.ranks.failure(error, self.now.plan_point_passed, self.blocks.running)
+        refused, self.now.refused = self.now.refused, False
+        with self.lock:
+            self.now.open = False
+            if refused:  # given up before a block ran: the batch leaves no trace
+                self.rewind(self.retries.trace)
+                set_rng_state(self.now.rng)
+                return None
+            if (sample is not None and sample.double_backward) or isinstance(error, SelectiveBackwardError):
+                self._no_second_backward_for(Mode.SELECTIVE)
+            if sample is not None and sample.blocks and sample.detailed and not sample.unmeasured:
+                if isinstance(error, torch.OutOfMemoryError):
+                    self.retries.trace.before_learning(self.costs, self.lengths)
+                self.costs.learn(sample)
+                self.lengths.learn(sample)
+            if isinstance(error, torch.OutOfMemoryError):
+                return self._record_oom(error, sample)
+            if error is None and sample is not None:
+                return self._after_step(sample)
+            return None
+
+    def run(self, step: Callable[[], Any], fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """`run_step`: run `fn` as one step (`step()` opens and closes it); after an out-of-memory
+        error, undo what the attempt changed, free, and run it again under a tighter plan."""
+        guard = self.retries.guard(self.model, self.policy.accumulation_snapshot, self.policy.buffer_snapshot_limit)
+        self.plans.succeeded()  # a new batch: not a retry of whatever failed before
+        reruns = 0  # runs again for a second backward, not for memory
+        try:
+            for attempt in range(self.policy.max_retries + 1):
+                self.plans.start_attempt(attempt - reruns)
+                try:
+                    with step(), self.ranks.no_sync():
+                        result = fn(*args, **kwargs)
+                except StepOutOfMemoryError as err:  # given up before a block ran: no plan can fit it
+                    refused = err.with_traceback(None)  # its frames would keep the forward's tensors alive
+                except torch.OutOfMemoryError:
+                    refused = None
+                except SelectiveBackwardError:
+                    # the step backwards twice through a SELECTIVE block, which PyTorch cannot: SELECTIVE is
+                    # never planned again (end_step said so), and the step runs again from where it began
+                    if Mode.SELECTIVE in self.plans.allowed:
+                        raise
+                    guard.restore()
+                    reruns += 1
+                    continue
+                else:
+                    self.stats.ooms_recovered += attempt - reruns
+                    self.ranks.average_gradients(p for p in self.model.parameters() if p.requires_grad)
+                    return result
+                guard.restore()
+                if refused is not None:
+                    raise refused
+                self._free_after_oom()
+            self.rewind(self.retries.trace)  # every retry failed: the batch leaves no trace either
+            raise self.retries.report(self.policy.max_retries)
+        finally:
+            self.plans.start_attempt(0)
+            self.plans.succeeded()
+            guard.close()
+
+    # ------------------------------------------------------- observer API
+    def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
+        now = self.now
+        if now.open and self.recorder.ran(handle.index):
+            self._second_forward()
+        if now.open and not self.recorder.forward_started:
+            self._plan_forward(shape_of(args, kwargs))
+        elif not now.open and handle.index == 0:
+            self.notices.unmarked(self.user_modes is not None)
+            self._plan_forward(shape_of(args, kwargs))
+        elif now.open and now.overlapping and handle.index == 0:
+            self._plan_second_forward(shape_of(args, kwargs))
+        self.recorder.block_start(handle, args, kwargs)
+
+    def block_end(self, handle: BlockHandle, call: Any, output: Any) -> None:
+        self.recorder.block_end(handle, call, output)
+
+    def recompute(self, handle: BlockHandle, begin: bool) -> None:
+        self.recorder.recompute(handle, begin)
+
+    # ------------------------------------------------ read, plan and apply
+    def _plan_forward(self, shape: InputShape) -> None:
+        with self.lock:
+            now = self.now
+            if (
+                now.open
+                and self.plans.failed is not None
+                and self.plans.failed_shape is not None
+                and self.plans.failed_shape != (shape.batch, shape.extent)
+            ):
+                # a batch that ran out of memory under `step()` was given up, not retried: this is the
+                # next one. What the failure taught stays; its retry rules are for that batch only
+                self.plans.succeeded()
+                self.retries.new_batch(self.trace())
+            batch, extent, start, budget = shape.batch, shape.extent, self.recorder.probe.allocated(), self.budget
+            agree = self.ranks.agree is not None and now.open
+            if agree:  # every rank plans for the largest shape and allocation, the smallest budget
+                batch, extent, start, budget = self.ranks.agree.figures(batch, extent, start, budget)
+                now.plan_point_passed = True
+            record = self.plans.choose(batch, extent, start, budget)
+            if agree:  # and runs rank 0's plan
+                record = replace(record, modes=self.ranks.agree.plan(record.modes))
+            if now.open:
+                self._refuse_unfittable(record, shape, start)
+            self.apply(record)
+            if now.open:
+                self.recorder.measure_blocks(self.measuring.worth(record))
+                now.key = record.key
+                now.predicted = self.plans.predict(record.modes, batch, extent, start, record.head)
+                now.feasible = record.feasible
+                now.start = start
+
+    def apply(self, record: PlanRecord) -> None:
+        """Set the blocks' modes and the head's choice; a changed plan is counted and logged."""
+        if self.now.open and record.head is not None:
+            self.recorder.planned_head(record.head)
+        if not self.blocks.apply(record.modes, record.head):
+            return
+        self.stats.plan_changes += 1
+        self.events.emit(
+            "plan",
+            step=self.stats.steps + 1,
+            reason=record.reason,
+            batch=record.key[0],
+            bucket=record.key[1],
+            budget_bytes=self.budget,
+            headroom=round(self.decider.headroom, 4),
+            predicted_peak_bytes=record.predicted,
+            feasible=record.feasible,
+            shortfall_bytes=record.shortfall,
+            plan=dict(zip(self.blocks.names, (m.label for m in record.modes))),
+            head=record.head.label if record.head is not None else None,
+        )
+
+    def _refuse_unfittable(self, record: PlanRecord, shape: InputShape, start: int) -> None:
+        """Give the step up before a block runs when no plan can fit it (see `adaptmem.control.unfit`).
+        With other ranks, only a retry's verdict counts, and all give up when one does. A plan predicted
+        to fit, and not a retry's, is let through before reading the device (every step comes here)."""
+        agree, attempts = self.ranks.agree, self.retries.attempts
+        if agree is not None:
+            if self.plans.failed is None:
+                return
+        elif record.feasible and not record.exhausted:
+            return
+        available = self.reading(self.budgets.available, None)
+        then = attempts[-1].get("available_bytes") if attempts else None
+        # others have freed memory since the last attempt failed: the tightest plan is worth running again
+        lifted = available is not None and then is not None and available > then + RETRY_STEP * self.budget
+        if agree is not None:
+            if not agree.any(record.exhausted and not lifted):
+                return
+        elif not (
+            (record.exhausted and not lifted)
+            or unfittable(record, start, available, self.costs.measured(shape.batch, shape.extent))
+        ):
+            return
+        predicted = record.predicted
+        if predicted is None:
+            predicted = self.plans.predict(record.modes, shape.batch, shape.extent, start, record.head)
+        message = refusal(
+            record,
+            shape.batch,
+            shape.extent,
+            shape.seq if shape.width else 0,
+            start,
+            attempts,
+            predicted=predicted,
+            budget=self.budget,
+            limit=self.reading(self.budgets.available, None),
+            longest=lambda batch: self.reacher(None).longest(batch),
+        )
+        self.now.refused = True
+        self.events.emit(
+            "refused",
+            step=self.stats.steps + 1,
+            label=self.now.label,
+            batch=shape.batch,
+            seq=shape.seq,
+            sample_elements=shape.extent,
+            predicted_peak_bytes=record.predicted,
+            floor_bytes=start,
+            budget_bytes=self.budget,
+            exhausted=record.exhausted,
+            attempts=len(attempts),
+        )
+        raise StepOutOfMemoryError(message, list(attempts))
+
+    def _second_forward(self) -> None:
+        """A block runs a second time in one step. After the first forward's backward, it is
+        a second micro-batch: the step is closed and another opened with the same label.
+        Before it (two forwards, then one backward), the second forward is planned for the
+        memory the first leaves free, and the step teaches only its peak."""
+        if self.recorder.backward_done:
+            label = self.now.label
+            self.end_step()
+            self.begin_step(label)
+            return
+        if not self.now.overlapping:
+            self.now.overlapping = True
+            self.recorder.overlap()
+            self.notices.overlap()
+
+    def _plan_second_forward(self, shape: InputShape) -> None:
+        """Plan a forward for what the step's first forward leaves free (not cached: a lone
+        forward of this shape starts with more room)."""
+        with self.lock:
+            start = self.probe.allocated()
+            bucket = self.plans.bucket(shape.batch, shape.extent)
+            self.apply(
+                self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward", extent=shape.extent)
+            )
+
+    def _replan_running_forward(self) -> int:
+        """Blocks not yet run in the current forward get a plan for the new budget (with other
+        ranks, the next plan point takes it: one rank alone must not change its plan)."""
+        state = self.recorder.forward_state()
+        if state is None or not self.costs.known or self.policy.static_plan != "none" or not self.ranks.alone:
+            return 0
+        batch, extent, start, done = state
+        if len(done) >= len(self.blocks):
+            return 0
+        record = self.plans.make(
+            self.plans.bucket(batch, extent), start, self.budget, fixed=done, reason="pressure", extent=extent
+        )
+        running = self.blocks.running()
+        changed = sum(1 for i, mode in enumerate(running) if i not in done and mode is not record.modes[i])
+        self.apply(record)
+        return changed
+
+    # ------------------------------------------------ learn and decide
+    def _after_step(self, sample: StepSample) -> dict:
+        calibrating = self.costs.steps_learned <= 1
+        observed = sample.peak
+        retries = self.reading(self.probe.signals, {}).get("alloc_retries")  # also logs the fragmentation hint
+        retried = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
+        self._alloc_retries = retries
+        decision = self._decide(sample, retried)
+        pred, error = (None, None) if sample.overlapped else (self.now.predicted, None)
+        if pred is not None and observed > 0:
+            error = (pred - observed) / observed
+        self.stats.stepped(observed, decision, error)
+        self._learn_from(sample, decision, pred, calibrating)
+        self.plans.succeeded()
+        self.retries.succeeded()
+        relief = self.budgets.relieve(self.reading(self.budgets.available, None))
+        if relief is not None:
+            self.plans.forget()
+            self.events.emit("relief", step=self.stats.steps, budget_bytes_before=relief[0], budget_bytes=relief[1])
+        return self.events.emit(
+            "step",
+            step=self.stats.steps,
+            label=self.now.label,
+            rank=self.ranks.rank,
+            attempt=self.plans.attempt,
+            batch=sample.batch,
+            seq=sample.seq,
+            tokens=sample.tokens,
+            sample_elements=sample.extent,
+            predicted_peak_bytes=pred,
+            observed_peak_bytes=observed,
+            budget_bytes=self.budget,
+            capacity_bytes=self.budgets.capacity,
+            external_bytes=self.reading(self.probe.external, None),
+            host_bytes=sum(b.host for b in sample.blocks),
+            prediction_error=error,
+            decision=decision,
+            headroom=round(self.decider.headroom, 4),
+            alloc_retries=retries,
+            plan=[sample.plan.get(i, mode).label for i, mode in enumerate(self.blocks.running())],
+            head=sample.head.label if sample.head is not None else None,
+            plan_counts=dict(Counter(m.label for m in sample.plan.values())),
+            seconds=round(sample.seconds, 6),
+            measured="blocks" if sample.detailed else "peak",
+        )
+
+    def _decide(self, sample: StepSample, retried: bool) -> str:
+        """Hold, escalate, relax or recover, on the step's peak against the budget."""
+        observed = sample.peak
+        if self.policy.static_plan != "none" or sample.unmeasured:  # nothing to decide on: hold
+            return HOLD
+        if self._beyond_any_plan(observed):
+            if self.now.predicted is not None and observed > self.now.predicted:
+                self.decider.forget_bias()  # the predictions were not too high after all
+            return HOLD
+        ratio = observed / self.budget if self.budget else 0.0
+        agree = self.ranks.agree
+        if agree is not None:  # every decider moves alike: on the worst rank's ratio
+            ratio = agree.worst(max(ratio, 2.0 if retried else 0.0))
+        decision = self.decider.update(ratio * self.budget, self.budget)
+        if retried and decision != ESCALATE and agree is None:
+            decision = self.decider.escalate()  # the allocator had to free and retry: close to an OOM
+        return decision
+
+    def _learn_from(self, sample: StepSample, decision: str, pred: float | None, calibrating: bool) -> None:
+        """What the step's verdict changes: the predictions' bias, which steps are measured next, and
+        which cached plans are made again."""
+        observed, now = sample.peak, self.now
+        rebias = False
+        if pred is not None and decision == HOLD and not (calibrating or sample.unmeasured) and observed > now.start:
+            # aim again with the predictions' bias taken out
+            rebias = self.decider.learn_bias(pred - now.start, observed - now.start)
+        missed = pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget
+        if decision == ESCALATE:  # the next step has something to teach: measure it block by block
+            self.measuring.again()
+        elif missed:
+            self.measuring.missed(now.key)
+        # a first offload's time is cold (it allocated its host memory): a replan that is not for
+        # memory waits one step, so the plan runs again and is remade from the warm reading
+        if (
+            self.costs.provisional
+            and decision != ESCALATE
+            and not calibrating
+            and (decision != HOLD or missed or rebias)
+        ):
+            self._replan_when_warm = True
+        elif decision != HOLD or calibrating or rebias or self._replan_when_warm:
+            self.plans.forget()
+            self._replan_when_warm = False
+        elif missed:
+            self.plans.forget(now.key)
+
+    def _beyond_any_plan(self, observed: float) -> bool:
+        """The step ran the tightest plan there is, as none was predicted to fit, and its peak
+        was not calm: the decider leaves it out. No headroom makes this input fit (it was warned
+        of), and lowering it for this step's overshoot would only leave the budget unused at the
+        sizes that do fit, and, with such inputs coming back, never relax again (the calm
+        steps between them would start over at each). A wrong prediction is learned from by
+        measuring (a new size is measured; a missed prediction is measured again). Alone, not
+        with other ranks, whose deciders must move alike."""
+        return not self.now.feasible and self.ranks.alone and observed >= self.policy.low_watermark * self.budget
+
+    def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
+        self.stats.ooms += 1
+        self.measuring.again()
+        self.decider.after_oom()
+        self.reading(self.tick, None)  # the device may have less free than we thought: read it now
+        self.plans.forget()
+        ran = sample is not None and bool(sample.blocks)
+        running = self.blocks.running()
+        executed = tuple(sample.plan.get(i, mode) for i, mode in enumerate(running)) if ran else ()
+        if ran:  # a plan was running: the retry must not run it again
+            self.plans.failure(executed, sample.head, (sample.batch, sample.extent), foreseen=not self.now.feasible)
+        record = failure_record(
+            err,
+            sample,
+            executed,
+            self.now.predicted or 0,
+            self.budget,
+            self.decider.headroom,
+            self.reading(self.budgets.available, None),
+        )
+        self.retries.failed(record)
+        return self.events.emit(
+            "oom", step=self.stats.steps + 1, label=self.now.label, attempt=self.plans.attempt, **record
+        )
+
+    def _free_after_oom(self) -> None:
+        gc.collect()
+        if isinstance(self.probe, CudaProbe) and self.policy.empty_cache_on_oom:
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------ modes found unusable
+    def _no_second_backward_for(self, mode: Mode) -> None:
+        """The run backwards twice through a step (retain_graph / create_graph): `mode`,
+        which PyTorch cannot backward twice, is never planned again in this run."""
+        if self.plans.forbid(mode):
+            no_second_backward(mode.label)
+            self.events.emit(
+                "restrict",
+                step=self.stats.steps + 1,
+                mode=mode.label,
+                reason="double backward",
+                allowed=[m.label for m in self.plans.allowed],
+            )
+
+    def _check_own_checkpointing(self) -> None:
+        """The model's own gradient checkpointing (Hugging Face's `gradient_checkpointing`),
+        switched on or off since the last step: it decides for its blocks, which run in NONE."""
+        changed = self.blocks.own_checkpointing()
+        if changed is None:
+            return
+        own, added = changed
+        names = [self.blocks.names[i] for i in sorted(own)]
+        with self.lock:
+            self.plans.pin({i: Mode.NONE for i in own})
+            self.events.emit("own_checkpointing", step=self.stats.steps + 1, blocks=names)
+        own_checkpointing(names, bool(added), len(self.blocks) - len(own))
+
+    # ------------------------------------------------------------ pressure
+    @property
+    def budget(self) -> int:
+        return self.budgets.current
+
+    def tick(self) -> None:
+        """Background thread: shrink the budget at once when others take memory."""
+        available = self.budgets.available()
+        if available is not None and available < self.budgets.current:  # confirmed by a second reading
+            available = max(available, self.budgets.available())
+        with self.lock:
+            squeezed = self.budgets.squeeze(available)
+            if squeezed is None:
+                return
+            self.plans.forget()
+            replanned = self._replan_running_forward()
+            others = getattr(self.probe, "processes", None)  # who took the memory (NVML, on CUDA)
+            self.events.emit(
+                "pressure",
+                step=self.stats.steps + 1,
+                external_bytes=self.probe.external(),
+                budget_bytes_before=squeezed[0],
+                budget_bytes=squeezed[1],
+                replanned_blocks=replanned,
+                processes=others() if others is not None else None,
+            )
+            self.stats.pressure_events += 1  # last: whoever waits on it sees the whole reaction
+
+    def set_budget(self, value: int) -> None:
+        """The user's new budget, in force from the next block to run."""
+        with self.lock:
+            before, after = self.budgets.set_user(value, self.budgets.available())
+            self.plans.forget()
+            replanned = self._replan_running_forward()
+            self.events.emit(
+                "budget",
+                step=self.stats.steps + 1,
+                budget_bytes_before=before,
+                budget_bytes=after,
+                user_budget_bytes=value,
+                replanned_blocks=replanned,
+            )
+
+    def reading(self, read: Any, default: Any) -> Any:
+        """`read()`, or `default` when the probe behind it fails (counted and logged with the recorder's)."""
+        return self.recorder.probe.read(read.__name__, read, default)
+
+    # ------------------------------------------------ reach, trace and rewind
+    def reacher(self, limit: int | None) -> Reacher:
+        """Answers to "how long can I go?" under `limit` bytes (None: the device's usable size)."""
+        fits = self.budgets.available() if limit is None else limit
+        with self.lock:
+            return self.lengths.reacher(
+                self.costs,
+                self.plans,
+                self.budgets.user if fits is None else fits,
+                0 if self.now.open else self.probe.allocated(),
+            )
+
+    def trace(self) -> Trace:
+        """What a batch given up puts back: the learned and deciding state as it is now."""
+        return Trace(
+            self.decider.state_dict(),
+            self.plans.snapshot(),
+            self.measuring.copy(),
+            self.blocks.modes,
+            self.blocks.head_choice,
+            self._replan_when_warm,
+        )
+
+    def rewind(self, trace: Trace) -> None:
+        """Put back the state `trace` took (and the cost model, if the batch learned from a failure)."""
+        self.decider.load_state_dict(trace.decider)
+        self.plans.restore(trace.plans, costs_changed=trace.costs is not None)
+        self.measuring = trace.measuring.copy()
+        self._replan_when_warm = trace.replan_when_warm
+        if trace.costs is not None:
+            self.costs.restore(trace.costs)
+            self.lengths.load_state_dict(trace.lengths)
+        self.blocks.restore(trace.modes, trace.head)

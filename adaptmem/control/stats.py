@@ -1,0 +1,49 @@
+"""The run's statistics: counts and figures the manager keeps from step to step.
+
+`MemoryManager.stats` is this record; `summary()` and the log's `end` record
+are made from it, and a saved state carries its counters.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The counters a saved state carries (the prediction errors and decisions start afresh).
+SAVED = ("steps", "ooms", "ooms_recovered", "plan_changes", "peak_bytes")
+
+
+@dataclass
+class RunStats:
+    steps: int = 0  # steps completed
+    ooms: int = 0  # out-of-memory errors met (each attempt's)
+    ooms_recovered: int = 0  # of those, the ones a retry got past
+    plan_changes: int = 0  # times the applied plan changed
+    pressure_events: int = 0  # times others took memory and the budget shrank
+    peak_bytes: int = 0  # the highest step peak seen
+    errors: list[float] = field(default_factory=list)  # per predicted step: (predicted - observed) / observed
+    decisions: Counter = field(default_factory=Counter)  # hold / escalate / relax / recover: how many of each
+
+    def stepped(self, peak: int, decision: str, error: float | None) -> None:
+        """A step completed with this peak, decision and prediction error (None: not predicted)."""
+        self.steps += 1
+        self.peak_bytes = max(self.peak_bytes, peak)
+        self.decisions[decision] += 1
+        if error is not None:
+            self.errors.append(error)
+
+    def prediction_errors(self) -> dict[str, float | None]:
+        errors = self.errors
+        return {
+            "prediction_error_mean": sum(abs(e) for e in errors) / len(errors) if errors else None,
+            "prediction_error_max": max((abs(e) for e in errors), default=None),
+            "prediction_error_last": errors[-1] if errors else None,
+        }
+
+    def counters(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in SAVED}
+
+    def load_counters(self, counters: dict[str, Any]) -> None:
+        for name in SAVED:
+            setattr(self, name, int(counters[name]))
