@@ -1,15 +1,18 @@
-"""The docs cannot drift: every Python block in README.md and docs/ parses, the README's own loop
-runs as written, and every link between the pages lands on a file and a heading that exist."""
+"""The docs cannot drift: every Python block in README.md and docs/ parses and runs as written (on a
+small Hugging Face Llama, with a user's loader, optimizer, Lightning module and Trainer arguments
+around it), the README's own loop trains, and every link between the pages lands on a file and a
+heading that exist."""
 
 from __future__ import annotations
 
 import ast
 import re
+import types
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny, tiny_batch
+from helpers import hf_arguments, hf_batch, lightning_trainer, llama, tiny, tiny_batch
 
 import adaptmem
 
@@ -70,3 +73,80 @@ def test_the_readmes_own_loop_runs_as_written():
     assert scope["mem"].summary()["steps"] == len(loader)  # each batch a managed step
     assert adaptmem.get_handles(model) == []  # and the model given back as it was
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it trained
+
+
+BLOCKS = [(page, line, code) for page in PAGES for line, code in python_blocks(page)]
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 8, seq: int = 16, vocab: int = 256) -> None:
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+def _user_scope(tmp_path: Path) -> dict:
+    """What a block takes as given: the user's model (a Hugging Face Llama: `model.layers.N`,
+    `lm_head`), a batch, a loader, an optimizer, a Lightning module and loaders, Trainer arguments
+    and a dataset, and an open manager for the blocks that use one made before them."""
+    import lightning.pytorch as pl
+    from transformers import Trainer
+
+    model = llama(layers=4, hidden=64, vocab=256)
+    loader = [hf_batch(batch=2, seq=16, vocab=256) for _ in range(2)]
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = llama(layers=2, hidden=64, vocab=256)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def validation_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    batches = torch.utils.data.DataLoader(loader, batch_size=None)
+    return {
+        "adaptmem": adaptmem,
+        "torch": torch,
+        "model": model,
+        "batch": loader[0],
+        "loader": loader,
+        "opt": torch.optim.SGD(model.parameters(), lr=0.01),
+        "module": Module(),
+        "train_loader": batches,
+        "val_loader": batches,
+        # the user's Trainer, quiet and short: two steps
+        "lightning": types.SimpleNamespace(
+            Trainer=lambda **kw: lightning_trainer(max_steps=2, limit_val_batches=1, **kw)
+        ),
+        "Trainer": Trainer,
+        "args": hf_arguments(tmp_path / "hf", max_steps=2),
+        "data": _Tokens(),
+    }
+
+
+@pytest.mark.parametrize("page, line, code", BLOCKS, ids=[f"{p.name}:{n}" for p, n, _ in BLOCKS])
+def test_every_python_block_runs(page, line, code, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the blocks write their logs and states where they run
+    scope = _user_scope(tmp_path)
+    if re.search(r"\bmem\.", code) and not re.search(r"\bmem = |as mem\b", code):  # a manager made before it
+        scope["mem"] = adaptmem.manage(scope["model"])
+    try:
+        exec(compile(code, f"{page.name}:{line}", "exec"), scope)
+    finally:
+        mem = scope.get("mem")
+        if isinstance(mem, adaptmem.MemoryManager):
+            mem.close()
+    assert adaptmem.get_handles(scope["model"]) == [] or "instrument(" in code  # the model given back
+    for log in re.findall(r'log="([^"]+)"', code):  # a block that logs ran its steps
+        records = adaptmem.read_log(tmp_path / log)
+        assert any(r["type"] == "step" for r in records), (log, [r["type"] for r in records])
