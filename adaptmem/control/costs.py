@@ -4,12 +4,12 @@ For a batch of B samples of E elements each (the first block's main input,
 `recorder.shape_of`: S x H for tokens, C x H x W for images), and per block and
 mode, it predicts
 
-  held    bytes the block adds from its start to the next block's start
-  fx      transient above its start during its forward
-  wx      transient above the start of its backward (a recomputed block
-          rematerializes its activations here)
-  seconds time the mode adds to a step (`adaptmem.control.timings`: its own work,
-          recompute or packing, read within its steps)
+  held                bytes the block adds from its start to the next block's start
+  forward_transient   transient above its start during its forward
+  backward_transient  transient above the start of its backward (a recomputed block
+                      rematerializes its activations here)
+  seconds             time the mode adds to a step (`adaptmem.control.timings`: its own
+                      work, recompute or packing, read within its steps)
 
 plus per block `grad` (what else is alive when its backward starts: gradients
 so far, leftovers) and, per step, `head` (the model after the blocks: head and
@@ -52,7 +52,7 @@ from adaptmem.modes import LADDER, HeadMode, Mode
 _REC = Mode.CHECKPOINT | Mode.OFFLOAD
 _CO = Mode.COMPRESS | Mode.OFFLOAD
 _FROM_MEASURED = (Mode.NONE, Mode.CHECKPOINT, _REC)  # modes whose derivations follow from measured latents
-_QUANTITIES = ("held", "fx", "wx", "seconds")
+_QUANTITIES = ("held", "forward_transient", "backward_transient", "seconds")
 _TIE_BREAK = 1e-6  # seconds per ladder rung: far below any measured cost
 _TIME_SPAN = 4  # observations a time is averaged over (`Fit.span`); bytes keep the default 2
 
@@ -180,14 +180,14 @@ class CostModel:
         lat["output_growth"].add(b, s, max(0, blk.output_bytes - x))
         fits = self.direct[blk.index].setdefault(mode, {q: _fit(q) for q in _QUANTITIES})
         fits["held"].add(b, s, max(0, blk.held))
-        fits["fx"].add(b, s, blk.fwd_peak)
+        fits["forward_transient"].add(b, s, blk.fwd_peak)
         complete = blk.bwd_peak is not None and blk.bwd_seconds is not None
         # a backward's transient less its weights' gradients, allocated there whatever the shape: fitted
         # as activations, they would grow with the tokens (NONE's backward, 3 MiB of them at 128 tokens,
         # was predicted at 22 MiB for 1750)
         own = self.own_grads(blk.index)
         if complete:
-            fits["wx"].add(b, s, max(0, blk.bwd_peak - own))
+            fits["backward_transient"].add(b, s, max(0, blk.bwd_peak - own))
         activations = _revealed_activations(blk)
         if activations is not None:
             lat["activations"].add(b, s, max(0, activations))
@@ -235,12 +235,19 @@ class CostModel:
         derived = self._derive(mode, self.latents(index, batch, extent), self.times.covers(index, mode, batch, extent))
         fits = self.direct[index].get(mode) or self.sibling(index, mode, batch, extent)
         if fits is None or not fits["held"]:
-            return replace(derived, wx=derived.wx + self.own_grads(index))
+            return replace(derived, backward_transient=derived.backward_transient + self.own_grads(index))
         extents = {s for _, s in fits["held"].points}
         if (batch, extent) in fits["held"].points or (len(extents) >= 2 and min(extents) <= extent <= max(extents)):
             q = self.policy.quadratic_prior
-            held, fx = fits["held"].predict(batch, extent, q), fits["fx"].predict(batch, extent, q)
-            wx = fits["wx"].predict(batch, extent, q) if fits["wx"] else derived.wx
+            held, forward_transient = (
+                fits["held"].predict(batch, extent, q),
+                fits["forward_transient"].predict(batch, extent, q),
+            )
+            backward_transient = (
+                fits["backward_transient"].predict(batch, extent, q)
+                if fits["backward_transient"]
+                else derived.backward_transient
+            )
         else:
             tokens = batch * extent
             (b0, e0), _ = fits["held"].nearest(batch, extent)
@@ -258,10 +265,18 @@ class CostModel:
                 return measured * (here / at if at > 0 else linear)
 
             held = carry(fits["held"], derived.held, there.held)
-            fx = carry(fits["fx"], derived.fx, there.fx)
-            wx = carry(fits["wx"], derived.wx, there.wx) if (b0, e0) in fits["wx"].points else derived.wx
+            forward_transient = carry(fits["forward_transient"], derived.forward_transient, there.forward_transient)
+            backward_transient = (
+                carry(fits["backward_transient"], derived.backward_transient, there.backward_transient)
+                if (b0, e0) in fits["backward_transient"].points
+                else derived.backward_transient
+            )
         return Figures(
-            held, fx, wx + self.own_grads(index), self.times.seconds(index, mode, batch, extent, derived), derived.host
+            held,
+            forward_transient,
+            backward_transient + self.own_grads(index),
+            self.times.seconds(index, mode, batch, extent, derived),
+            derived.host,
         )
 
     def own_grads(self, index: int) -> float:
@@ -339,7 +354,11 @@ class CostModel:
                 # ties (a mode whose measured cost is within noise of zero) go to the simpler mode, and
                 # an offload to the earlier block: the later blocks' compute hides its copies both ways
                 seconds = f.seconds + _TIE_BREAK * (LADDER.index(mode) + (i / n if mode & Mode.OFFLOAD else 0.0))
-                row.append(Option(mode, f.held, max(f.fx, f.held + grad + f.wx), seconds, f.host))
+                row.append(
+                    Option(
+                        mode, f.held, max(f.forward_transient, f.held + grad + f.backward_transient), seconds, f.host
+                    )
+                )
             out.append(row)
         return out
 

@@ -129,8 +129,8 @@ class Figures:
     """One mode's predicted figures on one block (bytes, seconds)."""
 
     held: float  # bytes the block adds until the next block starts (kept for backward, and its output)
-    fx: float  # transient above its start during its forward
-    wx: float  # transient above the start of its backward
+    forward_transient: float  # transient above its start during its forward
+    backward_transient: float  # transient above the start of its backward
     seconds: float  # time the mode adds to a step
     host: float  # host bytes it keeps
 

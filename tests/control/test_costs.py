@@ -158,7 +158,12 @@ def test_a_faster_link_makes_offload_cheaper_and_nothing_else():
     fast = Assumptions(replace(HOST_PRIORS, link_bytes_per_s=2 * HOST_PRIORS.link_bytes_per_s), 1.25, 0.27)
     for mode in ALLOWED_MODES:
         a, b = DERIVATIONS[mode](lat, slow), DERIVATIONS[mode](lat, fast)
-        assert (a.held, a.fx, a.wx, a.host) == (b.held, b.fx, b.wx, b.host), mode.label
+        assert (a.held, a.forward_transient, a.backward_transient, a.host) == (
+            b.held,
+            b.forward_transient,
+            b.backward_transient,
+            b.host,
+        ), mode.label
         if Mode.OFFLOAD in mode:
             assert b.seconds < a.seconds, mode.label
         else:
@@ -592,11 +597,11 @@ def test_a_backwards_own_weight_gradients_are_not_scaled_with_the_tokens():
 
     costs.learn(step(1000))
     costs.learn(step(2000))
-    assert costs.direct[0][Mode.NONE]["wx"].predict(1, 1000) == pytest.approx(2000)  # learned less them
+    assert costs.direct[0][Mode.NONE]["backward_transient"].predict(1, 1000) == pytest.approx(2000)  # learned less them
     # within the derivation's measured margin, which a carried figure keeps on what it adds
-    assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(own + 2 * 8000, rel=0.05)
+    assert costs.figures(0, Mode.NONE, 1, 8000).backward_transient == pytest.approx(own + 2 * 8000, rel=0.05)
     costs.expect_gradients(True)  # resident from the step before: the backward allocates none
-    assert costs.figures(0, Mode.NONE, 1, 8000).wx == pytest.approx(2 * 8000, rel=0.05)
+    assert costs.figures(0, Mode.NONE, 1, 8000).backward_transient == pytest.approx(2 * 8000, rel=0.05)
 
 
 def test_a_pack_hooks_bytes_do_not_teach_the_activations():
@@ -650,10 +655,10 @@ def test_a_figure_seen_at_one_length_grows_as_its_alike_blocks_showed_not_by_the
     for extent in (2000, 4000):
         costs.learn(_linear_step([Mode.CHECKPOINT, Mode.NONE], extent))
     far = 32000
-    assert costs.figures(1, Mode.CHECKPOINT, 1, far).fx == pytest.approx(2 * far, rel=0.05)
+    assert costs.figures(1, Mode.CHECKPOINT, 1, far).forward_transient == pytest.approx(2 * far, rel=0.05)
     alone = CostModel(["Layer"], load_policy("balanced"), cuda=False)  # nothing alike: the prior's share
     alone.learn(_linear_step([Mode.CHECKPOINT], 1000))
-    assert alone.figures(0, Mode.CHECKPOINT, 1, far).fx > 4 * 2 * far
+    assert alone.figures(0, Mode.CHECKPOINT, 1, far).forward_transient > 4 * 2 * far
 
 
 def test_a_checkpoints_constant_backward_part_is_carried_as_a_constant_not_scaled():
@@ -666,8 +671,10 @@ def test_a_checkpoints_constant_backward_part_is_carried_as_a_constant_not_scale
         costs.learn(_linear_step([Mode.NONE], extent, constant=own))
     costs.learn(_linear_step([Mode.CHECKPOINT], 1000, constant=constant))
     far, truth = 16000, 3 * 16000 + constant
-    wx = costs.figures(0, Mode.CHECKPOINT, 1, far).wx  # with the measured margin on what is added
-    assert truth <= wx <= 1.1 * truth
+    backward_transient = costs.figures(
+        0, Mode.CHECKPOINT, 1, far
+    ).backward_transient  # with the measured margin on what is added
+    assert truth <= backward_transient <= 1.1 * truth
 
 
 def test_only_a_step_that_offloads_a_cold_block_is_measured_for_its_warm_reading():
