@@ -281,7 +281,7 @@ class CostModel:
 
     def own_grads(self, index: int) -> float:
         """The gradients of block `index`'s own weights, allocated in its backward (none where they
-        are kept from the step before)."""
+        are resident from the step before)."""
         return 0.0 if self.grads_resident else float(self._weights[index])
 
     def latents(self, index: int, batch: int, extent: int) -> Latents:
@@ -364,16 +364,16 @@ class CostModel:
 
     def grad_constant(self, index: int) -> float:
         """The part of block `index`'s `grad` that does not grow with the shape: the gradients of the
-        later blocks' weights, allocated in the step (none where they were kept from the one before)."""
+        later blocks' weights, allocated in the step (none where they were resident from the one before)."""
         return 0.0 if self.grads_resident else self._weights_after[index]
 
     def grad_bytes(self, index: int, batch: int, extent: int) -> float:
         """What block `index`'s backward starts with beyond the saved tensors, in a step of the
         state planned (`grads_resident`): learned in that state, or, for a first step that finds
-        the gradients kept, what a step allocating them starts with less the later blocks' ones."""
-        kept = self.grad_resident[index]
-        if self.grads_resident and kept:
-            return kept.predict(batch, extent)
+        the gradients resident, what a step allocating them starts with less the later blocks' ones."""
+        fit = self.grad_resident[index]
+        if self.grads_resident and fit:
+            return fit.predict(batch, extent)
         after = self._weights_after[index]
         fresh = self.grad[index].predict(batch, extent, constant=after)
         return max(0.0, fresh - after) if self.grads_resident else fresh

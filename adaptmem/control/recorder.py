@@ -201,7 +201,7 @@ class StepRecorder:
                 block._marks["fwd1"] = self.probe.mark()
             block.mode = call.mode
             block.packed = call.stats.get("packed", 0)
-            block.kept = call.stats.get("kept", 0)
+            block.on_device = call.stats.get("on_device", 0)
             block.host = call.stats.get("host", 0)
             if sample.detailed and "pack_s" in call.stats:  # its unpack time is known once its backward ran
                 block._marks["stats"] = call.stats

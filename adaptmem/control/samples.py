@@ -29,7 +29,7 @@ class BlockSample:
     held: int | None = None  # start of next block (or estimate) minus start
     output_bytes: int = 0
     packed: int = 0  # bytes handed to an OFFLOAD/COMPRESS pack hook
-    kept: int = 0  # of those, bytes left on the device
+    on_device: int = 0  # of those, bytes left on the device
     host: int = 0  # of those, bytes sent to the host
     bwd_start: int | None = None  # allocated when its backward began
     bwd_top: int | None = None  # peak during its backward

@@ -20,7 +20,7 @@ prediction. A step is measured when it has something to teach:
     prediction, a miss measures the bucket's next step, and an out-of-memory
     error retries the step measured;
   - the bucket's schedule: every `measure_every`-th of its own steps (twice that
-    where its steps alternate with those that find the gradients kept).
+    where its steps alternate with those that find the gradients resident).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class MeasureSchedule:
         """Measure the step about to run under `record` block by block (and note it either way)."""
         key = record.key
         last = self.buckets.get(key)
-        batch, bucket, kept = key
-        period = self.policy.measure_every * (2 if (batch, bucket, not kept) in self.buckets else 1)
+        batch, bucket, resident = key
+        period = self.policy.measure_every * (2 if (batch, bucket, not resident) in self.buckets else 1)
         young = self.costs.steps_learned < 3 or self.next or needs_warm(self.costs, record.modes)
         self.next = False
         if len(self.buckets) >= MAX_CACHED_PLANS:

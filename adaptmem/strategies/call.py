@@ -52,5 +52,5 @@ class BlockCall:
     #: ``warn_once(key, message)``: logs a message once per instrumented model
     warn_once: Callable[[str, str], None] = _quiet
     #: what the strategy did, for the cost model: bytes handed to the pack hook
-    #: ("packed"), kept on the device ("kept"), sent to the host ("host").
+    #: ("packed"), left on the device ("on_device"), sent to the host ("host").
     stats: dict = field(default_factory=dict)

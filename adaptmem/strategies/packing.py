@@ -81,7 +81,7 @@ class Packer:
         self._seen: dict[tuple, tuple[weakref.ref, Any]] = {}  # this call's saves: key -> (storage, payload)
         self._storages: dict[tuple, tuple[weakref.ref, HostCopy]] = {}  # storages sent for views of them
         self._waiting: dict[tuple, tuple[weakref.ref, list[Waiting]]] = {}  # small views kept, per storage
-        for key in ("packed", "kept", "host"):
+        for key in ("packed", "on_device", "host"):
             self._stats.setdefault(key, 0)
         for key in ("pack_s", "unpack_s"):
             self._stats.setdefault(key, 0.0)
@@ -135,13 +135,13 @@ class Packer:
         if self._compress is not None:
             payload = encode(t, self._compress)
         if self._offload is None or self._runtime is None:
-            self._stats["kept"] += payload.nbytes() if payload is not None else size
+            self._stats["on_device"] += payload.nbytes() if payload is not None else size
             return payload if payload is not None else t.detach()
         if payload is not None:
             self._stats["host"] += payload.nbytes()
             return payload.map_tensors(self._send)
         if size < self._offload.min_bytes:
-            self._stats["kept"] += size
+            self._stats["on_device"] += size
             return t.detach()
         if torch.compiler.is_compiling() or storage is None:
             self._stats["host"] += size
@@ -159,7 +159,7 @@ class Packer:
             seen[1].share()
             return Strided(seen[1], t.shape, t.stride(), t.storage_offset())
         if whole % item:
-            self._stats["kept"] += size
+            self._stats["on_device"] += size
             return t.detach()
         if is_whole:
             copy = self._send(t)
@@ -169,14 +169,14 @@ class Packer:
             if whole > _VIEW_STORAGE_LIMIT * (size + sum(v.nbytes for v in views)):
                 view = Waiting(t.detach(), size)  # a small part of a large storage: kept for now
                 self._waiting[key] = (weakref.ref(storage), [*views, view])
-                self._stats["kept"] += size
+                self._stats["on_device"] += size
                 return view
             with torch.no_grad():
                 flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (whole // item,), (1,))
             copy = self._send(flat)
             for view in views:  # the views kept so far go with it, and let go of the device
                 view.send(copy)
-                self._stats["kept"] -= view.nbytes
+                self._stats["on_device"] -= view.nbytes
             self._waiting.pop(key, None)
         self._stats["host"] += whole
         self._storages[key] = (weakref.ref(storage), copy)

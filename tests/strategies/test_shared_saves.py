@@ -175,7 +175,7 @@ def test_a_small_view_of_a_large_storage_stays_on_the_device_and_an_expanded_one
     with packer.installed():
         kept, expanded = packer(last), packer(row)
     assert isinstance(kept.part, torch.Tensor) and kept.part.data_ptr() == last.data_ptr()
-    assert stats["kept"] == last.numel() * 4 and kept.restore() is kept.part
+    assert stats["on_device"] == last.numel() * 4 and kept.restore() is kept.part
     assert expanded.base.host.numel() == 32
     restored = expanded.restore()
     assert torch.equal(restored, row) and restored.stride() == (0, 1)
@@ -193,14 +193,14 @@ def test_small_views_of_one_storage_wait_on_the_device_until_they_are_worth_its_
     slices = [states[:, i] for i in range(5)]
     with using_link(link), packer.installed():
         packed = [packer(s) for s in slices[:3]]
-        assert link.sent == [] and stats["kept"] == 3 * slices[0].numel() * 4
+        assert link.sent == [] and stats["on_device"] == 3 * slices[0].numel() * 4
         again = packer(slices[1])  # a slice saved twice before the storage goes
         assert again is packed[1]
         packed.append(packer(slices[3]))  # 4/16 of the storage: a quarter
         packed.append(packer(slices[4]))  # after the copy: a view of it at once
     whole = states.numel() * 4
     assert link.sent == [whole]  # the storage, once
-    assert stats["host"] == whole and stats["kept"] == 0
+    assert stats["host"] == whole and stats["on_device"] == 0
     copies = {id(p.part.base) if hasattr(p, "part") else id(p.base) for p in packed}
     assert len(copies) == 1
     with using_link(link):
