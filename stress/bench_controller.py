@@ -1,6 +1,7 @@
 """What the controller costs in steady state, with the real host probe.
 
-    python -m stress.bench_controller   # the benchmark's Llama at 2 x 512; also with every step measured
+    python -m stress.bench_controller            # the benchmark's Llama at 2 x 512; also with every step measured
+    python -m stress.bench_controller --proxy    # launch-bound: 24 small blocks, where host time is the step
 
 Two figures, over the same steady-state steps (shapes seen, plan held; one step in
 `measure_every` is measured block by block, as in training):
@@ -53,6 +54,101 @@ class Timed:
                 self.spent += time.thread_time() - t
 
         return timed
+
+
+class _Small(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class LaunchBound(torch.nn.Module):
+    """Many small blocks on small tensors: a step is mostly the host issuing ops, as on a GPU at
+    batch 1, so whatever the controller does on the host shows in full."""
+
+    def __init__(self, blocks: int = 24, width: int = 32) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Small(width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
+    """The manager's host time per steady step (ms) and a managed step against the same plan with no
+    manager watching (paired medians over rotated rounds), through `run_step` and through `step()`."""
+    import statistics
+
+    import adaptmem
+    from adaptmem.wrapping import get_instrumentation
+
+    torch.manual_seed(0)
+    model, x = LaunchBound(blocks), torch.randn(2, 8, 32)
+
+    def work():
+        model(x).backward()
+
+    mem = adaptmem.manage(model, device="cpu", budget="95%")
+    try:
+        for _ in range(8):  # past calibration: the plan is held
+            mem.run_step(work)
+            model.zero_grad(set_to_none=True)
+        runtime = get_instrumentation(model).runtime
+        ctl = mem._controller
+        own, inside = Timed(), Timed()
+        tell, bwd = runtime.tell, ctl.recorder._bwd_boundary
+        runtime.tell, ctl.recorder._bwd_boundary = own.wrap(tell), own.wrap(bwd)
+        timed_work = inside.wrap(work)
+        spent, total = 0.0, 0.0
+        for _ in range(steps):
+            worked, t = inside.spent, time.thread_time()
+            mem.run_step(timed_work)
+            took = time.thread_time() - t
+            total += took
+            spent += took - (inside.spent - worked)
+            model.zero_grad(set_to_none=True)
+        runtime.tell, ctl.recorder._bwd_boundary = tell, bwd
+        host_ms = 1e3 * (own.spent + spent) / steps
+
+        def unmanaged():
+            observer, runtime.observer = runtime.observer, None
+            try:
+                work()
+            finally:
+                runtime.observer = observer
+
+        ratios = {"run_step": [], "step()": []}
+        for r in range(rounds):
+            for name, managed in (("run_step", lambda: mem.run_step(work)), ("step()", lambda: _marked(mem, work))):
+                times = {}
+                order = (managed, unmanaged) if r % 2 == 0 else (unmanaged, managed)
+                for fn in order:
+                    t = time.perf_counter()
+                    for _ in range(steps // 4):
+                        fn()
+                        model.zero_grad(set_to_none=True)
+                    times[fn] = time.perf_counter() - t
+                ratios[name].append(times[managed] / times[unmanaged])
+    finally:
+        mem.close()
+    return {
+        "blocks": blocks,
+        "host_ms": host_ms,
+        "step_ms": 1e3 * total / steps,
+        **{name: statistics.median(r) for name, r in ratios.items()},
+        "spread": {name: (min(r), max(r)) for name, r in ratios.items()},
+    }
+
+
+def _marked(mem, work) -> None:
+    with mem.step():
+        work()
 
 
 def controller_fraction(steps: int = 20, seq: int = 512, measure_every: int | None = None) -> dict:
@@ -128,6 +224,15 @@ def _side_by_side(mem, model, work, runtime, reps: int) -> float:
 
 def main() -> int:
     torch.set_num_threads(1)
+    if "--proxy" in sys.argv:
+        got = launch_bound()
+        print(
+            f"launch-bound proxy, {got['blocks']} blocks: the manager's host time {got['host_ms']:.2f} ms of a "
+            f"{got['step_ms']:.2f} ms step; managed against the same plan unmanaged: run_step "
+            f"{got['run_step']:.3f}x ({got['spread']['run_step'][0]:.3f}..{got['spread']['run_step'][1]:.3f}), "
+            f"step() {got['step()']:.3f}x ({got['spread']['step()'][0]:.3f}..{got['spread']['step()'][1]:.3f})"
+        )
+        return 0
     every = controller_fraction(measure_every=1)
     print(f"measuring every step block by block: {every['direct']:.3%} of a step in the controller's code")
     got = controller_fraction()

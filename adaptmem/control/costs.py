@@ -437,7 +437,7 @@ class CostModel:
 
 def _extents(fit: Fit) -> int:
     """How many lengths (extents) a fit has seen."""
-    return len({e for _, e in fit.points})
+    return fit.extents
 
 
 def _revealed_activations(blk: BlockSample) -> float | None:

@@ -38,6 +38,7 @@ class Fit:
         self.points: OrderedDict[tuple[int, int], float] = OrderedDict()
         self.counts: dict[tuple[int, int], int] = {}
         self._terms: tuple | None = None  # the least-squares terms of the points as they stand
+        self._extents: int | None = None  # how many extents the points hold, as they stand
 
     def add(self, batch: int, extent: int, value: float, *, provisional: bool = False) -> None:
         """Observe `value` at this shape: the mean of the last observations of it, about `span`
@@ -50,7 +51,7 @@ class Fit:
         least recently used one is forgotten, so a shape that keeps coming back stays.
         """
         key = (int(batch), int(extent))
-        self._terms = None
+        self._terms = self._extents = None
         old = self.points.pop(key, None)
         n = 0 if old is None else min(self.counts.get(key, 1), self.span - 1)
         self.points[key] = float(value) if old is None else (n * old + float(value)) / (n + 1)
@@ -65,6 +66,13 @@ class Fit:
         """The shape seen with the element count (batch x extent) nearest this one's, and its value."""
         elements = batch * extent
         return min(self.points.items(), key=lambda kv: abs(kv[0][0] * kv[0][1] - elements))
+
+    @property
+    def extents(self) -> int:
+        """How many extents (lengths) the points hold: a plan asks each fit many times."""
+        if self._extents is None:
+            self._extents = len({e for _, e in self.points})
+        return self._extents
 
     @property
     def settled(self) -> bool:
@@ -83,7 +91,7 @@ class Fit:
         (b0, e0), y0 = self.nearest(batch, extent)
         scale = elements / max(1, b0 * e0)
         guess = y0 * scale * ((1 - quadratic) + quadratic * extent / e0 if extent > e0 else 1.0)
-        if len({s for _, s in self.points}) < 2:
+        if self.extents < 2:
             return guess
         lin, quad = self._activation_terms()
         return max(lin * elements + quad * elements * extent, y0 * scale)
