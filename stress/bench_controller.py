@@ -7,8 +7,8 @@ Two figures, over the same steady-state steps (shapes seen, plan held; one step 
 `measure_every` is measured block by block, as in training):
 
   direct  the training thread's CPU time spent in the manager's own code, over the step's:
-          every call the blocks make into it (`runtime.tell`: block starts and ends,
-          recompute marks, with the planning they trigger), its backward hooks, and
+          every call the blocks make into it (block starts and ends, recompute marks, with
+          the planning they trigger), its backward hooks, and
           `run_step` around the step function (the retry guard's copies, begin_step and
           end_step). A sum of small, exactly attributed times: stable from run to run.
           What adds to the step.
@@ -54,6 +54,22 @@ class Timed:
                 self.spent += time.thread_time() - t
 
         return timed
+
+
+_WATCHED = ("block_start", "block_end", "recompute")
+
+
+def _watch(ctl, timed: Timed) -> None:
+    """Time every call the blocks make into the controller, and its backward hooks."""
+    for name in _WATCHED:
+        setattr(ctl, name, timed.wrap(getattr(ctl, name)))
+    ctl.recorder._bwd_boundary = timed.wrap(ctl.recorder._bwd_boundary)
+
+
+def _unwatch(ctl) -> None:
+    for name in _WATCHED:
+        delattr(ctl, name)
+    del ctl.recorder._bwd_boundary
 
 
 class _Small(torch.nn.Module):
@@ -102,8 +118,7 @@ def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
         runtime = get_instrumentation(model).runtime
         ctl = mem._controller
         own, inside = Timed(), Timed()
-        tell, bwd = runtime.tell, ctl.recorder._bwd_boundary
-        runtime.tell, ctl.recorder._bwd_boundary = own.wrap(tell), own.wrap(bwd)
+        _watch(ctl, own)
         timed_work = inside.wrap(work)
         spent, total = 0.0, 0.0
         for _ in range(steps):
@@ -113,7 +128,7 @@ def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
             total += took
             spent += took - (inside.spent - worked)
             model.zero_grad(set_to_none=True)
-        runtime.tell, ctl.recorder._bwd_boundary = tell, bwd
+        _unwatch(ctl)
         host_ms = 1e3 * (own.spent + spent) / steps
 
         def unmanaged():
@@ -177,8 +192,7 @@ def controller_fraction(steps: int = 20, seq: int = 512, measure_every: int | No
             model.zero_grad(set_to_none=True)
         runtime = get_instrumentation(model).runtime
         own = Timed()
-        tell, bwd = runtime.tell, mem._controller.recorder._bwd_boundary
-        runtime.tell, mem._controller.recorder._bwd_boundary = own.wrap(tell), own.wrap(bwd)
+        _watch(mem._controller, own)
         sampler = _thread_clock(mem.sampler)
         stepped, measured, background, around = 0.0, 0, 0.0, 0.0
         inside = Timed()  # the step function's own time, which run_step wraps
@@ -194,7 +208,7 @@ def controller_fraction(steps: int = 20, seq: int = 512, measure_every: int | No
             background += (sampler() - s0) if sampler else 0.0
             measured += mem.last_step["measured"] == "blocks"
             model.zero_grad(set_to_none=True)
-        runtime.tell, mem._controller.recorder._bwd_boundary = tell, bwd
+        _unwatch(mem._controller)
         direct = (own.spent + around) / stepped
         ab = _side_by_side(mem, model, work, runtime, max(6, steps // 2))
     finally:

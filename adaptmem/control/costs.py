@@ -301,15 +301,25 @@ class CostModel:
         for 2389 tokens, where its siblings, seen at three lengths, showed it linear: 47 MiB."""
         fit = self.latent[index][name]
         group = self.times.alike_groups(batch, extent)[index]
-        guides = [self.latent[j][name] for j in group if j != index]
-        if not name.endswith("_s"):
-            guides += [self.latent[j]["activations"] for j in group]
-        guide = next((g for g in guides if _extents(g) >= 2), None)
+        guide = next((self.latent[j][name] for j in self._spanning(group, name, batch, extent) if j != index), None)
+        if guide is None and not name.endswith("_s"):
+            guide = next(
+                (self.latent[j]["activations"] for j in self._spanning(group, "activations", batch, extent)), None
+            )
         if guide is None:
             return fit.predict(batch, extent, self.policy.quadratic_prior)
         (b0, e0), y0 = fit.nearest(batch, extent)
         there = guide.predict(b0, e0)
         return y0 * guide.predict(batch, extent) / there if there > 0 else fit.predict(batch, extent)
+
+    def _spanning(self, group: tuple[int, ...], name: str, batch: int, extent: int) -> list[int]:
+        """The blocks of `group` whose latent `name` was seen at two lengths or more, in order (kept
+        with the figures pooled at this shape: every block of the group asks)."""
+        pool = self.times.shape_pool(batch, extent)
+        key = ("spanning", group, name)
+        if key not in pool:
+            pool[key] = [j for j in group if _extents(self.latent[j][name]) >= 2]
+        return pool[key]
 
     def sibling(self, index: int, mode: Mode, batch: int, extent: int) -> dict[str, Fit] | None:
         """The fits of `mode` on the first block alike with `index` (`times.group`: its class, its input

@@ -91,7 +91,9 @@ class MemoryManager:
             else instrument(
                 model,
                 blocks,
-                compress=CompressOptions(codec=p.compress_codec, group_size=p.compress_group_size),
+                compress=CompressOptions(
+                    codec=p.compress_codec, group_size=p.compress_group_size, compile=p.compress_compile
+                ),
                 head=head,
             )
         )

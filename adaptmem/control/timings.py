@@ -210,7 +210,7 @@ class ModeTimes:
         the prefetch brings this block's copies back. (0, 0) elsewhere."""
         if not (mode & Mode.OFFLOAD and self.costs.priors.covered_by_compute):
             return 0.0, 0.0
-        pool = self._shape_pool(batch, extent)
+        pool = self.shape_pool(batch, extent)
         if "covers" not in pool:
             q = self.costs.policy.quadratic_prior
             fwd = [lat["forward_s"].predict(batch, extent, q) for lat in self.costs.latent]
@@ -222,10 +222,10 @@ class ModeTimes:
     def group(self, index: int, batch: int, extent: int) -> tuple[int, ...]:
         """The blocks alike with `index` at this shape; the pooled figures are kept until the
         shape or the cost model changes."""
-        self._shape_pool(batch, extent)
+        self.shape_pool(batch, extent)
         return self.alike_groups(batch, extent)[index]
 
-    def _shape_pool(self, batch: int, extent: int) -> dict:
+    def shape_pool(self, batch: int, extent: int) -> dict:
         """The figures pooled at this shape, emptied when the shape or the cost model changes."""
         key = (batch, extent, self.costs.steps_learned)
         if self._pool_key != key:

@@ -9,10 +9,19 @@ Codecs (chosen per block handle):
 Boolean tensors (dropout masks) are bit-packed, 8 values to a byte, which is
 lossless. Tensors below `min_bytes`, integer tensors, parameters and buffers
 pass through untouched.
+
+Each way, int8 and fp8 are one fused kernel per tensor where `torch.compile` can
+build one (`CompressOptions.compile`: "auto" on CUDA with Triton, "on" anywhere a
+compiler is, "off"): the scales, the division and the cast in one pass over the
+values, in place of one Python-launched op each. Where no compiler works, the
+first failure is logged once and the eager ops run (the same codes: the scale is
+the group's largest magnitude over the code's range, the code the value over it
+rounded half to even).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +31,11 @@ import torch
 from adaptmem.strategies.payloads import Payload, nbytes_of, restore
 
 CODECS = ("int8", "fp8", "bf16")
+COMPILE = ("auto", "on", "off")
 _FP8_MAX = 448.0
+_TINY = torch.finfo(torch.float32).tiny
+
+log = logging.getLogger("adaptmem")
 
 
 @dataclass(frozen=True)
@@ -33,12 +46,15 @@ class CompressOptions:
     group_size: values sharing one scale for int8 / fp8 (count, >= 8).
     min_bytes: floating tensors smaller than this pass through (bytes).
     pack_bool: bit-pack boolean tensors such as dropout masks (lossless).
+    compile: "auto" (fused kernels on CUDA where Triton is), "on" (on any device, with a C++
+        compiler on the CPU; the first call of each shape family compiles), "off" (eager ops).
     """
 
     codec: str = "int8"
     group_size: int = 64
     min_bytes: int = 64 * 1024
     pack_bool: bool = True
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -47,32 +63,44 @@ class CompressOptions:
             raise ValueError(f"CompressOptions.group_size must be an int >= 8, got {self.group_size!r}")
         if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise ValueError(f"CompressOptions.min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        if self.compile not in COMPILE:
+            raise ValueError(f"CompressOptions.compile must be one of {COMPILE}, got {self.compile!r}")
 
 
 class Quantized(Payload):
     """Codes plus per-group scales (int8, fp8) or a cast (bf16) of one tensor."""
 
-    __slots__ = ("codec", "codes", "scales", "shape", "dtype", "numel")
+    __slots__ = ("codec", "codes", "scales", "shape", "dtype", "numel", "compiled")
 
-    def __init__(self, codec: str, codes: Any, scales: Any, shape: torch.Size, dtype: torch.dtype, numel: int) -> None:
+    def __init__(
+        self,
+        codec: str,
+        codes: Any,
+        scales: Any,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        numel: int,
+        compiled: str = "off",
+    ) -> None:
         self.codec = codec
         self.codes = codes
         self.scales = scales
         self.shape = shape
         self.dtype = dtype
         self.numel = numel
+        self.compiled = compiled  # CompressOptions.compile: how to decode it
 
     def restore(self) -> torch.Tensor:
         codes = restore(self.codes)
         with torch.no_grad():
             if self.codec == "bf16":
                 return codes.to(self.dtype).view(self.shape)
-            values = codes.to(torch.float32).mul_(restore(self.scales))
-            return values.view(-1)[: self.numel].view(self.shape).to(self.dtype)
+            values = _kernel(_decode_groups, codes.device, self.compiled)(codes, restore(self.scales), self.dtype)
+            return values.view(-1)[: self.numel].view(self.shape)
 
     def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> Quantized:
         scales = fn(self.scales) if self.scales is not None else None  # bf16 has none
-        return Quantized(self.codec, fn(self.codes), scales, self.shape, self.dtype, self.numel)
+        return Quantized(self.codec, fn(self.codes), scales, self.shape, self.dtype, self.numel, self.compiled)
 
 
 class BitPacked(Payload):
@@ -108,24 +136,85 @@ def encode(t: torch.Tensor, options: CompressOptions) -> Payload | None:
             if t.dtype != torch.float32 and t.dtype != torch.float64:
                 return None
             return Quantized("bf16", t.detach().to(torch.bfloat16), None, t.shape, t.dtype, t.numel())
-        return _quantize(t.detach(), options.codec, options.group_size)
+        return _quantize(t.detach(), options.codec, options.group_size, options.compile)
 
 
-def _quantize(t: torch.Tensor, codec: str, group_size: int) -> Quantized:
+def _quantize(t: torch.Tensor, codec: str, group_size: int, compiled: str = "off") -> Quantized:
     flat = t.reshape(-1)
     numel = flat.numel()
     pad = (-numel) % group_size
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
-    groups = flat.view(-1, group_size).to(torch.float32)
-    top = 127.0 if codec == "int8" else _FP8_MAX
-    scales = groups.abs().amax(dim=1, keepdim=True).div_(top).clamp_min_(torch.finfo(torch.float32).tiny)
+    groups = flat.view(-1, group_size)
+    codes, scales = _kernel(_encode_groups, t.device, compiled)(groups, codec == "int8")
+    return Quantized(codec, codes, scales, t.shape, t.dtype, numel, compiled)
+
+
+def _encode_groups(groups: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `groups`: its scale (largest magnitude over the code's range) and its codes.
+    |value / scale| is at most the range by construction, so int8 needs no clamp."""
+    groups = groups.to(torch.float32)
+    low, high = torch.aminmax(groups, dim=1, keepdim=True)
+    scales = torch.maximum(high, -low).div_(127.0 if int8 else _FP8_MAX).clamp_min_(_TINY)
     scaled = groups / scales
-    if codec == "int8":
-        codes = scaled.round_().clamp_(-127, 127).to(torch.int8)
-    else:
-        codes = scaled.clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    return Quantized(codec, codes, scales, t.shape, t.dtype, numel)
+    if int8:
+        return scaled.round_().to(torch.int8), scales
+    return scaled.clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+def _decode_groups(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.to(torch.float32) * scales).to(dtype)
+
+
+#: (function, device type) -> its compiled form, or None where compiling failed (then eager)
+_COMPILED: dict[tuple[Callable, str], Callable | None] = {}
+
+
+def _kernel(fn: Callable, device: torch.device, compiled: str) -> Callable:
+    """`fn` compiled into one kernel where `compiled` asks for it and a compiler works, else `fn`."""
+    if compiled == "off" or (compiled == "auto" and not (device.type == "cuda" and _has_triton())):
+        return fn
+    if torch.compiler.is_compiling():  # inside a compiled block: its compiler fuses it already
+        return fn
+    key = (fn, device.type)
+    if key not in _COMPILED:
+        _COMPILED[key] = _Guarded(fn, torch.compile(fn, dynamic=True, fullgraph=True))
+    return _COMPILED[key] or fn
+
+
+class _Guarded:
+    """A compiled codec that falls back to the eager one, for good, at its first failure (no
+    compiler on the machine, say), with one warning for the process."""
+
+    warned = False
+
+    def __init__(self, eager: Callable, compiled: Callable) -> None:
+        self.eager, self.compiled, self.failed = eager, compiled, False
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception as err:  # a missing compiler surfaces as the compiler's own error type
+                self.failed = True
+                if _Guarded.warned:
+                    return self.eager(*args)
+                _Guarded.warned = True
+                log.warning(
+                    "adaptmem: COMPRESS could not compile its codec (%s: %s); it runs as eager ops "
+                    'from now on (set the policy\'s compress_compile = "off" to skip trying)',
+                    type(err).__name__,
+                    str(err).splitlines()[0] if str(err) else "",
+                )
+        return self.eager(*args)
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def pack_bits(t: torch.Tensor) -> BitPacked:

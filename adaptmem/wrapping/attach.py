@@ -68,15 +68,24 @@ class _BlockForward:
             return forward(*args, **kwargs)
         runtime = handle.runtime
         observer = runtime.observer
+        # traced by torch.compile, the observer is called through `runtime.tell`, which the compiler
+        # never traces; run eagerly, directly (the untraced wrapper costs microseconds a call)
+        compiling = torch.compiler.is_compiling()
         if observer is not None:
-            runtime.tell(observer, "block_start", handle, args, kwargs)  # may set handle.mode (planning)
+            if compiling:
+                runtime.tell(observer, "block_start", handle, args, kwargs)
+            else:
+                observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
         call = handle.make_call(forward, args, kwargs)
         output = STRATEGIES[call.mode](call)
         if not call.mode & Mode.OFFLOAD:
             call.offload_runtime.prefetch_when_reached(output)
         handle.finished(call)
         if observer is not None:
-            runtime.tell(observer, "block_end", handle, call, output)
+            if compiling:
+                runtime.tell(observer, "block_end", handle, call, output)
+            else:
+                observer.block_end(handle, call, output)
         return output
 
     def belongs_to(self, handle: BlockHandle) -> bool:

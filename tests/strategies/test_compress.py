@@ -157,3 +157,73 @@ def test_bf16_and_fp8_errors_are_reported(codec, min_cos, record_property, capsy
         print(f"\n[compress {codec}] min gradient cosine {cos:.6f}, max relative gradient error {rel:.4%}")
     assert handles[0].compress_options.codec == codec
     assert cos >= min_cos
+
+
+def _reference_codes(t: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes as the codec defines them, op by op: scale = largest magnitude / 127, code =
+    value / scale rounded half to even, clamped to [-127, 127]."""
+    flat = t.float().reshape(-1)
+    groups = torch.nn.functional.pad(flat, (0, (-flat.numel()) % group_size)).view(-1, group_size)
+    scales = groups.abs().amax(1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return (groups / scales).round().clamp(-127, 127).to(torch.int8), scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_eager_codec_gives_the_defined_codes(dtype):
+    torch.manual_seed(0)
+    t = torch.cat([torch.randn(5000) * 4, torch.zeros(64), torch.full((64,), -3.0)]).to(dtype)
+    codes, scales = _reference_codes(t, 64)
+    payload = encode(t, CompressOptions(min_bytes=0, compile="off"))
+    assert torch.equal(payload.codes, codes) and torch.equal(payload.scales, scales)
+
+
+def test_a_codec_that_cannot_compile_runs_eager_with_one_warning(monkeypatch, caplog):
+    from adaptmem.strategies import compress
+
+    def no_compiler(fn, **options):
+        def failing(*args):
+            raise RuntimeError("no C++ compiler found")
+
+        return failing
+
+    monkeypatch.setattr(compress, "_COMPILED", {})
+    monkeypatch.setattr(compress._Guarded, "warned", False)
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    torch.manual_seed(0)
+    t = torch.randn(40, 64)
+    first = encode(t, CompressOptions(min_bytes=0, compile="on"))
+    second = encode(t, CompressOptions(min_bytes=0, compile="on"))
+    codes, _ = _reference_codes(t, 64)
+    assert torch.equal(first.codes, codes) and torch.equal(second.codes, codes)
+    assert torch.equal(restore(first), restore(encode(t, CompressOptions(min_bytes=0, compile="off"))))
+    warned = [r for r in caplog.records if "could not compile its codec" in r.getMessage()]
+    assert len(warned) == 1 and "no C++ compiler found" in warned[0].getMessage()
+
+
+@pytest.mark.slow
+def test_the_compiled_codec_gives_the_eager_codes_on_the_cpu():
+    torch.manual_seed(0)
+    for shape in ((4, 100, 64), (3, 333, 65)):  # two shapes of one family: compiled once
+        t = torch.randn(shape) * 2
+        fused = encode(t, CompressOptions(min_bytes=0, compile="on"))
+        plain = encode(t, CompressOptions(min_bytes=0, compile="off"))
+        assert torch.equal(fused.codes, plain.codes) and torch.equal(fused.scales, plain.scales)
+        assert torch.equal(restore(fused), restore(plain))
+
+
+@pytest.mark.cuda
+def test_the_codec_is_fused_on_cuda_and_gives_the_eager_codes():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from adaptmem.strategies import compress
+
+    torch.manual_seed(0)
+    t = torch.randn(8, 512, 256, device="cuda", dtype=torch.bfloat16)
+    for codec in ("int8", "fp8"):
+        fused = encode(t, CompressOptions(min_bytes=0, codec=codec))  # compile="auto": fused on CUDA
+        plain = encode(t, CompressOptions(min_bytes=0, codec=codec, compile="off"))
+        assert torch.equal(fused.scales, plain.scales)
+        assert torch.equal(fused.codes.view(torch.uint8), plain.codes.view(torch.uint8)), codec
+        assert torch.equal(restore(fused), restore(plain))
+    guarded = compress._COMPILED.get((compress._encode_groups, "cuda"))
+    assert guarded is not None and not guarded.failed
