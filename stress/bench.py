@@ -216,6 +216,9 @@ def bench_link(name, base, data, seq, blocks, link, speed, reps, steps, extra, r
             row["vs_oracle"], row["vs_oracle_rounds"] = round(row["vs_oracle"], 4), len(mine)
             row["vs_oracle_ratios"] = [round(a / b, 5) for a, b in zip(mine, theirs)]
             row["plan"] = plan_label(tuple(map(Mode.parse, r.manager.last_step["plan"])))
+            head = r.manager.last_step.get("head")
+            if head and head != "KEPT":  # the other methods keep the head whole
+                row["plan"] += f" head {head}"
     return rows
 
 
