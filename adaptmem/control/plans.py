@@ -117,6 +117,7 @@ class PlanBook:
         self._predicted: dict[tuple, float] = {}
         self._predicted_for: tuple[int, Policy] | None = None
         self._warned: set[tuple[Shape, bool]] = set()  # (bucket, its size measured) warned of a shortfall
+        self._planned: set[Key] = set()  # buckets planned for before (their plans may have been dropped since)
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -133,8 +134,12 @@ class PlanBook:
         record = self.cache.get(key)
         if record is None or extent > record.seen:
             seen = extent if record is None else max(extent, record.seen)
-            record = self.make(key, start, budget, fixed={}, reason="new shape", extent=seen)
+            reason = "larger input" if record is not None else "replan" if key in self._planned else "new shape"
+            record = self.make(key, start, budget, fixed={}, reason=reason, extent=seen)
             self.cache[key] = record
+            if len(self._planned) >= 4 * MAX_CACHED_PLANS:
+                self._planned.clear()
+            self._planned.add(key)
         elif start > record.start + 0.01 * budget or self.failed is not None or self._outlearned(record, start, budget):
             record = self.make(key, start, budget, fixed={}, reason="replan", extent=record.seen)
             self.cache[key] = record
@@ -469,6 +474,7 @@ class PlanBook:
 
     def load_state_dict(self, state: list) -> None:
         self.cache = OrderedDict()
+        self._planned = {tuple(k) for k, *_ in state}
         self._predicted_for = None  # the cost model was loaded beside it
         for k, modes, start, pred, extent, seen, learned, head in state:
             k = tuple(k)

@@ -80,6 +80,7 @@ def summary(ctl: Controller, compiles: int) -> dict[str, Any]:
         "pressure_events": stats.pressure_events,
         "headroom": ctl.decider.headroom,
         "plan_counts": dict(Counter(m.label for m in ctl.blocks.modes)),
+        "head": ctl.blocks.head_choice.label if ctl.blocks.head_choice is not None else None,
         "policy": ctl.policy.name,
         "device": ctl.probe.name,
         "run": ctl.events.run_id,

@@ -158,8 +158,7 @@ def _encode_groups(groups: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torc
     """Per row of `groups`: its scale (largest magnitude over the code's range) and its codes.
     |value / scale| is at most the range by construction, so int8 needs no clamp."""
     groups = groups.to(torch.float32)
-    low, high = torch.aminmax(groups, dim=1, keepdim=True)
-    scales = torch.maximum(high, -low).div_(127.0 if int8 else _FP8_MAX).clamp_min_(_TINY)
+    scales = groups.abs().amax(dim=1, keepdim=True).div_(127.0 if int8 else _FP8_MAX).clamp_min_(_TINY)
     scaled = groups / scales
     if int8:
         return scaled.round_().to(torch.int8), scales
