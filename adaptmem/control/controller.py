@@ -165,6 +165,12 @@ class Controller:
                 return self._after_step(sample)
             return None
 
+    def abandon_step(self) -> None:
+        """Closing with a step open: it ends unrecorded and unlearned."""
+        if self.now.open:
+            self.recorder.end()
+            self.now.open = False
+
     def run(self, step: Callable[[], Any], fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """`run_step`: run `fn` as one step (`step()` opens and closes it); after an out-of-memory
         error, undo what the attempt changed, free, and run it again under a tighter plan."""

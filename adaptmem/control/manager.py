@@ -314,9 +314,7 @@ class MemoryManager:
         self._closed = True
         self._sampler.stop()
         ctl = self._controller
-        if ctl.now.open:
-            ctl.recorder.end()
-            ctl.now.open = False
+        ctl.abandon_step()
         self._runtime.observer = None
         self.events.emit("end", step=ctl.stats.steps, summary=self.summary(), reach=end_record(ctl))
         self._compiles.close()

@@ -700,3 +700,16 @@ def test_only_a_step_that_offloads_a_cold_block_is_measured_for_its_warm_reading
     costs.learn(_timed_step([Mode.OFFLOAD, Mode.OFFLOAD], [0.046, 0.300], [1000] * 2))  # block 1 cold
     assert costs.cold == {(1, Mode.OFFLOAD)}
     assert not schedule.worth(record((Mode.OFFLOAD,) * 2, 1400))  # block 0, alike, has a warm reading
+
+
+def test_gradients_resident_from_the_step_before_are_not_taken_as_allocated_within_it():
+    """The later blocks' weight gradients count as a constant part of what a block's backward
+    starts with only when the step allocates them; accumulating, they were there before it."""
+    model = tiny(dim=64, n_layers=3, vocab_size=128)
+    batch = tiny_batch(model, batch=2, seq=16)
+    with adaptmem.manage(model, budget=64 * 2**20, device=SimulatedDevice(capacity_bytes=256 * 2**20)) as mem:
+        mem.run_step(lambda: model(**batch).loss.backward())
+        layer = sum(w.numel() * w.element_size() for w in mem.handles[-1].module.parameters())
+        assert mem._controller.costs.grad_constant(0) == 2 * layer
+        mem.run_step(lambda: model(**batch).loss.backward())  # accumulates: no zero_grad between
+        assert mem.last_step["measured"] and mem._controller.costs.grad_constant(0) == 0

@@ -535,19 +535,6 @@ def test_allocator_retries_escalate_even_under_the_watermark():
     assert [s["alloc_retries"] for s in steps] == [0, 0, 0, 2, 2, 2]
 
 
-def test_gradients_kept_from_the_step_before_are_not_taken_as_allocated_within_it():
-    """The later blocks' weight gradients count as a constant part of what a block's backward
-    starts with only when the step allocates them; accumulating, they were there before it."""
-    model = tiny(dim=64, n_layers=3, vocab_size=128)
-    batch = tiny_batch(model, batch=2, seq=16)
-    with adaptmem.manage(model, budget=64 * MiB, device=SimulatedDevice(capacity_bytes=256 * MiB)) as mem:
-        mem.run_step(lambda: model(**batch).loss.backward())
-        layer = sum(w.numel() * w.element_size() for w in mem.handles[-1].module.parameters())
-        assert mem._controller.costs.grad_constant(0) == 2 * layer
-        mem.run_step(lambda: model(**batch).loss.backward())  # accumulates: no zero_grad between
-        assert mem.last_step["measured"] and mem._controller.costs.grad_constant(0) == 0
-
-
 def _kept_peak(model, batch, mode=None):
     """Peak of a micro-step that finds the weights' gradients of the one before kept."""
     if mode is not None:
