@@ -11,7 +11,16 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 
+_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
+
+
 def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in `obj`, in pytree order (depth first, positional before keyword)."""
+    """Every tensor in `obj`, in pytree order (depth first, positional before keyword). A tensor,
+    or a tuple or list of plain leaves (what blocks mostly return), is read without flattening:
+    every block boundary asks."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) in (tuple, list) and all(isinstance(x, _PLAIN) for x in obj):
+        return [t for t in obj if isinstance(t, torch.Tensor)]
     leaves, _ = tree_flatten(obj)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
