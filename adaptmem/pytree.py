@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None))
 
 
