@@ -5,8 +5,9 @@
     python -m stress.controller_gpu --trace runs/traces   # also profile a light and a measured managed step
 
 The fixed runner checkpoints the first 6 of 8 blocks. The managed one gets a budget 5%
-above that plan's peak and may choose only NONE or CHECKPOINT, so that it settles on the
-same plan (the script says so if it does not). Both share one copy of the weights.
+above that plan's peak, may choose only NONE or CHECKPOINT and keeps the loss head whole
+(as the fixed one does: chunked, it had room for fewer checkpoints, a plan of its own), so
+that it settles on the same plan (the script says so if it does not). Both share one copy of the weights.
 Two figures:
 
   synchronized  each step timed alone, between two `torch.cuda.synchronize()`, the two
@@ -92,7 +93,12 @@ def main(argv=None) -> int:
         fixed.step()
     peak = fixed.measure_peak()
     managed = make_runner(
-        "adaptmem", base, data, None, budget=(None, int(peak / 0.95)), policy=Policy(modes=("NONE", "CHECKPOINT"))
+        "adaptmem",
+        base,
+        data,
+        None,
+        budget=(None, int(peak / 0.95)),
+        policy=Policy(modes=("NONE", "CHECKPOINT"), head="kept"),
     )
     managed.run = 1
     for _ in range(12):  # calibration and settling
