@@ -95,6 +95,43 @@ class BufferCopies:
             torch.cuda.synchronize(index)
 
 
+class ModuleList:
+    """A model's modules, listed once and again only after a module is registered anywhere (a
+    global registration hook counts them): a step's guard reads each module's parameters and
+    buffers in place, as `model.parameters()` / `buffers()` give them (in order, each once),
+    without walking the model, which took 0.2 ms a step on 24 small blocks."""
+
+    generation = 0  # modules registered in this process since the hook was installed
+    _hook: Any = None
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if ModuleList._hook is None:
+            ModuleList._hook = torch.nn.modules.module.register_module_module_registration_hook(_registered)
+        self._model = weakref.ref(model)
+        self._modules: list[torch.nn.Module] = []
+        self._generation = -1
+
+    def tensors(self, kind: str) -> list[torch.Tensor]:
+        """The model's parameters ("_parameters") or buffers ("_buffers"), each once, in order."""
+        model = self._model()
+        if model is None:
+            return []
+        if self._generation != ModuleList.generation:
+            self._modules, self._generation = list(model.modules()), ModuleList.generation
+        seen: set[int] = set()
+        out = []
+        for module in self._modules:
+            for t in getattr(module, kind).values():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
+        return out
+
+
+def _registered(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
+    ModuleList.generation += 1
+
+
 class StepGuard:
     """Remembers what a step may change (gradients, RNG, buffers) so a failed attempt can be undone.
 
@@ -103,6 +140,8 @@ class StepGuard:
         snapshot: the policy's `accumulation_snapshot` ("device", "host" or "off").
         buffer_limit: the policy's `buffer_snapshot_limit` (bytes): buffers past it are not copied.
         copies: where the buffers' copies are kept from step to step (the manager's); a new one if None.
+        modules: the model's modules (`ModuleList`), read in place of walking the model for its
+            parameters and buffers; None walks it.
     """
 
     def __init__(
@@ -112,16 +151,17 @@ class StepGuard:
         *,
         buffer_limit: int = 256 * 2**20,
         copies: BufferCopies | None = None,
+        modules: ModuleList | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.rng = rng_state()
-        buffers = list(model.buffers())
+        buffers = list(model.buffers()) if modules is None else modules.tensors("_buffers")
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
         self.buffer_limit = buffer_limit
         self.buffer_copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if self.buffer_bytes <= buffer_limit:
             self.buffer_copies = (copies or BufferCopies()).take(buffers)
-        params = model.parameters()
+        params = model.parameters() if modules is None else modules.tensors("_parameters")
         self.params = [p for p in params if p.requires_grad]
         self.existing = {p: p.grad for p in self.params if p.grad is not None}
         self.versions = {p: g._version for p, g in self.existing.items()}
@@ -280,6 +320,7 @@ class RetryGuard:
         self.trace: Any = None  # the controller as it was before that batch (adaptmem.control.unfit.Trace)
         self.last_failure: dict = {}
         self._copies = BufferCopies()
+        self._modules: ModuleList | None = None
 
     def new_batch(self, trace: Any) -> None:
         self.trace, self.attempts = trace, []
@@ -293,7 +334,9 @@ class RetryGuard:
 
     def guard(self, model: torch.nn.Module, snapshot: str, buffer_limit: int) -> StepGuard:
         """A `StepGuard` for one batch: what it changes can be undone before a retry."""
-        return StepGuard(model, snapshot, buffer_limit=buffer_limit, copies=self._copies)
+        if self._modules is None:
+            self._modules = ModuleList(model)
+        return StepGuard(model, snapshot, buffer_limit=buffer_limit, copies=self._copies, modules=self._modules)
 
     def report(self, max_retries: int) -> StepOutOfMemoryError:
         """The error for a batch every retry failed: each attempt, what it ran, and what to do."""

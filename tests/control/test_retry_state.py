@@ -147,3 +147,25 @@ def test_buffers_past_the_snapshot_limit_are_refused_with_the_setting():
         injector.armed = True
         with pytest.raises(adaptmem.InexactRetryError, match="buffer_snapshot_limit"):
             mem.run_step(lambda: model(**image_batch()).loss.backward())
+
+
+def test_the_guard_reads_the_models_parameters_and_buffers_as_they_stand_without_walking_it():
+    """The modules are listed once, again after any module is registered; parameters and buffers are
+    read from them in place: the same tensors in the same order as `model.parameters()` and
+    `model.buffers()`, a parameter replaced or a submodule added seen at once."""
+    from adaptmem.control.retry import ModuleList
+
+    model = cnn()
+    model.tied = torch.nn.Linear(16, 10)
+    model.tied.weight = model.head.weight  # one parameter in two modules: listed once
+    listed = ModuleList(model)
+
+    def same(kind, reference):
+        got = listed.tensors(kind)
+        return len(got) == len(reference) and all(a is b for a, b in zip(got, reference))
+
+    assert same("_parameters", list(model.parameters())) and same("_buffers", list(model.buffers()))
+    first = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    first.weight = torch.nn.Parameter(first.weight.detach().clone())  # replaced in place of the old
+    model.extra = torch.nn.BatchNorm1d(3)  # a module registered after the list was made
+    assert same("_parameters", list(model.parameters())) and same("_buffers", list(model.buffers()))
