@@ -95,7 +95,7 @@ class BufferCopies:
             torch.cuda.synchronize(index)
 
 
-class ModuleList:
+class ListedModules:
     """A model's modules, listed once and again only after a module is registered anywhere (a
     global registration hook counts them): a step's guard reads each module's parameters and
     buffers in place, as `model.parameters()` / `buffers()` give them (in order, each once),
@@ -105,8 +105,8 @@ class ModuleList:
     _hook: Any = None
 
     def __init__(self, model: torch.nn.Module) -> None:
-        if ModuleList._hook is None:
-            ModuleList._hook = torch.nn.modules.module.register_module_module_registration_hook(_registered)
+        if ListedModules._hook is None:
+            ListedModules._hook = torch.nn.modules.module.register_module_module_registration_hook(_registered)
         self._model = weakref.ref(model)
         self._modules: list[torch.nn.Module] = []
         self._generation = -1
@@ -116,8 +116,8 @@ class ModuleList:
         model = self._model()
         if model is None:
             return []
-        if self._generation != ModuleList.generation:
-            self._modules, self._generation = list(model.modules()), ModuleList.generation
+        if self._generation != ListedModules.generation:
+            self._modules, self._generation = list(model.modules()), ListedModules.generation
         seen: set[int] = set()
         out = []
         for module in self._modules:
@@ -129,7 +129,7 @@ class ModuleList:
 
 
 def _registered(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
-    ModuleList.generation += 1
+    ListedModules.generation += 1
 
 
 class StepGuard:
@@ -140,7 +140,7 @@ class StepGuard:
         snapshot: the policy's `accumulation_snapshot` ("device", "host" or "off").
         buffer_limit: the policy's `buffer_snapshot_limit` (bytes): buffers past it are not copied.
         copies: where the buffers' copies are kept from step to step (the manager's); a new one if None.
-        modules: the model's modules (`ModuleList`), read in place of walking the model for its
+        modules: the model's modules (`ListedModules`), read in place of walking the model for its
             parameters and buffers; None walks it.
     """
 
@@ -151,7 +151,7 @@ class StepGuard:
         *,
         buffer_limit: int = 256 * 2**20,
         copies: BufferCopies | None = None,
-        modules: ModuleList | None = None,
+        modules: ListedModules | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.rng = rng_state()
@@ -320,7 +320,7 @@ class RetryGuard:
         self.trace: Any = None  # the controller as it was before that batch (adaptmem.control.unfit.Trace)
         self.last_failure: dict = {}
         self._copies = BufferCopies()
-        self._modules: ModuleList | None = None
+        self._modules: ListedModules | None = None
 
     def new_batch(self, trace: Any) -> None:
         self.trace, self.attempts = trace, []
@@ -335,7 +335,7 @@ class RetryGuard:
     def guard(self, model: torch.nn.Module, snapshot: str, buffer_limit: int) -> StepGuard:
         """A `StepGuard` for one batch: what it changes can be undone before a retry."""
         if self._modules is None:
-            self._modules = ModuleList(model)
+            self._modules = ListedModules(model)
         return StepGuard(model, snapshot, buffer_limit=buffer_limit, copies=self._copies, modules=self._modules)
 
     def report(self, max_retries: int) -> StepOutOfMemoryError:

@@ -153,12 +153,12 @@ def test_the_guard_reads_the_models_parameters_and_buffers_as_they_stand_without
     """The modules are listed once, again after any module is registered; parameters and buffers are
     read from them in place: the same tensors in the same order as `model.parameters()` and
     `model.buffers()`, a parameter replaced or a submodule added seen at once."""
-    from adaptmem.control.retry import ModuleList
+    from adaptmem.control.retry import ListedModules
 
     model = cnn()
     model.tied = torch.nn.Linear(16, 10)
     model.tied.weight = model.head.weight  # one parameter in two modules: listed once
-    listed = ModuleList(model)
+    listed = ListedModules(model)
 
     def same(kind, reference):
         got = listed.tensors(kind)
