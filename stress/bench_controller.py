@@ -132,11 +132,7 @@ def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
         host_ms = 1e3 * (own.spent + spent) / steps
 
         def unmanaged():
-            observer, runtime.observer = runtime.observer, None
-            try:
-                work()
-            finally:
-                runtime.observer = observer
+            _unwatched(runtime, work)
 
         ratios = {"run_step": [], "step()": []}
         for r in range(rounds):
@@ -216,6 +212,15 @@ def controller_fraction(steps: int = 20, seq: int = 512, measure_every: int | No
     return {"direct": direct, "ab": ab, "steps": steps, "measured": measured, "background": background / stepped}
 
 
+def _unwatched(runtime, work) -> None:
+    """One step through the same wrappers in the same modes, with no manager watching."""
+    observer, runtime.observer = runtime.observer, None
+    try:
+        work()
+    finally:
+        runtime.observer = observer
+
+
 def _side_by_side(mem, model, work, runtime, reps: int) -> float:
     managed, static = [], []
     for rep in range(reps):
@@ -225,12 +230,8 @@ def _side_by_side(mem, model, work, runtime, reps: int) -> float:
                 with mem.step():
                     work()
                 managed.append(time.process_time() - t)
-            else:  # the same wrappers in the same modes, with no manager watching
-                observer, runtime.observer = runtime.observer, None
-                try:
-                    work()
-                finally:
-                    runtime.observer = observer
+            else:
+                _unwatched(runtime, work)
                 static.append(time.process_time() - t)
             model.zero_grad(set_to_none=True)
     return min(managed) / min(static) - 1

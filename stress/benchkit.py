@@ -37,6 +37,27 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------ models
+def small_llama(vocab: int, *, layers: int, max_positions: int = 2048, dropout: float = 0.0) -> torch.nn.Module:
+    """A Hugging Face Llama from a config (hidden 256, 8 heads, 4 KV heads; random weights): the
+    stress scripts' model, by vocabulary, depth, longest position and attention dropout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=max_positions,
+        attention_dropout=dropout,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
 def build(name: str, device: str = "cpu") -> torch.nn.Module:
     """`tiny`: the project's small transformer; `llama`: a Hugging Face Llama from a config;
     `llama-1b`: TinyLlama-1.1B's shape with 8 of its 22 layers, for a GPU (bf16 there)."""
@@ -51,22 +72,7 @@ def build(name: str, device: str = "cpu") -> torch.nn.Module:
 
         return TinyTransformer(TinyConfig(vocab_size=2048, dim=256, n_layers=8, n_heads=8, dropout=0.0)).to(device)
     if name == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        cfg = LlamaConfig(
-            vocab_size=2048,
-            hidden_size=256,
-            intermediate_size=688,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            max_position_embeddings=4096,
-            attention_dropout=0.0,
-            use_cache=False,
-        )
-        return LlamaForCausalLM(cfg).to(device)
+        return small_llama(2048, layers=8, max_positions=4096).to(device)
     raise ValueError(f"unknown model {name!r}: tiny, llama or llama-1b")
 
 

@@ -38,7 +38,7 @@ from adaptmem.config.units import format_bytes
 from adaptmem.demo.longest import hf_checkpointing
 from adaptmem.devices.tiers import host_allocations
 from adaptmem.testing import SimulatedDevice
-from stress.benchkit import log
+from stress.benchkit import log, small_llama
 
 METHODS = ("unmanaged", "hf_gc", "hf_gc_offload", "adaptmem")
 STEPS = 3
@@ -48,23 +48,8 @@ DEVICE_MIB = {32000: 640, 128256: 1600}  # fixed per vocabulary: room for the we
 
 
 def build(vocab: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1 << 17,
-        attention_dropout=0.0,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(cfg)
+    return small_llama(vocab, layers=8, max_positions=1 << 17)
 
 
 def batch(vocab: int, length: int) -> dict:

@@ -24,6 +24,7 @@ import adaptmem
 from adaptmem import Mode
 from adaptmem.demo.tiny import TinyConfig, TinyTransformer, random_batch
 from adaptmem.testing import SimulatedDevice, measure_peak
+from stress.benchkit import small_llama
 
 
 def tiny_model():
@@ -33,22 +34,8 @@ def tiny_model():
 
 
 def llama_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        attention_dropout=0.1,
-        use_cache=False,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = small_llama(512, layers=6, dropout=0.1)
 
     def batch():
         ids = torch.randint(0, 512, (2, 512), generator=torch.Generator().manual_seed(1))

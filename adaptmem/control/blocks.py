@@ -30,7 +30,7 @@ class ManagedBlocks:
 
     def apply(self, modes: tuple[Mode, ...], head: HeadChoice | None) -> bool:
         """Run `modes` (and the head's `head`, where it has one) from the next block on; True when
-        that changes the plan in force."""
+        that changes the plan in force. Also puts back a plan as it was (a resume, a batch given up)."""
         for handle, mode in zip(self.handles, modes):
             handle.mode = mode
         if self.head is not None and head is not None:
@@ -39,16 +39,6 @@ class ManagedBlocks:
             return False
         self.modes, self.head_choice = modes, head
         return True
-
-    def restore(self, modes: tuple[Mode, ...], head: HeadChoice | None) -> None:
-        """Put back a plan in force as it was (a resumed run, or a batch given up)."""
-        self.apply(modes, head)
-        self.modes, self.head_choice = modes, head
-
-    def set_each(self, modes: tuple[Mode, ...]) -> None:
-        """Set the wrappers' modes and nothing else (giving the model back with the user's modes)."""
-        for handle, mode in zip(self.handles, modes):
-            handle.mode = mode
 
     def own_checkpointing(self) -> tuple[frozenset[int], frozenset[int]] | None:
         """The blocks whose model checkpoints them itself (Hugging Face's `gradient_checkpointing`),

@@ -318,7 +318,7 @@ class Controller:
             attempts,
             predicted=predicted,
             budget=self.budget,
-            limit=self.reading(self.budgets.available, None),
+            limit=available,
             longest=lambda batch: self.reacher(None).longest(batch),
         )
         self.now.refused = True
@@ -619,4 +619,4 @@ class Controller:
         if trace.costs is not None:
             self.costs.restore(trace.costs)
             self.lengths.load_state_dict(trace.lengths)
-        self.blocks.restore(trace.modes, trace.head)
+        self.blocks.apply(trace.modes, trace.head)

@@ -47,15 +47,14 @@ class Notices:
         what was there before, and every plan would be made on figures of nothing."""
         device = getattr(probe, "device", None)
         if (
-            "idle" in self._given
-            or sample is None
+            sample is None
             or not sample.blocks
             or not hasattr(device, "active")
             or device.active
             or sample.peak > sample.start
+            or not self._once("idle")
         ):
             return
-        self._given.add("idle")
         log.warning(
             "adaptmem: the SimulatedDevice given to the manager was not entered during step %d, so it "
             "counted none of its tensors (peak %s, what was there before) and the plans rest on "

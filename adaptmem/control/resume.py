@@ -51,7 +51,7 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
         ctl.stats.load_counters(state["counters"])
         ctl.lengths.load_state_dict(state["lengths"])
         head = state.get("current_head")
-        ctl.blocks.restore(
+        ctl.blocks.apply(
             tuple(Mode.parse(m) for m in state["current"]),
             HeadChoice.parse(head) if head is not None and ctl.blocks.head is not None else None,
         )

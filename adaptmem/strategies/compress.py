@@ -169,8 +169,8 @@ def _decode_groups(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     return (codes.to(torch.float32) * scales).to(dtype)
 
 
-#: (function, device type) -> its compiled form, or None where compiling failed (then eager)
-_COMPILED: dict[tuple[Callable, str], Callable | None] = {}
+#: (function, device type) -> its compiled form, which runs the eager one once compiling has failed
+_COMPILED: dict[tuple[Callable, str], _Guarded] = {}
 
 
 def _kernel(fn: Callable, device: torch.device, compiled: str) -> Callable:
@@ -182,7 +182,7 @@ def _kernel(fn: Callable, device: torch.device, compiled: str) -> Callable:
     key = (fn, device.type)
     if key not in _COMPILED:
         _COMPILED[key] = _Guarded(fn, torch.compile(fn, dynamic=True, fullgraph=True))
-    return _COMPILED[key] or fn
+    return _COMPILED[key]
 
 
 class _Guarded:
