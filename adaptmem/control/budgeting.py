@@ -40,10 +40,15 @@ class BudgetKeeper:
         self.calm = 0
         return before, self.current
 
+    @property
+    def squeezed(self) -> bool:
+        """Others' memory holds the budget in force under the user's."""
+        return self.current < self.user
+
     def relieve(self, available: int | None) -> tuple[int, int] | None:
         """After a step: once the others have let go for `calm_steps` steps, give the budget
         back (up to `user`): (before, after), or None."""
-        if available is None or self.current >= self.user:
+        if available is None or not self.squeezed:
             return None
         if available < self.current * 1.02:
             self.calm = 0

@@ -394,9 +394,8 @@ class Controller:
         self._learn_from(sample, decision, pred, calibrating)
         self.plans.succeeded()
         self.retries.succeeded()
-        # squeezed under the user's budget by others: is the memory back? (else nothing to give back)
-        squeezed = self.budgets.current < self.budgets.user
-        relief = self.budgets.relieve(self.reading(self.budgets.available, None)) if squeezed else None
+        # only a budget squeezed by others has anything to give back: read what they left then alone
+        relief = self.budgets.relieve(self.reading(self.budgets.available, None)) if self.budgets.squeezed else None
         if relief is not None:
             self.plans.forget()
             self.events.emit("relief", step=self.stats.steps, budget_bytes_before=relief[0], budget_bytes=relief[1])
