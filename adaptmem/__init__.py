@@ -9,7 +9,7 @@ from adaptmem.control.manage import manage
 from adaptmem.control.manager import MemoryManager
 from adaptmem.control.retry import InexactRetryError, StepOutOfMemoryError
 from adaptmem.modes import ALLOWED_MODES, LOSSLESS_MODES, HeadMode, Mode
-from adaptmem.strategies import CompressOptions, OffloadOptions, SelectiveBackwardError
+from adaptmem.strategies import CompressOptions, OffloadOptions
 from adaptmem.strategies.head import LogitsNotMaterializedError
 from adaptmem.wrapping import BlockHandle, HeadHandle, compile_blocks, get_handles, get_head, instrument, restore
 
@@ -29,7 +29,6 @@ __all__ = [
     "OffloadOptions",
     "Policy",
     "PolicyError",
-    "SelectiveBackwardError",
     "StepOutOfMemoryError",
     "compile_blocks",
     "get_handles",

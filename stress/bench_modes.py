@@ -27,6 +27,11 @@ from adaptmem import ALLOWED_MODES, Mode
 from adaptmem.config.units import format_bytes
 from adaptmem.testing import SimulatedDevice
 
+try:
+    from stress.verdicts import at_most, interval, plain
+except ImportError:  # run as a script: stress/ is on the path, not its parent
+    from verdicts import at_most, interval, plain
+
 PRESETS = {
     # TinyLlama-1.1B's shape
     "1b": dict(
@@ -103,6 +108,31 @@ def times_of(model, ids, steps, device) -> list[float]:
     return times
 
 
+def paired(a: list[float], b: list[float]) -> list[float]:
+    """Round by round, `a`'s time over `b`'s: the rounds time every mode, so drift hits both alike."""
+    return [x / y for x, y in zip(a, b)]
+
+
+def selective_verdicts(rows: list[dict], batch: int) -> list:
+    """SELECTIVE against its targets, where NONE and CHECKPOINT ran beside it: a step never slower
+    than CHECKPOINT's; with a batch of several sequences, a peak at most 60% of NONE's and a
+    recompute overhead at most a third of CHECKPOINT's (round by round, (S - N) / (C - N)). At
+    batch 1 the step's peak is the loss head's, alike in both."""
+    by = {r["mode"]: r for r in rows}
+    if not {"NONE", "SELECTIVE", "CHECKPOINT"} <= by.keys():
+        return []
+    none, sel, chk = (by[m]["round_s"] for m in ("NONE", "SELECTIVE", "CHECKPOINT"))
+    verdicts = [at_most("step / CHECKPOINT's step <= 1.00", paired(sel, chk), 1.0)]
+    if batch > 1:
+        peak = by["SELECTIVE"]["peak_bytes"] / by["NONE"]["peak_bytes"]
+        shares = [(s - n) / (c - n) if c > n else float("inf") for n, s, c in zip(none, sel, chk)]
+        verdicts += [
+            plain(f"peak {peak:.1%} of NONE's <= 60%", peak <= 0.6),
+            at_most("overhead / CHECKPOINT's overhead <= 0.33", shares, 1 / 3),
+        ]
+    return verdicts
+
+
 def link_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
     """Device-to-host and host-to-device GB/s of one pinned copy of `nbytes`: the floor of offload's time."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -118,13 +148,22 @@ def link_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
+def _range(run: dict, i: int) -> str:
+    """` [low, high]`: the 95% interval of row `i`'s step ratio to NONE, where the run kept its rounds."""
+    rounds, base = run["rows"][i].get("round_s"), run["rows"][0].get("round_s")
+    if not rounds or not base or i == 0:
+        return ""
+    low, high = interval(paired(rounds, base))
+    return f" [{low:.2f}, {high:.2f}]"
+
+
 def render(paths: list[Path]) -> str:
     """A Markdown table of runs saved with --json, side by side: peak and step time against NONE."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
     head = "| mode | " + " | ".join(f"peak / NONE, step / NONE (batch {r['batch']} x {r['seq']})" for r in runs) + " |"
     lines = [head, "|---|" + "---|" * len(runs)]
     for i, row in enumerate(runs[0]["rows"]):
-        cells = [f"{r['rows'][i]['peak_ratio']:.1%}, {r['rows'][i]['time_ratio']:.2f}x" for r in runs]
+        cells = [f"{r['rows'][i]['peak_ratio']:.1%}, {r['rows'][i]['time_ratio']:.2f}x{_range(r, i)}" for r in runs]
         lines.append(f"| {row['mode']} | " + " | ".join(cells) + " |")
     first = runs[0]
     where = f"{first['device']}, Llama preset {first['preset']!r}, vocab {first['vocab']}"
@@ -196,7 +235,7 @@ def main(argv=None) -> int:
     link = link_gbps() if cuda else None
     if link:
         print(f"pinned copies: device to host {link[0]:.1f} GB/s, host to device {link[1]:.1f} GB/s", flush=True)
-    peaks, times = {}, {m: [] for m in modes}
+    peaks, times, rounds = {}, {m: [] for m in modes}, {m: [] for m in modes}
     for i, mode in enumerate(modes, 1):
         set_mode(model, handles, mode)
         peaks[mode] = peak_of(model, ids, args.device)
@@ -206,7 +245,9 @@ def main(argv=None) -> int:
     for r in range(args.repeat):  # rotated: each round times every mode once, so drift hits all alike
         for mode in modes:
             set_mode(model, handles, mode)
-            times[mode] += times_of(model, ids, args.steps, args.device)
+            took = times_of(model, ids, args.steps, args.device)
+            times[mode] += took
+            rounds[mode].append(statistics.median(took))
         print(f"  round {r + 1}/{args.repeat} timed", flush=True)
     rows = [
         {
@@ -214,18 +255,25 @@ def main(argv=None) -> int:
             "peak_bytes": peaks[m],
             "step_s": statistics.median(times[m]),
             "spread": (max(times[m]) - min(times[m])) / statistics.median(times[m]),
+            "round_s": rounds[m],
         }
         for m in modes
     ]
     base = next((r for r in rows if r["mode"] == "NONE"), rows[0])
-    print(f"\n{'mode':<20} {'peak':>12} {'peak/NONE':>10} {'step':>10} {'step/NONE':>10}")
+    print(f"\n{'mode':<20} {'peak':>12} {'peak/NONE':>10} {'step':>10} {'step/NONE [95% interval]':>26}")
     for r in rows:
         r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
         r["time_ratio"] = r["step_s"] / base["step_s"]
+        low, high = interval(paired(r["round_s"], base["round_s"]))
         print(
             f"{r['mode']:<20} {format_bytes(r['peak_bytes']):>12} {r['peak_ratio']:>10.1%} "
-            f"{r['step_s'] * 1e3:>8.1f}ms {r['time_ratio']:>9.2f}x"
+            f"{r['step_s'] * 1e3:>8.1f}ms {r['time_ratio']:>9.2f}x [{low:.2f}, {high:.2f}]"
         )
+    verdicts = selective_verdicts(rows, args.batch)
+    if verdicts:
+        print("\nSELECTIVE's targets:")
+        for v in verdicts:
+            print(f"  {v.state:<9} {v.what}" + (f" [{v.low:.2f}, {v.high:.2f}]" if v.low is not None else ""))
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -445,3 +445,28 @@ def test_a_verdict_the_timed_rounds_leave_open_is_measured_until_it_is_not():
     mine, theirs = _Steps([1.05, 1.04, 1.06], [1.05] * 20), _Steps([1.0] * 3, [1.0] * 20)
     a, b = settle(mine, theirs, 1.05, most=8, batch=4)
     assert len(a) == len(b) == 3 + 8
+
+
+def test_selective_targets_read_round_by_round_against_none_and_checkpoint():
+    """Overhead shares are (S - N) / (C - N) per round; peak and overhead count at batch 4, the
+    step against CHECKPOINT's at every batch."""
+    from stress.bench_modes import selective_verdicts
+
+    def row(mode, peak, rounds):
+        return {"mode": mode, "peak_bytes": peak, "round_s": rounds}
+
+    rows = [
+        row("NONE", 100, [1.00, 1.02, 0.98, 1.01]),
+        row("SELECTIVE", 58, [1.05, 1.07, 1.03, 1.06]),  # a fifth of CHECKPOINT's overhead
+        row("CHECKPOINT", 35, [1.25, 1.27, 1.23, 1.26]),
+    ]
+    batch4 = {v.what.split(" <=")[0]: v.state for v in selective_verdicts(rows, batch=4)}
+    assert batch4 == {
+        "step / CHECKPOINT's step": "met",
+        "peak 58.0% of NONE's": "met",
+        "overhead / CHECKPOINT's overhead": "met",
+    }
+    rows[1] = row("SELECTIVE", 70, [1.25, 1.28, 1.24, 1.27])  # CHECKPOINT's time, more memory
+    batch1 = {v.what.split(" <=")[0]: v.state for v in selective_verdicts(rows, batch=1)}
+    assert batch1 == {"step / CHECKPOINT's step": "undecided"}
+    assert selective_verdicts(rows[:2], batch=4) == []  # CHECKPOINT did not run beside it

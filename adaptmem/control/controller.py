@@ -46,7 +46,7 @@ from adaptmem.control.costs import CostModel
 from adaptmem.control.decisions import ESCALATE, HOLD, Decider
 from adaptmem.control.events import EventLog
 from adaptmem.control.headcosts import HeadCosts
-from adaptmem.control.notices import Notices, no_second_backward, own_checkpointing
+from adaptmem.control.notices import Notices, own_checkpointing
 from adaptmem.control.plans import RETRY_STEP, PlanBook, PlanRecord
 from adaptmem.control.priors import priors_for
 from adaptmem.control.reach import LengthsSeen, Reacher
@@ -65,7 +65,6 @@ from adaptmem.control.unfit import Trace, refusal, unfittable
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.host import HostProbe
 from adaptmem.modes import Mode
-from adaptmem.strategies import SelectiveBackwardError
 from adaptmem.wrapping import BlockHandle, HeadHandle
 
 
@@ -152,8 +151,6 @@ class Controller:
                 self.rewind(self.retries.trace)
                 set_rng_state(self.now.rng)
                 return None
-            if (sample is not None and sample.double_backward) or isinstance(error, SelectiveBackwardError):
-                self._no_second_backward_for(Mode.SELECTIVE)
             if sample is not None and sample.blocks and sample.detailed and not sample.unmeasured:
                 if isinstance(error, torch.OutOfMemoryError):
                     self.retries.trace.before_learning(self.costs, self.lengths)
@@ -176,10 +173,9 @@ class Controller:
         error, undo what the attempt changed, free, and run it again under a tighter plan."""
         guard = self.retries.guard(self.model, self.policy.accumulation_snapshot, self.policy.buffer_snapshot_limit)
         self.plans.succeeded()  # a new batch: not a retry of whatever failed before
-        reruns = 0  # runs again for a second backward, not for memory
         try:
             for attempt in range(self.policy.max_retries + 1):
-                self.plans.start_attempt(attempt - reruns)
+                self.plans.start_attempt(attempt)
                 try:
                     with step(), self.ranks.no_sync():
                         result = fn(*args, **kwargs)
@@ -187,16 +183,8 @@ class Controller:
                     refused = err.with_traceback(None)  # its frames would keep the forward's tensors alive
                 except torch.OutOfMemoryError:
                     refused = None
-                except SelectiveBackwardError:
-                    # the step backwards twice through a SELECTIVE block, which PyTorch cannot: SELECTIVE is
-                    # never planned again (end_step said so), and the step runs again from where it began
-                    if Mode.SELECTIVE in self.plans.allowed:
-                        raise
-                    guard.restore()
-                    reruns += 1
-                    continue
                 else:
-                    self.stats.ooms_recovered += attempt - reruns
+                    self.stats.ooms_recovered += attempt
                     self.ranks.average_gradients(p for p in self.model.parameters() if p.requires_grad)
                     return result
                 guard.restore()
@@ -511,20 +499,6 @@ class Controller:
         gc.collect()
         if isinstance(self.probe, CudaProbe) and self.policy.empty_cache_on_oom:
             torch.cuda.empty_cache()
-
-    # ------------------------------------------------ modes found unusable
-    def _no_second_backward_for(self, mode: Mode) -> None:
-        """The run backwards twice through a step (retain_graph / create_graph): `mode`,
-        which PyTorch cannot backward twice, is never planned again in this run."""
-        if self.plans.forbid(mode):
-            no_second_backward(mode.label)
-            self.events.emit(
-                "restrict",
-                step=self.stats.steps + 1,
-                mode=mode.label,
-                reason="double backward",
-                allowed=[m.label for m in self.plans.allowed],
-            )
 
     def _check_own_checkpointing(self) -> None:
         """The model's own gradient checkpointing (Hugging Face's `gradient_checkpointing`),

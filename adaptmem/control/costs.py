@@ -197,7 +197,7 @@ class CostModel:
             lat["backward_temp"].add(b, s, max(0, blk.bwd_peak - own))
         elif complete and mode is Mode.CHECKPOINT and blk.recompute_bytes is not None:
             lat["backward_temp"].add(b, s, max(0, blk.bwd_peak - blk.recompute_bytes - own))
-        if mode in (Mode.NONE, Mode.CHECKPOINT):  # a plain forward (SELECTIVE's runs through a dispatch mode)
+        if mode in (Mode.NONE, Mode.CHECKPOINT):  # a plain forward (SELECTIVE's also holds its weight layers' outputs)
             lat["forward_s"].add(b, s, blk.fwd_seconds)
         if mode in (Mode.NONE, Mode.SELECTIVE):
             fits.setdefault("forward_s", _fit("forward_s")).add(b, s, blk.fwd_seconds)

@@ -65,16 +65,6 @@ class Notices:
         )
 
 
-def no_second_backward(mode_label: str) -> None:
-    log.warning(
-        "adaptmem: this run backwards twice through a step (retain_graph=True or "
-        "create_graph=True); %s cannot, so it is not used for the rest of the run. run_step runs "
-        "a step that met it again from its start under the new plan; `with mem.step():` cannot, "
-        "and raises that one step's error",
-        mode_label,
-    )
-
-
 def own_checkpointing(names: list[str], added: bool, others: int) -> None:
     """The model's own gradient checkpointing switched on (`added`) for the blocks `names`, or off."""
     if added:

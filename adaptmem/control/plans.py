@@ -99,7 +99,7 @@ class PlanBook:
         self.decider = decider
         self.probe = probe
         self.start_plan = start_plan
-        # the policy's modes, less any found unusable in this run
+        # the policy's modes, less the offloading ones where the device shares the host's memory
         self.allowed: tuple[Mode, ...] = (
             tuple(m for m in policy.allowed if not (one_memory and Mode.OFFLOAD in m)) or policy.allowed
         )
@@ -267,17 +267,6 @@ class PlanBook:
             above = max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, extent))
             self._predicted[key] = above
         return start + above
-
-    def forbid(self, mode: Mode) -> bool:
-        """Never plan `mode` again in this run (cached plans that use it are dropped).
-        False when it was not allowed anyway, or is the last mode left."""
-        if mode not in self.allowed or len(self.allowed) == 1:
-            return False
-        self.allowed = tuple(m for m in self.allowed if m is not mode)
-        if self.start_plan is not None and mode in self.start_plan:  # the user's modes: calibrate instead
-            self.start_plan = None
-        self.cache.clear()
-        return True
 
     def failure(
         self,

@@ -43,10 +43,10 @@ class Priors:
     "Backward brings the next block's offloaded tensors back early: one more block resident."
 
     selective_keep_share: float = 0.5
-    "Share of recomputable activations SELECTIVE keeps: matmul and attention outputs, about half of a block's."
+    "Share of recomputable activations SELECTIVE keeps: its weight layers' outputs, about half of a block's."
 
     selective_recompute_share: float = 0.2
-    "Share of a full recompute's time SELECTIVE pays: all but the weight matmuls (0.1-0.2 read at 512 tokens)."
+    "Share of a full recompute's time SELECTIVE pays: all but the weight layers (0.14 read side by side, CPU)."
 
     offload_residue_share: float = 0.02
     "Share of activations OFFLOAD leaves on the device: tensors under min_bytes."

@@ -4,7 +4,7 @@ A mode's cost is what it does that NONE does not, read within the step it ran in
 
   CHECKPOINT              its recompute in backward (`recompute_s`)
   SELECTIVE               its recompute, plus what its forward takes over a plain one:
-                          every op runs through the caching policy's dispatch mode
+                          each weight layer's output held (a Python call per layer)
   OFFLOAD, COMPRESS       their pack and unpack hooks (`moved_s`): encoding, host copies,
                           waits for the link (a full window of copies, a copy back not yet
                           arrived), decoding
@@ -98,11 +98,10 @@ class ModeTimes:
         of each one's forward in `mode` less its own forward in NONE, or where it has not run NONE,
         the plain forward learned from NONE and CHECKPOINT); 0 where none has read both.
 
-        SELECTIVE's forward runs every op through the caching policy's dispatch mode: side by
-        side, 1.1 to 1.2 ms a block of the project's small transformer at 256 and 512 tokens
-        and 2.4 ms a block of a Llama, as much as its recompute (2 to 4 ms). A forward is timed
-        within its block, between its start and its end, so the difference of two steps' forwards
-        does not carry what backward's attribution does.
+        SELECTIVE's forward holds each weight layer's output, a Python call per layer; when it
+        ran every op through a dispatch mode this was 1.1 to 2.4 ms a block, as much as its
+        recompute. A forward is timed within its block, between its start and its end, so the
+        difference of two steps' forwards does not carry what backward's attribution does.
         """
         group = self.group(index, batch, extent)
         if ("forward", group, mode) not in self._pool:

@@ -6,7 +6,8 @@ A strategy runs one block call in training, ``STRATEGIES[mode](call) -> output``
   call.py       BlockCall: what a strategy is given and reports through
   payloads.py   Payload: a saved tensor in another form that restores itself
   packing.py    Packer: the one pack hook of OFFLOAD / COMPRESS (and combinations)
-  recompute.py  CHECKPOINT, SELECTIVE, CHECKPOINT|OFFLOAD
+  recompute.py  CHECKPOINT, CHECKPOINT|OFFLOAD, and the checkpoint SELECTIVE runs in
+  selective.py  SELECTIVE: weight layers' outputs held in forward, answered in the recompute
   offload.py    OffloadOptions, HostCopy, the host tier, prefetch order (PackGroup)
   cuda_offload.py  the CUDA tier: side streams, events, the window of copies in flight
   offload_runtime.py  OffloadRuntime: the host tier or a CUDA tier per device; the prefetch a block that
@@ -29,13 +30,12 @@ from adaptmem.strategies.offload import OffloadOptions
 from adaptmem.strategies.offload_runtime import OffloadRuntime
 from adaptmem.strategies.packing import Packer
 from adaptmem.strategies.recompute import (
-    SelectiveBackwardError,
     run_checkpoint,
     run_checkpoint_offloaded_input,
     run_selective,
 )
 
-__all__ = ["STRATEGIES", "BlockCall", "CompressOptions", "OffloadOptions", "OffloadRuntime", "SelectiveBackwardError"]
+__all__ = ["STRATEGIES", "BlockCall", "CompressOptions", "OffloadOptions", "OffloadRuntime"]
 
 
 def run_plain(call: BlockCall) -> Any:

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import (
 
 from adaptmem.strategies.call import BlockCall, main_input
 from adaptmem.strategies.packing import Packer
-from adaptmem.strategies.payloads import backward_entry
+from adaptmem.strategies.selective import SelectiveRun
 
 log = logging.getLogger("adaptmem")
 _aten = torch.ops.aten
@@ -101,42 +101,9 @@ def run_checkpoint(call: BlockCall) -> Any:
 
 
 def run_selective(call: BlockCall) -> Any:
-    output = _checkpointed(call, selective_contexts)
-    if not torch.compiler.is_compiling():
-        _refuse_second_backward(output)
-    return output
-
-
-class SelectiveBackwardError(RuntimeError):
-    """A block in SELECTIVE mode was asked to backward a second time."""
-
-
-class _BackwardCounter:
-    """A gradient hook on a SELECTIVE block's output: its second call is a second backward
-    through the block, which PyTorch's selective checkpointing cannot do."""
-
-    __slots__ = ("passes",)
-
-    def __init__(self) -> None:
-        self.passes = 0
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        self.passes += 1
-        # grad mode on inside backward is create_graph=True: the graph it makes is for a second
-        # backward, which would fail in the recompute with PyTorch's own message; said here, first
-        if self.passes > 1 or torch.is_grad_enabled():
-            raise SelectiveBackwardError(
-                "adaptmem: a block in SELECTIVE mode is being backwarded a second time "
-                "(retain_graph=True or create_graph=True), which PyTorch's selective activation "
-                "checkpointing cannot do. Use Mode.CHECKPOINT (also lossless) for this block, or let "
-                "adaptmem.manage choose: it stops choosing SELECTIVE once it sees a second backward."
-            )
-
-
-def _refuse_second_backward(output: Any) -> None:
-    entry = backward_entry(output)
-    if entry is not None:
-        entry.register_hook(_BackwardCounter())
+    if call.compiled or torch.compiler.is_compiling():  # the compiler applies the op policy once
+        return _checkpointed(call, selective_contexts)
+    return _checkpointed(call, None, selective=SelectiveRun(call.module))
 
 
 def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
@@ -166,9 +133,10 @@ class BlockRun:
     checkpoint keeps it alive until backward.
     """
 
-    __slots__ = ("module", "forward", "n_args", "tensor_keys", "static", "notify", "runs")
+    __slots__ = ("module", "forward", "n_args", "tensor_keys", "static", "notify", "runs", "selective")
 
-    def __init__(self, call: BlockCall, tensor_keys: list[str], static: dict) -> None:
+    def __init__(self, call: BlockCall, tensor_keys: list[str], static: dict, selective: Any = None) -> None:
+        self.selective = selective  # a SelectiveRun: weight layers' outputs held in forward, answered in recompute
         self.module = call.module
         self.forward = call.forward
         self.n_args = len(call.args)
@@ -186,11 +154,15 @@ class BlockRun:
             return self._forward(flat)
         self.runs += 1
         if self.runs == 1:
+            if self.selective is not None:
+                return self.selective.around(False, lambda: self._forward(flat))
             return self._forward(flat)
         if self.notify is not None:
             self.notify(True)  # a rerun is the recompute, inside backward
         state = keep_buffers(self.module)
         try:
+            if self.selective is not None:
+                return self.selective.around(True, lambda: self._forward(flat))
             return self._forward(flat)
         finally:
             put_back_buffers(state)
@@ -222,13 +194,13 @@ def put_back_buffers(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             buffer.data.copy_(copy)
 
 
-def _checkpointed(call: BlockCall, context_fn: Any) -> Any:
+def _checkpointed(call: BlockCall, context_fn: Any, selective: Any = None) -> Any:
     args, kwargs = without_cache(call)
     tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     static = {k: v for k, v in kwargs.items() if k not in tensor_keys}
     options = {} if context_fn is None else {"context_fn": context_fn}  # the default is what torch.compile expects
     return checkpoint(
-        BlockRun(call, tensor_keys, static),
+        BlockRun(call, tensor_keys, static, selective),
         *args,
         *(kwargs[k] for k in tensor_keys),
         use_reentrant=False,

@@ -76,7 +76,7 @@ class _BlockForward:
                 runtime.tell(observer, "block_start", handle, args, kwargs)
             else:
                 observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
-        call = handle.make_call(forward, args, kwargs)
+        call = handle.make_call(forward, args, kwargs, compiled=self.compiled is not None)
         output = STRATEGIES[call.mode](call)
         if not call.mode & Mode.OFFLOAD:
             call.offload_runtime.prefetch_when_reached(output)

@@ -1,0 +1,374 @@
+"""SELECTIVE: a checkpoint that holds the weight layers' outputs and recomputes the rest.
+
+What to drop is chosen by bytes freed per FLOP of recompute. A weight layer (a
+linear layer, a convolution) costs ``2 * inputs`` FLOPs per element of its
+output, 512 to 11,000 in a transformer: its output is held. Everything else in a
+block is pointwise or nearly (norms, activation functions, the gated MLP's
+product, rotary embeddings, the copies that reshape heads), or, for attention
+written out, ``2 * head_dim`` per element of the seq x seq scores: it is
+recomputed. So is a weight layer under `MIN_FLOPS_PER_ELEMENT` (a depthwise
+convolution, a LoRA up-projection), which is bound by memory traffic as the
+pointwise ops are. In a Llama block that frees the norms' outputs, the MLP's
+activation and product, and the attention's rotated inputs, output and scores:
+about half of what the block saves, for a recompute of its pointwise work and
+attention core. Fused attention is recomputed too: it is not a module, and
+holding its output would need a look at every op.
+
+It is done by structure, not op by op. The block runs under the same
+non-reentrant checkpoint as CHECKPOINT. In forward, each weight layer
+(`nn.Linear`, `nn.Conv1d/2d/3d` and the transposed kinds, or a subclass with
+their forward; Hugging Face's `Conv1D`) has its output held. In the recompute,
+each runs its own forward under a dispatch mode that answers its one weight op
+(``mm``, ``addmm``, ``convolution``) with the held output instead of running
+it: autograd records the same node over the same recomputed input, so backward
+is the one NONE runs, bit for bit. The only Python per op is for the two to
+four ops inside each weight layer in the recompute. PyTorch's selective
+checkpointing ran a dispatch mode over every op of the block, forward and
+recompute, and cost more than a full checkpoint at batch 1 on a GPU; it is
+still what runs under `torch.compile`, where the compiler applies the op policy
+once (`recompute.selective_policy`).
+
+Not held: the block's last weight-layer call until a recompute runs through it
+(the checkpoint's early stop ends the recompute once the last saved tensor is
+back, before a Llama block's MLP down projection runs), and a layer whose
+output something changes in place after forward (its version counter tells;
+the recompute runs it). A second backward (retain_graph, create_graph)
+recomputes with every weight layer run: exact, as CHECKPOINT is.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from adaptmem.registrations import registrations
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm.default: 0, _aten.addmm.default: 1}  # op -> index of its first matrix argument
+_CONVOLUTION = _aten.convolution.default
+_CONVOLUTIONS = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+
+
+#: A weight layer's output is held when recomputing it costs at least this many FLOPs per element
+#: (a linear layer of 256 inputs or more): below it a matmul is bound by memory traffic, as the
+#: pointwise ops are, and is recomputed with them (a depthwise convolution, a LoRA up-projection).
+MIN_FLOPS_PER_ELEMENT = 512
+
+
+def flops_per_element(module: nn.Module) -> int | None:
+    """FLOPs of a weight layer's forward per element of its output (one multiply-add is two),
+    or None for a module that is not a weight layer. A subclass counts only with the forward
+    of its base: one with a forward of its own (a quantized linear layer) may run other ops."""
+    kind = type(module)
+    if isinstance(module, nn.Linear) and kind.forward is nn.Linear.forward:
+        return 2 * module.in_features
+    base = next((c for c in _CONVOLUTIONS if isinstance(module, c)), None)
+    if base is not None and kind.forward is base.forward:
+        taps = math.prod(module.kernel_size) * module.in_channels // module.groups
+        if module.transposed:
+            taps //= math.prod(module.stride)
+        return 2 * max(taps, 1)
+    if kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers"):  # GPT-2's linear layer
+        return 2 * module.weight.shape[0]
+    return None
+
+
+def keeps_output(module: nn.Module) -> bool:
+    """SELECTIVE holds this module's output: a weight layer dear enough to recompute."""
+    flops = flops_per_element(module)
+    return flops is not None and flops >= MIN_FLOPS_PER_ELEMENT
+
+
+#: The share of the held outputs' FLOPs SELECTIVE may spend recomputing some of them instead:
+#: those that free the most bytes per FLOP (fewest FLOPs per byte, the larger first) while it
+#: lasts. With the pointwise work that keeps its recompute under a third of CHECKPOINT's. In a
+#: Llama block of hidden 512 at 512 tokens that is the query and key projections.
+RECOMPUTE_SHARE = 0.15
+
+_ATTENTION_OPS = frozenset(
+    op
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
+_SDPA_DROPOUT = 4  # dropout_p's position in scaled_dot_product_attention's arguments
+ATTENTION = "attention"  # the owner of fused attention calls in a block's keys
+
+
+class Held:
+    """What a weight layer or a fused attention returned in forward, held for the recompute."""
+
+    __slots__ = ("values", "version", "nbytes", "flops")
+
+    def __init__(self, values: tuple, flops: int) -> None:
+        self.values = values  # a layer: (output,); an attention: its op's outputs
+        self.version = values[0]._version
+        self.nbytes = sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+        self.flops = flops
+
+    @property
+    def spoiled(self) -> bool:
+        """Changed in place after forward: not what the recompute needs."""
+        return self.values[0]._version != self.version
+
+
+class BlockLayers:
+    """What SELECTIVE knows of one block, learned across its calls: its weight layers (listed
+    again after any module is registered); the layers whose output something changes in place
+    after forward (not held: the recompute runs them); the calls left to the recompute by
+    `RECOMPUTE_SHARE` (decided at the first forward); and the calls the recompute never
+    finishes, because the checkpoint's early stop ends it when the last saved tensor is back
+    (not held either: a Llama block's MLP down projection). The block's last held call is
+    presumed such a call until a recompute runs through it."""
+
+    __slots__ = ("layers", "registrations", "spoiled", "unneeded", "dropped")
+
+    def __init__(self) -> None:
+        self.layers: list[nn.Module] = []
+        self.registrations = -1
+        self.spoiled: set[nn.Module] = set()
+        self.unneeded: set[tuple[Any, int]] | None = None  # None: not yet seen a forward
+        self.dropped: set[tuple[Any, int]] = set()
+
+    def of(self, block: nn.Module) -> list[nn.Module]:
+        if self.registrations != registrations():
+            self.layers = [m for m in block.modules() if keeps_output(m)]
+            self.registrations = registrations()
+        return self.layers
+
+    def holds(self, key: tuple[Any, int]) -> bool:
+        return not (self.unneeded is not None and key in self.unneeded) and key not in self.dropped
+
+    def choose(self, held: dict[tuple[Any, int], Held]) -> None:
+        """At the first forward: the last call presumed unneeded, and what `RECOMPUTE_SHARE` leaves
+        to the recompute, the calls that free the most bytes per FLOP first."""
+        last = next(reversed(held), None)
+        self.unneeded = set() if last is None else {last}
+        allowance = RECOMPUTE_SHARE * sum(h.flops for k, h in held.items() if k != last)
+        spent = 0
+        for key, h in sorted(held.items(), key=lambda kv: (kv[1].flops / max(kv[1].nbytes, 1), -kv[1].nbytes)):
+            if key != last and spent + h.flops <= allowance:
+                self.dropped.add(key)
+                spent += h.flops
+
+
+_BLOCKS: weakref.WeakKeyDictionary[nn.Module, BlockLayers] = weakref.WeakKeyDictionary()
+
+
+def block_layers(block: nn.Module) -> BlockLayers:
+    known = _BLOCKS.get(block)
+    if known is None:
+        known = _BLOCKS[block] = BlockLayers()
+    return known
+
+
+class SelectiveRun:
+    """What a SELECTIVE block's checkpoint runs around each run of the block: the weight
+    layers' outputs, and fused attention's, held in forward and answered in the recompute.
+    Holds them and the block's `BlockLayers`, never the call's arguments.
+
+    Fused attention is reached through `torch.nn.functional.scaled_dot_product_attention`,
+    which is set to a holding (then answering) function while the block runs, and put back:
+    a model that calls it through that attribute (Hugging Face's SDPA attention, nanoGPT) has
+    it held; one that imported the function itself has it recomputed. Attention with dropout
+    is recomputed: the recompute must draw the random numbers forward drew, in order."""
+
+    __slots__ = ("known", "layers", "outputs", "calls", "finished")
+
+    def __init__(self, block: nn.Module) -> None:
+        self.known = block_layers(block)
+        self.layers = [m for m in self.known.of(block) if m not in self.known.spoiled]
+        self.outputs: dict[tuple[Any, int], Held] = {}
+        self.calls: dict[Any, int] = {}  # calls of each layer, and of attention, in this run of the block
+        self.finished: set[tuple[Any, int]] = set()  # calls a recompute ran through
+
+    def around(self, recompute: bool, run: Any) -> Any:
+        layers = self.layers
+        own = [layer.__dict__.get("forward") for layer in layers]  # a forward set on the instance, kept
+        attention = F.scaled_dot_product_attention
+        self.calls = {}
+        for layer in layers:
+            layer.forward = (self._answering if recompute else self._holding)(layer, layer.forward)
+        F.scaled_dot_product_attention = (self._answering_attention if recompute else self._holding_attention)(
+            attention
+        )
+        try:
+            return run() if recompute else self._first(run)
+        finally:
+            F.scaled_dot_product_attention = attention
+            for layer, forward in zip(layers, own):
+                if forward is None:
+                    del layer.forward
+                else:
+                    layer.forward = forward
+            if recompute:
+                self._learn()
+
+    def _first(self, run: Any) -> Any:
+        out = run()
+        known = self.known
+        if known.unneeded is None:
+            known.choose(self.outputs)
+            for key in [k for k in self.outputs if not known.holds(k)]:
+                del self.outputs[key]
+        return out
+
+    def _learn(self) -> None:
+        """After a recompute: calls held but never run through are not needed; calls run through
+        that were left unheld as unneeded (or are new) are."""
+        unneeded = self.known.unneeded
+        if unneeded is None:
+            return
+        unneeded.difference_update(self.finished)
+        unneeded.update(k for k in self.outputs if k not in self.finished)
+        self.outputs.clear()  # a second recompute (a second backward) runs everything
+
+    def _key(self, owner: Any) -> tuple[Any, int]:
+        n = self.calls.get(owner, 0)
+        self.calls[owner] = n + 1
+        return owner, n
+
+    def _holding(self, layer: nn.Module, forward: Any) -> Any:
+        def held_forward(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            key = self._key(layer)
+            if isinstance(out, torch.Tensor) and out.requires_grad and self.known.holds(key):
+                self.outputs[key] = Held((out.detach(),), flops_per_element(layer) * out.numel())
+            return out
+
+        return held_forward
+
+    def _answering(self, layer: nn.Module, forward: Any) -> Any:
+        def answered_forward(*args: Any, **kwargs: Any) -> Any:
+            key = self._key(layer)
+            held = self.outputs.pop(key, None)
+            if held is None:  # not held, or a second recompute: run it
+                out = forward(*args, **kwargs)
+            elif held.spoiled:  # changed in place after forward: run it, and hold it no more
+                self.known.spoiled.add(layer)
+                out = forward(*args, **kwargs)
+            else:
+                with _AnswerLayer(held.values[0], getattr(layer, "bias", None) is not None):
+                    out = forward(*args, **kwargs)
+            self.finished.add(key)
+            return out
+
+        return answered_forward
+
+    def _holding_attention(self, attention: Any) -> Any:
+        def held_attention(*args: Any, **kwargs: Any) -> Any:
+            key = self._key(ATTENTION)
+            dropout = kwargs.get("dropout_p", args[_SDPA_DROPOUT] if len(args) > _SDPA_DROPOUT else 0.0)
+            if dropout or not self.known.holds(key) or not torch.is_grad_enabled():
+                return attention(*args, **kwargs)
+            with _Capture() as capture:
+                out = attention(*args, **kwargs)
+            if capture.values is not None and out.requires_grad:
+                self.outputs[key] = Held(capture.values, capture.flops)
+            return out
+
+        return held_attention
+
+    def _answering_attention(self, attention: Any) -> Any:
+        def answered_attention(*args: Any, **kwargs: Any) -> Any:
+            key = self._key(ATTENTION)
+            held = self.outputs.pop(key, None)
+            if held is None or held.spoiled:
+                out = attention(*args, **kwargs)
+            else:
+                with _AnswerAttention(held.values):
+                    out = attention(*args, **kwargs)
+            self.finished.add(key)
+            return out
+
+        return answered_attention
+
+
+class _Capture(TorchDispatchMode):
+    """Holds the outputs of the first fused attention op it sees, and the op's FLOPs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: tuple | None = None
+        self.op: Any = None
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.values is None and func in _ATTENTION_OPS:
+            q, k = args[0], args[1]
+            self.op = func
+            self.values = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in out)
+            self.flops = 4 * q.numel() * k.size(-2)  # q @ k^T and p @ v: 2 * L * S * D each, per head
+        return out
+
+
+class _AnswerAttention(TorchDispatchMode):
+    """Answers the fused attention op with its outputs held from forward."""
+
+    def __init__(self, values: tuple) -> None:
+        super().__init__()
+        self.values: tuple | None = values
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        values = self.values
+        if values is not None and func in _ATTENTION_OPS and values[0].shape[:-1] == args[0].shape[:-1]:
+            self.values = None
+            return values
+        return func(*args, **(kwargs or {}))
+
+
+class _AnswerLayer(TorchDispatchMode):
+    """Answers a weight layer's weight op with its output held from forward; every other op
+    (views, casts under autocast, padding) runs."""
+
+    def __init__(self, held: torch.Tensor, has_bias: bool) -> None:
+        super().__init__()
+        self.held: torch.Tensor | None = held
+        self.has_bias = has_bias
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        held = self.held
+        if held is not None and (func in _MATMULS or func is _CONVOLUTION):
+            self.held = None
+            out = _as_result(func, args, held, self.has_bias)
+            if out is not None:
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+def _as_result(func: Any, args: tuple, held: torch.Tensor, has_bias: bool) -> torch.Tensor | None:
+    """The held layer output as the result of `func(*args)`, or None where it is not that
+    result (the op then runs): a matmul's 2-D result is the layer's output flattened, unless
+    a bias is still to be added after it (`mm` in a layer with a bias)."""
+    if func is _CONVOLUTION:
+        x = args[0]
+        if held.dtype == x.dtype and held.dim() == x.dim() and held.size(0) == x.size(0):
+            return held
+        return None
+    if func is _aten.mm.default and has_bias:
+        return None
+    first = _MATMULS[func]
+    a, b = args[first], args[first + 1]
+    rows, cols = a.size(0), b.size(1)
+    if held.dtype == a.dtype and held.numel() == rows * cols and held.is_contiguous():
+        return held.view(rows, cols)
+    return None

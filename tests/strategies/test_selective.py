@@ -1,0 +1,232 @@
+"""SELECTIVE by structure: weight layers' outputs held in forward and answered in the recompute,
+bit for bit as NONE, with no weight op of forward run again, the rest recomputed."""
+
+import pytest
+import torch
+from helpers import assert_same, cnn, gpt2, hf_batch, image_batch, llama, mixed, mixed_batch, step, tiny, tiny_batch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import adaptmem
+from adaptmem import Mode
+from adaptmem.strategies import selective
+from adaptmem.testing import SimulatedDevice
+
+
+@pytest.fixture
+def every_layer_held(monkeypatch):
+    monkeypatch.setattr(selective, "MIN_FLOPS_PER_ELEMENT", 0)
+
+
+MODELS = {
+    "tiny-sdpa": (lambda: tiny(attention="sdpa"), lambda m: tiny_batch(m, seq=48)),
+    "tiny-eager": (lambda: tiny(attention="eager"), lambda m: tiny_batch(m, seq=48)),
+    "hf-llama": (lambda: llama(layers=3), lambda m: hf_batch(seq=64)),
+    "hf-gpt2": (lambda: gpt2(layers=3), lambda m: hf_batch(seq=64)),  # Conv1D: addmm with its bias
+    "cnn": (cnn, lambda m: image_batch()),  # convolutions, batch norm in the recompute
+    "mixed": (mixed, lambda m: mixed_batch()),  # BatchNorm1d over a linear layer's transposed output
+}
+
+
+@pytest.mark.usefixtures("every_layer_held")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_weight_layer_held_equals_none_for_two_steps(name):
+    make, make_batch = MODELS[name]
+    model = make()
+    batch = make_batch(model)
+    reference = step(model, batch)
+    adaptmem.instrument(model, mode=Mode.SELECTIVE)
+    assert_same(step(model, batch), reference)  # the first step: the last layer call presumed unneeded
+    assert_same(step(model, batch), reference)  # the second: what the first recompute taught
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int, inplace: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.norm(x))
+        if self.inplace:
+            h.mul_(0.5)  # changes the up projection's output after forward
+        return x + self.down(torch.nn.functional.gelu(h))
+
+
+class MLPNet(nn.Module):
+    def __init__(self, width: int = 256, depth: int = 3, inplace: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*(MLPBlock(width, inplace) for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def backward_flops(model: nn.Module, x: torch.Tensor) -> int:
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+def test_the_recompute_runs_no_weight_op_of_forward():
+    """Width 256: every linear layer above the threshold. Backward's matmul FLOPs are NONE's:
+    the held up projection is answered, and the early stop ends the recompute before the down
+    projection; CHECKPOINT's recompute runs the up projection again."""
+    model, x = MLPNet(), torch.randn(4, 64, 256)
+    handles = adaptmem.instrument(model, mode=Mode.NONE)
+    none = backward_flops(model, x)
+    flops = {}
+    for mode in (Mode.SELECTIVE, Mode.CHECKPOINT):
+        for h in handles:
+            h.mode = mode
+        flops[mode] = [backward_flops(model, x) for _ in range(2)]
+    up = 2 * (4 * 64) * 256 * 1024  # one up projection's matmul: B*S rows, 256 in, 1024 out
+    assert flops[Mode.SELECTIVE] == [none, none]
+    assert flops[Mode.CHECKPOINT] == [none + 3 * up] * 2  # its early stop, too, comes before the down projection
+
+
+def test_selective_saves_about_half_of_none_and_more_than_checkpoint():
+    """What the blocks hold from forward to backward (the first block's input is the caller's):
+    CHECKPOINT the other two blocks' inputs; SELECTIVE those and each up projection's output
+    (4 widths); NONE the norm's output, the up projection's and the activation's besides."""
+    model, x = MLPNet(), torch.randn(4, 64, 256)
+    handles = adaptmem.instrument(model, mode=Mode.NONE)
+    held = {}
+    for mode in (Mode.NONE, Mode.SELECTIVE, Mode.CHECKPOINT):
+        for h in handles:
+            h.mode = mode
+        model(x).sum().backward()  # SELECTIVE's first step teaches what the recompute needs
+        with SimulatedDevice() as dev:
+            dev.track(model, x)
+            before = dev.allocated_bytes
+            out = model(x)
+            held[mode] = dev.allocated_bytes - before - out.numel() * 4
+            out.sum().backward()
+    width = 4 * 64 * 256 * 4  # bytes of one block input
+    assert held[Mode.CHECKPOINT] == 2 * width
+    assert held[Mode.SELECTIVE] == 2 * width + 3 * 4 * width
+    assert held[Mode.NONE] >= 2 * width + 3 * (width + 2 * 4 * width)
+
+
+def test_an_output_changed_in_place_is_not_used_and_not_held_again():
+    model, x = MLPNet(inplace=True), torch.randn(4, 64, 256)
+    expected = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    handles = adaptmem.instrument(model, mode=Mode.SELECTIVE)
+    for _ in range(2):
+        got = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(selective.block_layers(b).spoiled == {b.up} for b in model.blocks)
+    assert all(h.recomputes == 2 for h in handles)
+
+
+def test_weight_layers_below_the_threshold_are_recomputed():
+    assert selective.flops_per_element(nn.Linear(256, 8)) == 512
+    assert selective.keeps_output(nn.Linear(256, 8)) and not selective.keeps_output(nn.Linear(8, 256))
+    depthwise = nn.Conv2d(64, 64, 7, padding=3, groups=64)
+    assert selective.flops_per_element(depthwise) == 2 * 49 and not selective.keeps_output(depthwise)
+    assert selective.keeps_output(nn.Conv2d(64, 64, 3))  # 2 * 9 * 64
+    assert selective.flops_per_element(nn.ConvTranspose2d(256, 8, 4, stride=2)) == 2 * 256 * 16 // 4
+    assert selective.flops_per_element(nn.modules.linear.NonDynamicallyQuantizableLinear(300, 3)) == 600
+
+    class OwnForward(nn.Linear):
+        def forward(self, x):
+            return super().forward(x).relu()
+
+    assert selective.flops_per_element(OwnForward(300, 3)) is None  # other ops than the one matmul
+    assert selective.flops_per_element(nn.LayerNorm(300)) is None
+
+
+@pytest.mark.usefixtures("every_layer_held")
+def test_a_linear_layer_whose_bias_is_added_after_its_matmul_is_recomputed_exactly():
+    """A non-contiguous input to a linear layer with a bias: PyTorch multiplies, then adds the
+    bias in place; the held output is the sum, not the product, so the layer runs."""
+
+    class Transposed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.fc(x.transpose(0, 1)).transpose(0, 1).tanh()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Transposed(), Transposed())
+    x = torch.randn(8, 4, 16, requires_grad=True)
+    expected = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    adaptmem.instrument(model, blocks=list(model), mode=Mode.SELECTIVE)
+    for _ in range(2):
+        got = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_forward_set_on_a_layer_instance_is_kept():
+    model, x = MLPNet(depth=2), torch.randn(2, 8, 256)
+    layer = model.blocks[0].up
+    calls = []
+    own = layer.forward
+
+    def counted(*args):
+        calls.append(1)
+        return own(*args)
+
+    layer.forward = counted
+    adaptmem.instrument(model, mode=Mode.SELECTIVE)
+    model(x).sum().backward()
+    assert layer.forward is counted and len(calls) == 2  # forward, and the recompute's answered run
+
+
+def flops_of_backward(model, batch) -> int:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(2)
+    loss = model(**batch).loss
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.usefixtures("every_layer_held")
+def test_fused_attention_is_held_and_answered_unless_it_draws_dropout(monkeypatch):
+    """With nothing left to the recompute, backward's FLOPs (matmuls and attention) are NONE's:
+    the fused attention of forward is answered, not run again; with dropout in attention it is
+    recomputed, so that the recompute draws forward's random numbers, and stays exact."""
+    monkeypatch.setattr(selective, "RECOMPUTE_SHARE", 0.0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for dropout, answered in ((0.0, True), (0.1, False)):
+        model = tiny(attention="sdpa", dropout=dropout)
+        batch = tiny_batch(model, seq=48)
+        reference = step(model, batch)
+        none = flops_of_backward(model, batch)
+        adaptmem.instrument(model, mode=Mode.SELECTIVE)
+        step(model, batch)  # the first step: what the recompute needs is learned
+        assert_same(step(model, batch), reference)
+        assert (flops_of_backward(model, batch) == none) is answered
+        assert torch.nn.functional.scaled_dot_product_attention is sdpa  # put back after each run
+
+
+def test_the_recompute_share_leaves_the_cheapest_bytes_to_the_recompute():
+    """Held: q, k, v, o (1, 0.5, 0.5, 1 widths at 2 * width FLOPs an element) and attention
+    (4 * seq FLOPs an element). A share of 0.15 of their FLOPs leaves the largest of the cheapest
+    per byte to the recompute: the query and key projections (the output projection would pass it)."""
+    known = selective.BlockLayers()
+    width, seq = 512, 512
+    held = {
+        ("q", 0): (width, 2 * width),
+        ("k", 0): (width // 2, 2 * width),
+        ("v", 0): (width // 2, 2 * width),
+        ("attention", 0): (width, 4 * seq),
+        ("o", 0): (width, 2 * width),
+        ("gate", 0): (1376, 2 * width),
+        ("up", 0): (1376, 2 * width),
+        ("down", 0): (width, 2 * 1376),
+    }
+    known.choose({k: _held(elements, flops) for k, (elements, flops) in held.items()})
+    assert known.unneeded == {("down", 0)}
+    assert known.dropped == {("q", 0), ("k", 0)}
+
+
+def _held(elements: int, flops_per_element: int) -> "selective.Held":
+    return selective.Held((torch.empty(elements),), elements * flops_per_element)
