@@ -75,13 +75,13 @@ class Policy(BaseModel):
     "Escalation never plans for less than this fraction of the budget."
 
     max_headroom: StrictFloat = Field(0.97, gt=0, le=1)
-    "Relaxation never plans for more than this fraction of the budget."
+    "Relaxation never plans for more than this fraction of the budget, until predictions that land where aimed earn up to 0.99."
 
     high_watermark: StrictFloat = Field(0.98, gt=0, le=1)
-    "An observed peak above this fraction of the budget escalates at once."
+    "An observed peak above this fraction of the budget escalates at once (above the earned fill plus its margin, once earned)."
 
     low_watermark: StrictFloat = Field(0.94, gt=0, lt=1)
-    "Observed peaks under this fraction of the budget for calm_steps steps relax the plan."
+    "Observed peaks under this fraction of the budget for calm_steps steps relax the plan (under the headroom plus the margin, once a fill is earned)."
 
     calm_steps: StrictInt = Field(10, ge=1)
     "Steps under the low watermark before relaxing (doubles each time a relaxation had to be undone)."

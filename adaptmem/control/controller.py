@@ -374,7 +374,7 @@ class Controller:
         retries = self.reading(self.probe.signals, {}).get("alloc_retries")  # also logs the fragmentation hint
         retried = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
         self._alloc_retries = retries
-        decision = self._decide(sample, retried)
+        decision = self._decide(sample, retried, calibrating)
         pred, error = (None, None) if sample.overlapped else (self.now.predicted, None)
         if pred is not None and observed > 0:
             error = (pred - observed) / observed
@@ -414,11 +414,15 @@ class Controller:
             measured="blocks" if sample.detailed else "peak",
         )
 
-    def _decide(self, sample: StepSample, retried: bool) -> str:
-        """Hold, escalate, relax or recover, on the step's peak against the budget."""
-        observed = sample.peak
+    def _decide(self, sample: StepSample, retried: bool, calibrating: bool) -> str:
+        """Hold, escalate, relax or recover, on the step's peak against the budget (noting first how
+        far it landed from where the plan aimed it)."""
+        observed, now = sample.peak, self.now
         if self.policy.static_plan != "none" or sample.unmeasured:  # nothing to decide on: hold
             return HOLD
+        if now.predicted is not None and not (calibrating or sample.overlapped) and observed > now.start:
+            if self.decider.note_miss(now.predicted - now.start, observed - now.start, self.budget):
+                self.plans.forget()  # they aimed at the fill as it was
         if self._beyond_any_plan(observed):
             if self.now.predicted is not None and observed > self.now.predicted:
                 self.decider.forget_bias()  # the predictions were not too high after all

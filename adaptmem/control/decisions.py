@@ -28,10 +28,33 @@ A relaxation or recovery that has to be undone (an escalation within the calm
 window that follows it) caps later ones below the headroom that went too far and
 doubles the calm steps needed, so the controller cannot flip-flop between two
 plans in steady state.
+
+How close to the budget plans go comes from how well they land. Each step
+with a prediction notes its miss: the observed peak less where the plan aimed
+it (the prediction above the step's start times the bias in force), as a share
+of the budget. Once `SPREAD_MIN` are noted, the margin is `SPREAD_Z` times
+their spread over the last `SPREAD_WINDOW` (their median size as a standard
+deviation), and never under the latest few. Where 1 - margin is above
+the policy's `max_headroom`, the predictions have earned more of the budget, and
+three figures move from the policy's constants:
+
+  fill        the most of the budget a plan aims at: 1 - margin, at most
+              `FILL_CAP` (0.99)
+  high line   an observed peak over it escalates: fill + margin, at most the
+              budget, at least `high_watermark`
+  calm line   an observed peak under it is calm: the headroom + margin, at
+              least `low_watermark` (so a plan landing within its spread of
+              its aim lets the headroom keep relaxing towards the fill)
+
+Predictions that land within 0.2% of their aim as a rule let plans fill 99% of
+the budget, as a fixed plan chosen with hindsight does; those that miss by 0.7%
+or more keep the policy's 97% and watermarks.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from adaptmem.config.policy import Policy
@@ -39,6 +62,12 @@ from adaptmem.config.policy import Policy
 HOLD, ESCALATE, RELAX, RECOVER = "hold", "escalate", "relax", "recover"
 BIAS_FLOOR = 0.8  # predictions are never taken to be more than 25% too high
 RECOVER_SNAP = 0.005  # a recovery this close to its target takes the rest at once
+SPREAD_Z = 3.0  # the margin: this many root-mean-square misses
+SPREAD_WINDOW = 20  # misses kept, newest last
+SPREAD_MIN = 5  # misses noted before the margin stands in for the policy's constants
+RECENT = 3  # the margin is never under the largest of this many latest misses
+FILL_CAP = 0.99  # plans never aim past this share of the budget: the allocator rounds blocks up
+FILL_MOVE = 0.005  # a fill moved this far (a share of the budget) makes the cached plans again
 
 
 @dataclass
@@ -51,19 +80,63 @@ class Decider:
     steps_since_relax: int | None = field(default=None, init=False)
     relaxed_from: float | None = field(default=None, init=False)
     bias: float = field(default=1.0, init=False)
+    misses: deque = field(default_factory=lambda: deque(maxlen=SPREAD_WINDOW), init=False)
 
     def __post_init__(self) -> None:
         self.headroom = self.policy.headroom
         self.calm_needed = self.policy.calm_steps
-        self.ceiling = self.policy.max_headroom
+        self.ceiling = FILL_CAP
+
+    def note_miss(self, predicted: float, observed: float, budget: float) -> bool:
+        """A planned step's peak above its start, predicted and observed (bytes): how far it landed
+        from where the plan aimed it (the prediction times the bias in force), as a share of the budget.
+        True when the fill moved by more than `FILL_MOVE`: plans made before aimed elsewhere."""
+        if budget <= 0 or predicted <= 0:
+            return False
+        before = self.fill
+        self.misses.append((observed - predicted * self.bias) / budget)
+        return abs(self.fill - before) > FILL_MOVE
+
+    @property
+    def margin(self) -> float | None:
+        """How far from their aim plans may land, as a share of the budget: `SPREAD_Z` times the misses'
+        spread over the window (their median size scaled to a standard deviation, so that one stray
+        miss, a first plan made on priors, does not set it for the window's length), and never under
+        the `RECENT` latest misses. None before `SPREAD_MIN` misses."""
+        misses = self.misses
+        if len(misses) < SPREAD_MIN:
+            return None
+        sizes = sorted(abs(m) for m in misses)
+        spread = 1.4826 * statistics.median(sizes)
+        recent = max(abs(m) for m in list(misses)[-RECENT:])
+        return max(SPREAD_Z * spread, recent)
+
+    @property
+    def fill(self) -> float:
+        """The most of the budget a plan aims at: `max_headroom` until the misses earn more."""
+        margin, prior = self.margin, self.policy.max_headroom
+        if margin is None or 1.0 - margin <= prior:
+            return prior
+        return min(FILL_CAP, 1.0 - margin)
+
+    def lines(self) -> tuple[float, float]:
+        """(calm line, high line): shares of the budget an observed peak is calm under and escalates
+        over. The policy's watermarks, until the misses earn a fill above `max_headroom`."""
+        p, fill = self.policy, self.fill
+        if fill <= p.max_headroom:
+            return p.low_watermark, p.high_watermark
+        margin = self.margin or 0.0
+        high = max(p.high_watermark, min(1.0, fill + margin))
+        return min(max(p.low_watermark, self.headroom + margin), high), high
 
     def update(self, observed: float, budget: float) -> str:
         """One step's verdict from its observed peak (bytes) against the budget (bytes)."""
         p = self.policy
         ratio = observed / budget if budget > 0 else float("inf")
+        calm_line, high_line = self.lines()
         if self.steps_since_relax is not None:
             self.steps_since_relax += 1
-        if ratio > p.high_watermark:
+        if ratio > high_line:
             self.calm = 0
             if self.steps_since_relax is not None and self.steps_since_relax <= self.calm_needed:
                 # the last relaxation went too far: never go that high again, and wait longer
@@ -71,13 +144,13 @@ class Decider:
                 self.calm_needed *= 2
             self.steps_since_relax = None
             self.bias = 1.0  # the predictions were not too high after all
-            shrink = min(p.escalate_factor, p.high_watermark / ratio)
+            shrink = min(p.escalate_factor, high_line / ratio)
             new = max(p.min_headroom, self.headroom * shrink)
             if new >= self.headroom:
                 return HOLD
             self.headroom = new
             return ESCALATE
-        if ratio < p.low_watermark:
+        if ratio < calm_line:
             target = min(p.headroom, self.ceiling)
             if self.headroom < target:  # recovering from an episode: half the way back per calm step
                 new = self.headroom + 0.5 * (target - self.headroom)
@@ -86,7 +159,7 @@ class Decider:
                 return RECOVER
             self.calm += 1
             if self.calm >= self.calm_needed:
-                new = min(p.max_headroom, self.ceiling, self.headroom * p.relax_factor)
+                new = min(self.fill, self.ceiling, self.headroom * p.relax_factor)
                 self.calm = 0
                 if new > self.headroom:
                     self.relaxed_from = self.headroom
@@ -140,6 +213,7 @@ class Decider:
             "steps_since_relax": self.steps_since_relax,
             "relaxed_from": self.relaxed_from,
             "bias": self.bias,
+            "misses": list(self.misses),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -151,3 +225,4 @@ class Decider:
         self.steps_since_relax = None if since is None else int(since)
         self.relaxed_from = None if relaxed is None else float(relaxed)
         self.bias = float(state.get("bias", 1.0))
+        self.misses = deque((float(m) for m in state.get("misses", ())), maxlen=SPREAD_WINDOW)

@@ -150,7 +150,7 @@ class PlanBook:
 
     def _outlearned(self, record: PlanRecord, start: int, budget: int) -> bool:
         """The cost model has learned since the cached plan was made, and either has now measured
-        the shape the plan kept a margin for, or predicts the plan over `max_headroom` of the
+        the shape the plan kept a margin for, or predicts the plan over the decider's fill of the
         budget (it would not fit). Checked once per step learned."""
         if record.learned == self.costs.steps_learned or self.policy.static_plan != "none":
             return False
@@ -159,7 +159,7 @@ class PlanBook:
         if not record.feasible:
             return False
         predicted = self.predict(record.modes, record.key[0], record.extent, start)
-        if predicted is not None and predicted > self.policy.max_headroom * budget:
+        if predicted is not None and predicted > self.decider.fill * budget:
             return True
         self.cache[record.key] = replace(record, learned=self.costs.steps_learned)
         return False
@@ -300,8 +300,8 @@ class PlanBook:
         head_row = self.head_row(shape)
         final = 0.0 if head_row else self.costs.head_bytes(batch, extent)
         host_limit = p.host_fraction * self.probe.host_available()
-        # the bias aims the predictions higher, never past max_headroom of the budget as predicted
-        aim = min((target - start) / self.decider.bias, p.max_headroom * budget - start)
+        # the bias aims the predictions higher, never past the decider's fill of the budget as predicted
+        aim = min((target - start) / self.decider.bias, self.decider.fill * budget - start)
         # after the blocks' backward the step peaks whatever the plan (the weights' gradients all
         # there): where that is over the aim, no block need be held under it, as it cuts no byte of
         # the step's peak (a layer-heavy model on a tight device checkpointed a block for nothing).

@@ -120,3 +120,44 @@ def test_a_recovery_that_goes_too_far_is_capped_below_it():
     assert decisions.count(ESCALATE) == 1
     assert d.headroom <= 0.8 and d.ceiling <= 0.8
     assert decisions[-20:] == [HOLD] * 20
+
+
+def test_predictions_that_land_where_aimed_earn_plans_up_to_99_percent_of_the_budget():
+    """Misses of 0.1% of the budget: a margin of 0.44% (three spreads, never under the latest misses);
+    plans fill up to 99% (the cap; not the policy's 97%), escalate only over 99.44%, and a peak landing
+    within its margin of the headroom is calm, so the headroom relaxes towards the fill."""
+    d = Decider(POLICY)
+    assert d.fill == 0.97 and d.lines() == (0.8, 0.98)  # the policy's, before any miss
+    budget = 1000.0
+    for i in range(5):
+        assert not d.note_miss(500.0, 500.0 + (1.0 if i % 2 else -1.0), budget) or i == 4
+    assert d.margin == pytest.approx(3 * 1.4826 * 0.001)
+    assert d.fill == 0.99
+    calm, high = d.lines()
+    assert high == pytest.approx(0.99 + d.margin) and calm == pytest.approx(0.9 + d.margin)
+    assert run(d, [0.9, 0.9, 0.9]) == [HOLD, HOLD, RELAX]  # at its aim: calm
+    assert run(d, [0.99]) == [HOLD]  # over the policy's high watermark, within the margin
+    d = Decider(POLICY)
+    for _ in range(20):
+        d.note_miss(500.0, 500.0, budget)
+    assert d.fill == 0.99 and d.lines()[1] == 0.99  # FILL_CAP: the allocator rounds blocks up
+
+
+def test_scattered_predictions_keep_the_policys_fill_and_watermarks():
+    d = Decider(POLICY)
+    for miss in [0.02, -0.03, 0.01, 0.02, -0.02, 0.0, 0.0]:
+        d.note_miss(500.0, 500.0 + miss * 1000.0, 1000.0)
+    assert d.fill == 0.97 and d.lines() == (0.8, 0.98)
+    assert run(d, [0.99]) == [ESCALATE]
+
+
+def test_the_margin_follows_the_latest_misses_and_survives_a_resume():
+    d = Decider(POLICY)
+    for _ in range(10):
+        d.note_miss(500.0, 500.0, 1000.0)
+    assert d.fill == 0.99
+    assert d.note_miss(500.0, 540.0, 1000.0)  # one miss of 4%: the fill moved, plans are made again
+    assert d.fill == 0.97 and d.margin == pytest.approx(0.04)
+    again = Decider(POLICY)
+    again.load_state_dict(d.state_dict())
+    assert list(again.misses) == list(d.misses) and again.fill == d.fill

@@ -16,6 +16,7 @@ tf = pytest.importorskip("transformers")
 
 import adaptmem  # noqa: E402
 from adaptmem import Mode  # noqa: E402
+from adaptmem.strategies import selective  # noqa: E402
 from adaptmem.testing import SimulatedDevice  # noqa: E402
 
 SMALL = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
@@ -130,3 +131,27 @@ def test_every_lossless_mode_is_exact_on_the_architecture(name):
         bad = [n for n in grads if not torch.equal(got_grads[n], grads[n])]
         assert not bad, f"{mode}: {len(bad)} gradients differ, first {bad[:3]}"
         assert all(torch.equal(got_buffers[n], buffers[n]) for n in buffers), mode
+
+
+@pytest.mark.parametrize("name", [*TEXT, *IMAGES])
+def test_selective_holding_every_weight_layer_is_exact_for_two_steps(name, monkeypatch):
+    """The configs are small, so SELECTIVE would hold few layers: here it holds every one, and
+    the second step runs on what the first recompute taught (which calls it never reaches)."""
+    monkeypatch.setattr(selective, "MIN_FLOPS_PER_ELEMENT", 0)
+    make = {**TEXT, **IMAGES}[name]
+    try:
+        torch.manual_seed(0)
+        base = make()
+    except (AttributeError, TypeError, ValueError) as e:
+        pytest.skip(f"{name} cannot be built by this transformers: {e}")
+    base.train()
+    batch = batch_for(name)
+    plain, managed = copy.deepcopy(base), copy.deepcopy(base)
+    adaptmem.instrument(managed, mode=Mode.SELECTIVE)
+    for _ in range(2):
+        loss, grads, buffers = train_step(plain, batch)
+        got_loss, got_grads, got_buffers = train_step(managed, batch)
+        assert torch.equal(got_loss, loss)
+        bad = [n for n in grads if not torch.equal(got_grads[n], grads[n])]
+        assert not bad, f"{len(bad)} gradients differ, first {bad[:3]}"
+        assert all(torch.equal(got_buffers[n], buffers[n]) for n in buffers)
