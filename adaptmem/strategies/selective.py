@@ -39,6 +39,7 @@ recomputes with every weight layer run: exact, as CHECKPOINT is.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from typing import Any
 
@@ -186,7 +187,7 @@ class SelectiveRun:
     Holds them and the block's `BlockLayers`, never the call's arguments.
 
     Fused attention is reached through `torch.nn.functional.scaled_dot_product_attention`,
-    which is set to a holding (then answering) function while the block runs, and put back:
+    which routes each thread's calls to the block running there while any runs (`_Routing`):
     a model that calls it through that attribute (Hugging Face's SDPA attention, nanoGPT) has
     it held; one that imported the function itself has it recomputed. Attention with dropout
     is recomputed: the recompute must draw the random numbers forward drew, in order."""
@@ -203,17 +204,14 @@ class SelectiveRun:
     def around(self, recompute: bool, run: Any) -> Any:
         layers = self.layers
         own = [layer.__dict__.get("forward") for layer in layers]  # a forward set on the instance, kept
-        attention = F.scaled_dot_product_attention
         self.calls = {}
         for layer in layers:
             layer.forward = (self._answering if recompute else self._holding)(layer, layer.forward)
-        F.scaled_dot_product_attention = (self._answering_attention if recompute else self._holding_attention)(
-            attention
-        )
+        previous = _route_attention(self._answered_attention if recompute else self._held_attention)
         try:
             return run() if recompute else self._first(run)
         finally:
-            F.scaled_dot_product_attention = attention
+            _unroute_attention(previous)
             for layer, forward in zip(layers, own):
                 if forward is None:
                     del layer.forward
@@ -273,33 +271,67 @@ class SelectiveRun:
 
         return answered_forward
 
-    def _holding_attention(self, attention: Any) -> Any:
-        def held_attention(*args: Any, **kwargs: Any) -> Any:
-            key = self._key(ATTENTION)
-            dropout = kwargs.get("dropout_p", args[_SDPA_DROPOUT] if len(args) > _SDPA_DROPOUT else 0.0)
-            if dropout or not self.known.holds(key) or not torch.is_grad_enabled():
-                return attention(*args, **kwargs)
-            with _Capture() as capture:
+    def _held_attention(self, attention: Any, *args: Any, **kwargs: Any) -> Any:
+        key = self._key(ATTENTION)
+        dropout = kwargs.get("dropout_p", args[_SDPA_DROPOUT] if len(args) > _SDPA_DROPOUT else 0.0)
+        if dropout or not self.known.holds(key) or not torch.is_grad_enabled():
+            return attention(*args, **kwargs)
+        with _Capture() as capture:
+            out = attention(*args, **kwargs)
+        if capture.values is not None and out.requires_grad:
+            self.outputs[key] = Held(capture.values, capture.flops)
+        return out
+
+    def _answered_attention(self, attention: Any, *args: Any, **kwargs: Any) -> Any:
+        key = self._key(ATTENTION)
+        held = self.outputs.pop(key, None)
+        if held is None or held.spoiled:
+            out = attention(*args, **kwargs)
+        else:
+            with _AnswerAttention(held.values):
                 out = attention(*args, **kwargs)
-            if capture.values is not None and out.requires_grad:
-                self.outputs[key] = Held(capture.values, capture.flops)
-            return out
+        self.finished.add(key)
+        return out
 
-        return held_attention
 
-    def _answering_attention(self, attention: Any) -> Any:
-        def answered_attention(*args: Any, **kwargs: Any) -> Any:
-            key = self._key(ATTENTION)
-            held = self.outputs.pop(key, None)
-            if held is None or held.spoiled:
-                out = attention(*args, **kwargs)
-            else:
-                with _AnswerAttention(held.values):
-                    out = attention(*args, **kwargs)
-            self.finished.add(key)
-            return out
+class _Routing:
+    """`torch.nn.functional.scaled_dot_product_attention` while SELECTIVE blocks run: a function
+    that hands each call to the handler of the block running in its thread (none: the function
+    found in place). Set when the first block starts, put back when the last ends, so blocks run
+    in several threads at once (`nn.DataParallel`) each see their own."""
 
-        return answered_attention
+    lock = threading.Lock()
+    active = 0
+    found: Any = None
+    local = threading.local()
+
+
+def _routed_attention(*args: Any, **kwargs: Any) -> Any:
+    handler = getattr(_Routing.local, "handler", None)
+    if handler is None:
+        return _Routing.found(*args, **kwargs)
+    return handler(_Routing.found, *args, **kwargs)
+
+
+def _route_attention(handler: Any) -> Any:
+    """Route this thread's fused attention calls to `handler`; returns the handler it replaces."""
+    with _Routing.lock:
+        if _Routing.active == 0:
+            _Routing.found = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = _routed_attention
+        _Routing.active += 1
+    previous = getattr(_Routing.local, "handler", None)
+    _Routing.local.handler = handler
+    return previous
+
+
+def _unroute_attention(previous: Any) -> None:
+    _Routing.local.handler = previous
+    with _Routing.lock:
+        _Routing.active -= 1
+        if _Routing.active == 0:
+            F.scaled_dot_product_attention = _Routing.found
+            _Routing.found = None
 
 
 class _Capture(TorchDispatchMode):
