@@ -232,34 +232,48 @@ def _held(elements: int, flops_per_element: int) -> "selective.Held":
     return selective.Held((torch.empty(elements),), elements * flops_per_element)
 
 
-@pytest.mark.usefixtures("every_layer_held")
-def test_blocks_in_two_threads_at_once_each_hold_their_own_attention(monkeypatch):
+_THREADS = """
+import torch
+from concurrent.futures import ThreadPoolExecutor
+from helpers import step, tiny, tiny_batch
+import adaptmem
+from adaptmem import Mode
+from adaptmem.strategies import selective
+
+selective.MIN_FLOPS_PER_ELEMENT, selective.RECOMPUTE_SHARE = 0, 0.0
+sdpa = torch.nn.functional.scaled_dot_product_attention
+models = [tiny(attention="sdpa", dropout=0.0, dim=64 + 32 * i) for i in range(2)]
+batches = [tiny_batch(m, seq=48) for m in models]
+references = [[step(m, b) for _ in range(3)] for m, b in zip(models, batches)]
+for m in models:
+    adaptmem.instrument(m, mode=Mode.SELECTIVE)
+
+
+def train(i):
+    return [step(models[i], batches[i]) for _ in range(3)]
+
+
+with ThreadPoolExecutor(2) as pool:
+    results = list(pool.map(train, range(2)))
+for got, expected in zip(results, references):
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+assert torch.nn.functional.scaled_dot_product_attention is sdpa
+print("exact")
+"""
+
+
+def test_blocks_in_two_threads_at_once_each_hold_their_own_attention():
     """As `nn.DataParallel` runs replicas: two models in SELECTIVE stepping at the same time in two
-    threads, each exact, and the attention function put back once both are done."""
-    from concurrent.futures import ThreadPoolExecutor
+    threads, each exact, and the attention function put back once both are done. In a process of its
+    own: dispatch modes entered in worker threads leave torch.compile recompiling later code."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    monkeypatch.setattr(selective, "RECOMPUTE_SHARE", 0.0)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    models = [tiny(attention="sdpa", dropout=0.0, dim=64 + 32 * i) for i in range(2)]
-    batches = [tiny_batch(m, seq=48) for m in models]
-    references = [[step(m, b, fn=lambda **kw: m(**kw)) for _ in range(3)] for m, b in zip(models, batches)]
-    for m in models:
-        adaptmem.instrument(m, mode=Mode.SELECTIVE)
-
-    def train(i):
-        out = []
-        for _ in range(3):
-            model, batch = models[i], batches[i]
-            model.zero_grad(set_to_none=True)
-            loss = model(**batch).loss
-            loss.backward()
-            out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-        return out
-
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(train, range(2)))
-    for got, expected in zip(results, references):
-        for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
-            assert torch.equal(loss, ref_loss)
-            assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
-    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+    tests = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _THREADS], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "exact", done.stderr[-2000:]
