@@ -52,6 +52,19 @@ def test_host_probe_reads_rss():
     assert probe.external() >= 0 and probe.host_available() > 0
 
 
+def test_host_probe_reads_what_others_use_as_psutil_does_and_without_the_files():
+    """The memory available, read from /proc/meminfo kept open, is psutil's `available` (to within
+    what the machine's other processes change between the two readings); closed, psutil reads it."""
+    import psutil
+
+    probe = HostProbe()
+    mine, theirs = probe._available(), psutil.virtual_memory().available
+    assert abs(mine - theirs) < 256 * 2**20
+    probe.close()
+    assert abs(probe._available() - psutil.virtual_memory().available) < 256 * 2**20
+    assert probe.external() >= 0
+
+
 def test_nvml_failure_falls_back_with_one_log_line(monkeypatch, caplog):
     """NVML cannot run here; a stand-in module that fails to initialize shows the fallback."""
 
