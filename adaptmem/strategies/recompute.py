@@ -27,32 +27,10 @@ from torch.utils.checkpoint import (
 
 from adaptmem.strategies.call import BlockCall, main_input
 from adaptmem.strategies.packing import Packer
-from adaptmem.strategies.selective import SelectiveRun
+from adaptmem.strategies.selective import ATTENTION_OPS, SelectiveRun, resolve_ops
 
 log = logging.getLogger("adaptmem")
-_aten = torch.ops.aten
-_SAVE_NAMES = (  # weight matmuls, convolutions, fused attention: never activation x activation matmuls
-    "mm.default",
-    "addmm.default",
-    "convolution.default",
-    "_scaled_mm.default",
-    "_scaled_dot_product_flash_attention.default",
-    "_scaled_dot_product_efficient_attention.default",
-    "_scaled_dot_product_cudnn_attention.default",
-    "_scaled_dot_product_flash_attention_for_cpu.default",
-    "_flash_attention_forward.default",
-    "_efficient_attention_forward.default",
-)
-
-
-def _resolve(names: tuple[str, ...]) -> frozenset:
-    ops = set()
-    for name in names:
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(_aten, packet, None), overload, None)
-        if op is not None:
-            ops.add(op)
-    return frozenset(ops)
+_WEIGHT_OPS = ("mm.default", "addmm.default", "convolution.default", "_scaled_mm.default")
 
 
 #: Ops whose outputs SELECTIVE keeps, as Megatron's selective recomputation does: the linear
@@ -60,7 +38,7 @@ def _resolve(names: tuple[str, ...]) -> frozenset:
 #: fused attention kernels, whose outputs grow with the sequence. The attention core written
 #: out (`bmm` of queries by keys, softmax, dropout on the scores, `bmm` by values) is
 #: recomputed: its batch x heads x seq x seq tensors are what make long sequences expensive.
-SAVED_OPS = _resolve(_SAVE_NAMES)
+SAVED_OPS = resolve_ops(_WEIGHT_OPS) | ATTENTION_OPS
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -99,16 +99,29 @@ def keeps_output(module: nn.Module) -> bool:
 #: Llama block of hidden 512 at 512 tokens that is the query and key projections.
 RECOMPUTE_SHARE = 0.15
 
-_ATTENTION_OPS = frozenset(
-    op
-    for name in (
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
+
+def resolve_ops(names: tuple[str, ...]) -> frozenset:
+    """The aten ops named ``packet.overload`` that this build of torch has."""
+    ops = set()
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(_aten, packet, None), overload, None)
+        if op is not None:
+            ops.add(op)
+    return frozenset(ops)
+
+
+#: Fused attention's ops, whose outputs SELECTIVE holds (eager) or keeps (compiled: `recompute.SAVED_OPS`).
+ATTENTION_OPS = resolve_ops(
+    (
+        "_scaled_dot_product_flash_attention_for_cpu.default",
+        "_scaled_dot_product_flash_attention.default",
+        "_scaled_dot_product_efficient_attention.default",
+        "_scaled_dot_product_cudnn_attention.default",
+        "_scaled_dot_product_fused_attention_overrideable.default",
+        "_flash_attention_forward.default",
+        "_efficient_attention_forward.default",
     )
-    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
 )
 _SDPA_DROPOUT = 4  # dropout_p's position in scaled_dot_product_attention's arguments
 ATTENTION = "attention"  # the owner of fused attention calls in a block's keys
@@ -340,14 +353,12 @@ class _Capture(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.values: tuple | None = None
-        self.op: Any = None
         self.flops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.values is None and func in _ATTENTION_OPS:
+        if self.values is None and func in ATTENTION_OPS:
             q, k = args[0], args[1]
-            self.op = func
             self.values = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in out)
             self.flops = 4 * q.numel() * k.size(-2)  # q @ k^T and p @ v: 2 * L * S * D each, per head
         return out
@@ -362,7 +373,7 @@ class _AnswerAttention(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         values = self.values
-        if values is not None and func in _ATTENTION_OPS and values[0].shape[:-1] == args[0].shape[:-1]:
+        if values is not None and func in ATTENTION_OPS and values[0].shape[:-1] == args[0].shape[:-1]:
             self.values = None
             return values
         return func(*args, **(kwargs or {}))
