@@ -424,7 +424,7 @@ class Controller:
             if self.decider.note_miss(now.predicted - now.start, observed - now.start, self.budget):
                 self.plans.forget()  # they aimed at the fill as it was
         if self._beyond_any_plan(observed):
-            if self.now.predicted is not None and observed > self.now.predicted:
+            if now.predicted is not None and observed > now.predicted:
                 self.decider.forget_bias()  # the predictions were not too high after all
             return HOLD
         ratio = observed / self.budget if self.budget else 0.0

@@ -62,7 +62,7 @@ from adaptmem.config.policy import Policy
 HOLD, ESCALATE, RELAX, RECOVER = "hold", "escalate", "relax", "recover"
 BIAS_FLOOR = 0.8  # predictions are never taken to be more than 25% too high
 RECOVER_SNAP = 0.005  # a recovery this close to its target takes the rest at once
-SPREAD_Z = 3.0  # the margin: this many root-mean-square misses
+SPREAD_Z = 3.0  # the margin: this many spreads of the misses (median size as a standard deviation)
 SPREAD_WINDOW = 20  # misses kept, newest last
 SPREAD_MIN = 5  # misses noted before the margin stands in for the policy's constants
 RECENT = 3  # the margin is never under the largest of this many latest misses
@@ -106,15 +106,17 @@ class Decider:
         misses = self.misses
         if len(misses) < SPREAD_MIN:
             return None
-        sizes = sorted(abs(m) for m in misses)
-        spread = 1.4826 * statistics.median(sizes)
+        spread = 1.4826 * statistics.median([abs(m) for m in misses])
         recent = max(abs(m) for m in list(misses)[-RECENT:])
         return max(SPREAD_Z * spread, recent)
 
     @property
     def fill(self) -> float:
         """The most of the budget a plan aims at: `max_headroom` until the misses earn more."""
-        margin, prior = self.margin, self.policy.max_headroom
+        return self._fill(self.margin)
+
+    def _fill(self, margin: float | None) -> float:
+        prior = self.policy.max_headroom
         if margin is None or 1.0 - margin <= prior:
             return prior
         return min(FILL_CAP, 1.0 - margin)
@@ -122,10 +124,10 @@ class Decider:
     def lines(self) -> tuple[float, float]:
         """(calm line, high line): shares of the budget an observed peak is calm under and escalates
         over. The policy's watermarks, until the misses earn a fill above `max_headroom`."""
-        p, fill = self.policy, self.fill
-        if fill <= p.max_headroom:
+        p, margin = self.policy, self.margin
+        fill = self._fill(margin)
+        if margin is None or fill <= p.max_headroom:
             return p.low_watermark, p.high_watermark
-        margin = self.margin or 0.0
         high = max(p.high_watermark, min(1.0, fill + margin))
         return min(max(p.low_watermark, self.headroom + margin), high), high
 
