@@ -19,3 +19,11 @@ def pytest_collection_modifyitems(config, items):
 def _deterministic():
     torch.use_deterministic_algorithms(False)
     yield
+
+
+@pytest.fixture
+def every_layer_held(monkeypatch):
+    """SELECTIVE holds every weight layer's output, however narrow (the tests' models are small)."""
+    from adaptmem.strategies import selective
+
+    monkeypatch.setattr(selective, "MIN_FLOPS_PER_ELEMENT", 0)

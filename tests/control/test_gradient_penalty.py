@@ -10,7 +10,6 @@ from torch import nn
 
 import adaptmem
 from adaptmem.config.policy import load_policy
-from adaptmem.strategies import selective
 from adaptmem.testing import SimulatedDevice
 
 POLICY = load_policy("balanced").model_copy(update={"modes": ("SELECTIVE",), "sample_interval_s": 10.0})
@@ -83,8 +82,7 @@ def _adam(opt) -> dict:
     }
 
 
-def test_a_gradient_penalty_under_a_selective_only_policy_stays_exact(monkeypatch):
-    monkeypatch.setattr(selective, "MIN_FLOPS_PER_ELEMENT", 0)  # every weight layer's output held
+def test_a_gradient_penalty_under_a_selective_only_policy_stays_exact(every_layer_held):
     expected, _ = train(managed=False)
     got, plans = train(managed=True)
     assert all(plan == ["SELECTIVE"] * 4 for plan in plans)

@@ -9,7 +9,6 @@ from helpers import budget_between, cnn, image_batch, tiny, tiny_batch
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
 from adaptmem.config.policy import load_policy
-from adaptmem.strategies import selective
 from adaptmem.testing import SimulatedDevice
 
 TWICE_OK = list(LOSSLESS_MODES)
@@ -48,8 +47,7 @@ def test_a_second_backward_is_exact(name, mode, kind):
         assert all(h.recomputes >= 2 for h in handles)  # recomputed for each backward
 
 
-def test_a_manager_plans_selective_under_a_second_backward_and_stays_exact(monkeypatch):
-    monkeypatch.setattr(selective, "MIN_FLOPS_PER_ELEMENT", 0)  # every weight layer's output held
+def test_a_manager_plans_selective_under_a_second_backward_and_stays_exact(every_layer_held):
     policy = load_policy().model_copy(update={"modes": ("NONE", "SELECTIVE")})
     make = lambda: tiny(attention="eager", dim=128, n_layers=4)
     batch = tiny_batch(make(), batch=4, seq=128)

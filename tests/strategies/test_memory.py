@@ -6,7 +6,6 @@ from helpers import hf_batch, llama
 
 import adaptmem
 from adaptmem import CompressOptions, Mode
-from adaptmem.strategies import selective
 from adaptmem.testing import SimulatedDevice
 
 # bound on the step's peak device bytes, as a fraction of every block NONE
@@ -76,12 +75,11 @@ def test_checkpoint_with_offloaded_input_frees_the_block_inputs():
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_selective_keeps_the_linear_outputs_and_no_attention_scores(attention, monkeypatch):
+def test_selective_keeps_the_linear_outputs_and_no_attention_scores(attention, every_layer_held):
     """As Megatron's selective recomputation: the attention core (seq x seq scores, softmax,
     dropout) is recomputed, the weight layers' outputs kept (every one, whatever its width, here).
     Held after forward, per block, is then far below one block's scores, and well above nothing
     (the linear outputs)."""
-    monkeypatch.setattr(selective, "MIN_FLOPS_PER_ELEMENT", 0)
     layers, batch, seq, hidden = 4, 1, 1024, 64
     model = llama(layers=layers, hidden=hidden)
     model.config._attn_implementation = attention

@@ -12,12 +12,6 @@ from adaptmem import Mode
 from adaptmem.strategies import selective
 from adaptmem.testing import SimulatedDevice
 
-
-@pytest.fixture
-def every_layer_held(monkeypatch):
-    monkeypatch.setattr(selective, "MIN_FLOPS_PER_ELEMENT", 0)
-
-
 MODELS = {
     "tiny-sdpa": (lambda: tiny(attention="sdpa"), lambda m: tiny_batch(m, seq=48)),
     "tiny-eager": (lambda: tiny(attention="eager"), lambda m: tiny_batch(m, seq=48)),

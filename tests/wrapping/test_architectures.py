@@ -16,7 +16,6 @@ tf = pytest.importorskip("transformers")
 
 import adaptmem  # noqa: E402
 from adaptmem import Mode  # noqa: E402
-from adaptmem.strategies import selective  # noqa: E402
 from adaptmem.testing import SimulatedDevice  # noqa: E402
 
 SMALL = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
@@ -134,10 +133,9 @@ def test_every_lossless_mode_is_exact_on_the_architecture(name):
 
 
 @pytest.mark.parametrize("name", [*TEXT, *IMAGES])
-def test_selective_holding_every_weight_layer_is_exact_for_two_steps(name, monkeypatch):
+def test_selective_holding_every_weight_layer_is_exact_for_two_steps(name, every_layer_held):
     """The configs are small, so SELECTIVE would hold few layers: here it holds every one, and
     the second step runs on what the first recompute taught (which calls it never reaches)."""
-    monkeypatch.setattr(selective, "MIN_FLOPS_PER_ELEMENT", 0)
     make = {**TEXT, **IMAGES}[name]
     try:
         torch.manual_seed(0)
