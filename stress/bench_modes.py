@@ -108,7 +108,7 @@ def times_of(model, ids, steps, device) -> list[float]:
     return times
 
 
-def paired(a: list[float], b: list[float]) -> list[float]:
+def round_ratios(a: list[float], b: list[float]) -> list[float]:
     """Round by round, `a`'s time over `b`'s: the rounds time every mode, so drift hits both alike."""
     return [x / y for x, y in zip(a, b)]
 
@@ -122,7 +122,7 @@ def selective_verdicts(rows: list[dict], batch: int) -> list:
     if not {"NONE", "SELECTIVE", "CHECKPOINT"} <= by.keys():
         return []
     none, sel, chk = (by[m]["round_s"] for m in ("NONE", "SELECTIVE", "CHECKPOINT"))
-    verdicts = [at_most("step / CHECKPOINT's step <= 1.00", paired(sel, chk), 1.0)]
+    verdicts = [at_most("step / CHECKPOINT's step <= 1.00", round_ratios(sel, chk), 1.0)]
     if batch > 1:
         peak = by["SELECTIVE"]["peak_bytes"] / by["NONE"]["peak_bytes"]
         shares = [(s - n) / (c - n) if c > n else float("inf") for n, s, c in zip(none, sel, chk)]
@@ -153,7 +153,7 @@ def _range(run: dict, i: int) -> str:
     rounds, base = run["rows"][i].get("round_s"), run["rows"][0].get("round_s")
     if not rounds or not base or i == 0:
         return ""
-    low, high = interval(paired(rounds, base))
+    low, high = interval(round_ratios(rounds, base))
     return f" [{low:.2f}, {high:.2f}]"
 
 
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     for r in rows:
         r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
         r["time_ratio"] = r["step_s"] / base["step_s"]
-        low, high = interval(paired(r["round_s"], base["round_s"]))
+        low, high = interval(round_ratios(r["round_s"], base["round_s"]))
         print(
             f"{r['mode']:<20} {format_bytes(r['peak_bytes']):>12} {r['peak_ratio']:>10.1%} "
             f"{r['step_s'] * 1e3:>8.1f}ms {r['time_ratio']:>9.2f}x [{low:.2f}, {high:.2f}]"
