@@ -31,7 +31,10 @@ class CudaProbe:
         self._hinted = False
 
     def capacity(self) -> int:
-        return self._total
+        """The device's memory, or the share `torch.cuda.set_per_process_memory_fraction` leaves
+        this process: past it the allocator raises out-of-memory as on a full device."""
+        fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+        return self._total if fraction >= 1 else int(self._total * fraction)
 
     def _counters(self, name: str) -> dict:
         """One family of the caching allocator's counters, e.g. "allocated_bytes": its "current"
@@ -67,14 +70,19 @@ class CudaProbe:
         are read on both sides of it, and the pair is taken only when nothing was reserved
         or released in between: the bytes ever reserved and ever released agree too, not
         only the bytes reserved now, which a segment taken and given back (another thread
-        churning the allocator) leaves as they were."""
+        churning the allocator) leaves as they were.
+
+        Under a per-process memory fraction, what others hold takes from this process's
+        share only past the part of the device the fraction leaves out, so that part is
+        taken off: a process capped at 8 GiB of 80 loses nothing to a 1 GiB context."""
         for _ in range(4):
             before = self._reserved()
             free, total = torch.cuda.mem_get_info(self.device)
             after = self._reserved()
             if after == before:
                 break
-        return max(0, total - free - max(before[0], after[0]))
+        others = max(0, total - free - max(before[0], after[0]))
+        return max(0, others - (self._total - self.capacity()))
 
     def _reserved(self) -> tuple[int, int, int]:
         """Bytes reserved now, ever reserved, and ever released."""

@@ -93,9 +93,10 @@ def test_a_device_adaptmem_cannot_manage_is_named(device):
         make_probe(device)
 
 
-def fake_cuda(monkeypatch, reserved, infos, total=80 << 30):
+def fake_cuda(monkeypatch, reserved, infos, total=80 << 30, fraction=1.0):
     """torch.cuda's readings, scripted: each call takes the next value. `reserved`: the
-    allocator's (bytes reserved now, ever reserved, ever released) at each reading."""
+    allocator's (bytes reserved now, ever reserved, ever released) at each reading;
+    `fraction`: the per-process memory fraction."""
     from adaptmem.devices.cuda import CudaProbe
 
     reserved, infos = iter(reserved), iter(infos)
@@ -106,8 +107,9 @@ def fake_cuda(monkeypatch, reserved, infos, total=80 << 30):
 
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", stats)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (next(infos), total))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
     probe = CudaProbe.__new__(CudaProbe)
-    probe.device = torch.device("cuda", 0)
+    probe.device, probe.name, probe._total = torch.device("cuda", 0), "cuda:0", total
     return probe
 
 
@@ -175,3 +177,22 @@ def test_a_model_on_several_cuda_devices_is_refused_with_what_to_do():
     assert one_device({torch.device("cuda", 1)}) == torch.device("cuda", 1)
     with pytest.raises(ValueError, match=r"spread over cuda:0, cuda:1; .*adaptmem.manage\(stage, device='cuda:N'\)"):
         one_device({torch.device("cuda", 0), torch.device("cuda", 1)})
+
+
+def test_a_per_process_memory_fraction_is_the_capacity_and_others_take_from_it_past_the_rest(monkeypatch):
+    # A process capped by torch.cuda.set_per_process_memory_fraction(0.25) on an 80 GiB device
+    # gets out-of-memory past 20 GiB: that is its device, for the budget and for a share of it.
+    from adaptmem.config.budget import resolve_budget
+    from adaptmem.config.policy import Policy
+
+    assert fake_cuda(monkeypatch, reserved=[], infos=[]).capacity() == 80 * GiB
+    nothing = (0, 0, 0)
+    probe = fake_cuda(monkeypatch, reserved=[nothing] * 4, infos=[79 * GiB, 10 * GiB], fraction=0.25)
+    assert probe.capacity() == 20 * GiB
+    assert resolve_budget("50%", Policy(), probe, use_env=False) == 10 * GiB
+    with pytest.raises(ValueError, match="larger than the device"):
+        resolve_budget("30GiB", Policy(), probe, use_env=False)
+    # Others hold 1 GiB (a context): the 60 GiB the fraction leaves out covers it. Then 70 GiB:
+    # 10 GiB of this process's 20 are gone.
+    assert probe.external() == 0
+    assert probe.external() == 10 * GiB
