@@ -3,6 +3,7 @@
     python -m stress.headroom                       # vocab 32000 and 128256 (long: real steps at long lengths)
     python -m stress.headroom --vocab 32000 --device-mib 600
     python -m stress.headroom --json runs/headroom.json
+    python -m stress.headroom --device cuda         # the same devices' sizes, on a GPU's allocator
 
 A Llama from a config (8 layers, hidden 256, intermediate 688, 8 heads, 4 kv heads; random
 weights), batch 1, AdamW. For each method, a length trains when a fresh model and optimizer
@@ -20,11 +21,19 @@ tokens is minutes of CPU). Methods:
 
 and, at hf_gc's longest length, adaptmem's step time against hf_gc's (median of paired
 steps, both on the stand-in).
+
+With `--device cuda` the device is a real GPU cut to the same size by
+`torch.cuda.set_per_process_memory_fraction`: PyTorch's caching allocator raises out-of-memory
+past it (its reserved bytes, so fragmentation counts), adaptmem reads the cut as the device's
+capacity, and the CUDA context lies outside it. Each run starts from an emptied cache. The
+offloading peer copies what autograd saves to pageable host memory and back.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import statistics
 import sys
@@ -52,8 +61,8 @@ def build(vocab: int) -> torch.nn.Module:
     return small_llama(vocab, layers=8, max_positions=1 << 17)
 
 
-def batch(vocab: int, length: int) -> dict:
-    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+def batch(vocab: int, length: int, device: str = "cpu") -> dict:
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
     return {"input_ids": ids, "labels": ids}
 
 
@@ -62,34 +71,67 @@ def _to_host(t: torch.Tensor):
         return t.detach().clone()
 
 
-class Run:
-    """One method's model, optimizer and stand-in device."""
+def _cuda_to_host(t: torch.Tensor):
+    return t.device, t.detach().to("cpu")
 
-    def __init__(self, method: str, vocab: int, capacity: int) -> None:
-        self.method, self.vocab = method, vocab
+
+def _cuda_back(packed) -> torch.Tensor:
+    device, t = packed
+    return t.to(device)
+
+
+def cap_cuda(capacity: int) -> None:
+    """The GPU cut to `capacity` bytes for this process, from an emptied cache."""
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if capacity > total:
+        raise SystemExit(f"--device-mib: {format_bytes(capacity)} is more than the GPU's {format_bytes(total)}")
+    torch.cuda.set_per_process_memory_fraction(capacity / total)
+
+
+class Run:
+    """One method's model, optimizer and device: a stand-in of `capacity` bytes, or the GPU
+    (already cut to it by `cap_cuda`)."""
+
+    def __init__(self, method: str, vocab: int, capacity: int, device: str = "cpu") -> None:
+        self.method, self.vocab, self.device = method, vocab, device
         self.model = build(vocab)
         if method.startswith("hf_gc"):
             hf_checkpointing(self.model, True)
         self.model.train()
+        if device == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+            self.dev = contextlib.nullcontext()
+            self.model.to(device)
+            self.hooks = (_cuda_to_host, _cuda_back)
+        else:
+            self.dev = SimulatedDevice(capacity)
+            self.dev.track(self.model)
+            self.hooks = (_to_host, lambda t: t)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
-        self.dev = SimulatedDevice(capacity)
-        self.dev.track(self.model)
-        self.mem = adaptmem.manage(self.model, device=self.dev) if method == "adaptmem" else None
+        self.mem = None
+        if method == "adaptmem":
+            self.mem = adaptmem.manage(self.model, device=None if device == "cuda" else self.dev)
 
     def step(self, length: int) -> float:
-        data = batch(self.vocab, length)
+        data = batch(self.vocab, length, self.device)
+        cuda = self.device == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         with self.dev:
             if self.mem is not None:
                 self.mem.run_step(lambda: self.model(**data).loss.backward())
             elif self.method == "hf_gc_offload":
-                with torch.autograd.graph.saved_tensors_hooks(_to_host, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(*self.hooks):
                     loss = self.model(**data).loss
                 loss.backward()
             else:
                 self.model(**data).loss.backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def close(self) -> None:
@@ -97,8 +139,8 @@ class Run:
             self.mem.close()
 
 
-def trains(method: str, vocab: int, capacity: int, length: int) -> bool:
-    run = Run(method, vocab, capacity)
+def trains(method: str, vocab: int, capacity: int, length: int, device: str = "cpu") -> bool:
+    run = Run(method, vocab, capacity, device)
     try:
         for _ in range(STEPS):
             run.step(length)
@@ -109,24 +151,27 @@ def trains(method: str, vocab: int, capacity: int, length: int) -> bool:
         run.close()
 
 
-def longest(method: str, vocab: int, capacity: int, start: int = 256) -> int:
-    """The longest multiple of GRAIN that trains, to within PRECISION (0: not even GRAIN)."""
+def longest(method: str, vocab: int, capacity: int, start: int = 256, device: str = "cpu", limit: int = 0) -> int:
+    """The longest multiple of GRAIN that trains, to within PRECISION (0: not even GRAIN).
+    With a `limit`, no length past it is tried: a method that trains it reads as `limit`."""
     low, high = 0, max(GRAIN, start)
-    while trains(method, vocab, capacity, high):
+    while trains(method, vocab, capacity, high, device):
         log(f"  {method}: {high} trains")
-        low, high = high, high * 2
+        if limit and high >= limit:
+            return high
+        low, high = high, min(high * 2, limit) if limit else high * 2
     log(f"  {method}: {high} does not")
     while high - low > GRAIN and high > low * PRECISION:
         mid = (low + high) // 2 // GRAIN * GRAIN
-        ok = trains(method, vocab, capacity, mid)
+        ok = trains(method, vocab, capacity, mid, device)
         log(f"  {method}: {mid} {'trains' if ok else 'does not'}")
         low, high = (mid, high) if ok else (low, mid)
     return low
 
 
-def paired_time(vocab: int, capacity: int, length: int, rounds: int = 3) -> float:
+def paired_time(vocab: int, capacity: int, length: int, rounds: int = 3, device: str = "cpu") -> float:
     """adaptmem's step time over hf_gc's at `length`: the median of per-round ratios, after a warm-up."""
-    runs = {m: Run(m, vocab, capacity) for m in ("hf_gc", "adaptmem")}
+    runs = {m: Run(m, vocab, capacity, device) for m in ("hf_gc", "adaptmem")}
     try:
         for run in runs.values():
             for _ in range(STEPS):
@@ -146,22 +191,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, nargs="*", default=sorted(DEVICE_MIB))
     parser.add_argument("--device-mib", type=int, default=None, help="the stand-in's size (default: per vocab)")
     parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the stand-in; cuda: a GPU cut to size"
+    )
+    parser.add_argument("--limit", type=int, default=0, help="the longest length tried (default: none)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = []
     for vocab in args.vocab:
         capacity = (args.device_mib or DEVICE_MIB.get(vocab, 1024)) * 2**20
-        log(f"[vocab {vocab} on a {format_bytes(capacity)} stand-in]")
-        found = {m: longest(m, vocab, capacity) for m in args.methods}
-        row = {"vocab": vocab, "device_bytes": capacity, "longest": found}
+        where = "a GPU cut to" if args.device == "cuda" else "a stand-in of"
+        log(f"[vocab {vocab} on {where} {format_bytes(capacity)}]")
+        if args.device == "cuda":
+            cap_cuda(capacity)
+        found = {m: longest(m, vocab, capacity, device=args.device, limit=args.limit) for m in args.methods}
+        row = {"vocab": vocab, "device": args.device, "device_bytes": capacity, "longest": found}
+        if args.limit:
+            row["limit"] = args.limit
         if "hf_gc" in found and "adaptmem" in found and found["hf_gc"]:
             row["vs_hf_gc"] = found["adaptmem"] / found["hf_gc"]
-            row["time_at_hf_gc_longest"] = paired_time(vocab, capacity, found["hf_gc"])
+            row["time_at_hf_gc_longest"] = paired_time(vocab, capacity, found["hf_gc"], device=args.device)
         results.append(row)
         print(
             f"vocab {vocab}, device {format_bytes(capacity)}: "
-            + ", ".join(f"{m} {n:,}" for m, n in found.items())
+            + ", ".join(f"{m} {'at least ' if args.limit and n >= args.limit else ''}{n:,}" for m, n in found.items())
             + (
                 f"; adaptmem {row['vs_hf_gc']:.2f}x hf_gc's length, its step {row['time_at_hf_gc_longest']:.2f}x "
                 f"hf_gc's at {found['hf_gc']:,}"
