@@ -56,9 +56,9 @@ PRECISION = 1.05  # the bisection stops once the failing length is within 5% of 
 DEVICE_MIB = {32000: 640, 128256: 1600}  # fixed per vocabulary: room for the weights and AdamW state
 
 
-def build(vocab: int) -> torch.nn.Module:
+def build(vocab: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
-    return small_llama(vocab, layers=8, max_positions=1 << 17)
+    return small_llama(vocab, layers=8, max_positions=1 << 17).to(dtype)
 
 
 def batch(vocab: int, length: int, device: str = "cpu") -> dict:
@@ -92,9 +92,9 @@ class Run:
     """One method's model, optimizer and device: a stand-in of `capacity` bytes, or the GPU
     (already cut to it by `cap_cuda`)."""
 
-    def __init__(self, method: str, vocab: int, capacity: int, device: str = "cpu") -> None:
+    def __init__(self, method: str, vocab: int, capacity: int, device: str = "cpu", dtype=torch.float32) -> None:
         self.method, self.vocab, self.device = method, vocab, device
-        self.model = build(vocab)
+        self.model = build(vocab, dtype)
         if method.startswith("hf_gc"):
             hf_checkpointing(self.model, True)
         self.model.train()
@@ -139,8 +139,8 @@ class Run:
             self.mem.close()
 
 
-def trains(method: str, vocab: int, capacity: int, length: int, device: str = "cpu") -> bool:
-    run = Run(method, vocab, capacity, device)
+def trains(method: str, vocab: int, capacity: int, length: int, device: str = "cpu", dtype=torch.float32) -> bool:
+    run = Run(method, vocab, capacity, device, dtype)
     try:
         for _ in range(STEPS):
             run.step(length)
@@ -151,11 +151,13 @@ def trains(method: str, vocab: int, capacity: int, length: int, device: str = "c
         run.close()
 
 
-def longest(method: str, vocab: int, capacity: int, start: int = 256, device: str = "cpu", limit: int = 0) -> int:
+def longest(
+    method: str, vocab: int, capacity: int, start: int = 256, device: str = "cpu", limit: int = 0, dtype=torch.float32
+) -> int:
     """The longest multiple of GRAIN that trains, to within PRECISION (0: not even GRAIN).
     With a `limit`, no length past it is tried: a method that trains it reads as `limit`."""
     low, high = 0, max(GRAIN, start)
-    while trains(method, vocab, capacity, high, device):
+    while trains(method, vocab, capacity, high, device, dtype):
         log(f"  {method}: {high} trains")
         if limit and high >= limit:
             return high
@@ -163,15 +165,33 @@ def longest(method: str, vocab: int, capacity: int, start: int = 256, device: st
     log(f"  {method}: {high} does not")
     while high - low > GRAIN and high > low * PRECISION:
         mid = (low + high) // 2 // GRAIN * GRAIN
-        ok = trains(method, vocab, capacity, mid, device)
+        ok = trains(method, vocab, capacity, mid, device, dtype)
         log(f"  {method}: {mid} {'trains' if ok else 'does not'}")
         low, high = (mid, high) if ok else (low, mid)
     return low
 
 
-def paired_time(vocab: int, capacity: int, length: int, rounds: int = 3, device: str = "cpu") -> float:
-    """adaptmem's step time over hf_gc's at `length`: the median of per-round ratios, after a warm-up."""
-    runs = {m: Run(m, vocab, capacity, device) for m in ("hf_gc", "adaptmem")}
+def paired_time(
+    vocab: int, capacity: int, length: int, rounds: int = 3, device: str = "cpu", dtype=torch.float32
+) -> float:
+    """adaptmem's step time over hf_gc's at `length`: the median of per-round ratios, after a warm-up.
+
+    On the stand-in both runs live at once, each on its own device, and the rounds interleave.
+    A GPU has room for one: each method's steps run in turn, the first run freed before the next."""
+    methods = ("hf_gc", "adaptmem")
+    if device == "cuda":
+        times = {}
+        for m in methods:
+            run = Run(m, vocab, capacity, device, dtype)
+            try:
+                for _ in range(STEPS):
+                    run.step(length)
+                times[m] = [run.step(length) for _ in range(rounds)]
+            finally:
+                run.close()
+                del run
+        return statistics.median(a / h for a, h in zip(times["adaptmem"], times["hf_gc"]))
+    runs = {m: Run(m, vocab, capacity, device, dtype) for m in methods}
     try:
         for run in runs.values():
             for _ in range(STEPS):
@@ -194,26 +214,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the stand-in; cuda: a GPU cut to size"
     )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's weights")
     parser.add_argument("--limit", type=int, default=0, help="the longest length tried (default: none)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    dtype = getattr(torch, args.dtype)
     results = []
     for vocab in args.vocab:
         capacity = (args.device_mib or DEVICE_MIB.get(vocab, 1024)) * 2**20
         where = "a GPU cut to" if args.device == "cuda" else "a stand-in of"
-        log(f"[vocab {vocab} on {where} {format_bytes(capacity)}]")
+        log(f"[vocab {vocab}, {args.dtype}, on {where} {format_bytes(capacity)}]")
         if args.device == "cuda":
             cap_cuda(capacity)
-        found = {m: longest(m, vocab, capacity, device=args.device, limit=args.limit) for m in args.methods}
-        row = {"vocab": vocab, "device": args.device, "device_bytes": capacity, "longest": found}
+        found = {
+            m: longest(m, vocab, capacity, device=args.device, limit=args.limit, dtype=dtype) for m in args.methods
+        }
+        row = {"vocab": vocab, "device": args.device, "dtype": args.dtype, "device_bytes": capacity, "longest": found}
         if args.limit:
             row["limit"] = args.limit
         if "hf_gc" in found and "adaptmem" in found and found["hf_gc"]:
             row["vs_hf_gc"] = found["adaptmem"] / found["hf_gc"]
-            row["time_at_hf_gc_longest"] = paired_time(vocab, capacity, found["hf_gc"], device=args.device)
+            row["time_at_hf_gc_longest"] = paired_time(vocab, capacity, found["hf_gc"], device=args.device, dtype=dtype)
         results.append(row)
         print(
             f"vocab {vocab}, device {format_bytes(capacity)}: "
@@ -226,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        if args.json:  # after each vocabulary: a long run cut short keeps what it found
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2))
     return 0
 
 

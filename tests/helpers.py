@@ -25,8 +25,9 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1, vocab: int = 512):
-    """A Hugging Face Llama built from a small config (random weights, attention dropout > 0)."""
+def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1, vocab: int = 512, kv_heads: int | None = None):
+    """A Hugging Face Llama built from a small config (random weights, attention dropout > 0;
+    grouped-query attention unless `kv_heads` is the number of heads)."""
     quiet_transformers()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -37,7 +38,7 @@ def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1, vocab: int =
         intermediate_size=int(hidden * 2.6875),
         num_hidden_layers=layers,
         num_attention_heads=max(2, hidden // 32),
-        num_key_value_heads=max(1, hidden // 64),
+        num_key_value_heads=kv_heads or max(1, hidden // 64),
         max_position_embeddings=2048,
         attention_dropout=dropout,
         use_cache=False,

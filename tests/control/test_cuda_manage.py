@@ -91,9 +91,11 @@ def test_budget_is_kept_on_cuda():
     assert max(reserved[1:]) <= 1.1 * budget, [r / budget for r in reserved]
 
 
-def test_real_cuda_ooms_are_recovered_with_exact_gradients():
-    """A per-process memory fraction makes the allocator refuse what the budget allows:
-    real CUDA OOMs, which the retry must survive with the gradients of a clean step."""
+def test_real_cuda_ooms_are_recovered_with_exact_gradients(monkeypatch):
+    """A per-process memory fraction the manager is not shown (as memory another process takes
+    between two steps) makes the allocator refuse what the budget allows: real CUDA OOMs,
+    which the retry must survive with the gradients of a clean step."""
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
     model = cuda_llama()
     data = batch()
     none_peak = peak_of(model, Mode.NONE)
@@ -119,6 +121,26 @@ def test_real_cuda_ooms_are_recovered_with_exact_gradients():
             mem.run_step(train)  # planned for 90% of the card; the allocator allows far less
             assert mem.summary()["ooms_recovered"] >= 1
         assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_a_per_process_memory_fraction_is_the_device_the_budget_is_a_share_of():
+    """Cut to 60% of NONE's peak, the manager's device is the cut: its default budget fits in it
+    and the steps train with no out-of-memory error to retry."""
+    model = cuda_llama()
+    data = batch()
+    none_peak = peak_of(model, Mode.NONE)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.6 * none_peak / total)
+        with adaptmem.manage(model) as mem:
+            assert mem.budget <= 0.6 * none_peak
+            for _ in range(3):
+                mem.run_step(lambda: model(**data).loss.backward())
+                model.zero_grad(set_to_none=True)
+            assert mem.summary()["ooms_recovered"] == 0
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
 
