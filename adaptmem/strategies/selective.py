@@ -48,7 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaptmem.registrations import registrations
+from adaptmem.registrations import listed, registrations
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default: 0, _aten.addmm.default: 1}  # op -> index of its first matrix argument
@@ -146,7 +146,7 @@ class Held:
 
 class BlockLayers:
     """What SELECTIVE knows of one block, learned across its calls: its weight layers (listed
-    again after any module is registered); the layers whose output something changes in place
+    again after a module is registered into the block); the layers whose output something changes in place
     after forward (not held: the recompute runs them); the calls left to the recompute by
     `RECOMPUTE_SHARE` (decided at the first forward); and the calls the recompute never
     finishes, because the checkpoint's early stop ends it when the last saved tensor is back
@@ -164,8 +164,8 @@ class BlockLayers:
 
     def of(self, block: nn.Module) -> list[nn.Module]:
         if self.registrations != registrations():
-            self.layers = [m for m in block.modules() if keeps_output(m)]
-            self.registrations = registrations()
+            modules, self.registrations = listed(block)
+            self.layers = [m for m in modules if keeps_output(m)]
         return self.layers
 
     def holds(self, key: tuple[Any, int]) -> bool:

@@ -150,7 +150,7 @@ def test_buffers_past_the_snapshot_limit_are_refused_with_the_setting():
 
 
 def test_the_guard_reads_the_models_parameters_and_buffers_as_they_stand_without_walking_it():
-    """The modules are listed once, again after any module is registered; parameters and buffers are
+    """The modules are listed once, again after a module is registered into one; parameters and buffers are
     read from them in place: the same tensors in the same order as `model.parameters()` and
     `model.buffers()`, a parameter replaced or a submodule added seen at once."""
     from adaptmem.control.retry import ListedModules
@@ -169,3 +169,20 @@ def test_the_guard_reads_the_models_parameters_and_buffers_as_they_stand_without
     first.weight = torch.nn.Parameter(first.weight.detach().clone())  # replaced in place of the old
     model.extra = torch.nn.BatchNorm1d(3)  # a module registered after the list was made
     assert same("_parameters", list(model.parameters())) and same("_buffers", list(model.buffers()))
+    model.extra.inner = torch.nn.Linear(3, 3)  # and into that one, listed since
+    assert same("_parameters", list(model.parameters()))
+
+
+def test_modules_registered_outside_a_listed_model_do_not_make_it_listed_again():
+    """Hugging Face models slice their list of layers in every forward, registering each layer into
+    a new `nn.ModuleList`: the listed model is unchanged, and the count that says so too."""
+    from adaptmem.registrations import listed, registrations
+
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)]))
+    modules, count = listed(model)
+    assert len(modules) == 5
+    model[0][:2]  # a new ModuleList of two of the layers
+    torch.nn.Sequential(torch.nn.Linear(2, 2))  # a model of its own
+    assert registrations() == count
+    model[0].append(torch.nn.Linear(2, 2))
+    assert registrations() != count
