@@ -66,6 +66,7 @@ from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.host import HostProbe
 from adaptmem.modes import Mode
 from adaptmem.wrapping import BlockHandle, HeadHandle
+from adaptmem.wrapping.selection import class_name
 
 
 class Controller:
@@ -96,7 +97,7 @@ class Controller:
         self.recorder = StepRecorder(probe, in_flight)
         cuda = isinstance(probe, CudaProbe)
         self.costs = CostModel(
-            [type(h.module).__name__ for h in handles],
+            [class_name(h.module) for h in handles],
             p,
             cuda=cuda,
             priors=priors_for(probe, cuda, [h.offload_options for h in handles]),

@@ -7,7 +7,10 @@ A selection is one of
     the layer stack). Stacks of equal length are all taken (encoder + decoder).
     Where the stack's children are stages that differ in shape (a ResNet's,
     ConvNeXt's or Swin's), the layers inside each stage are the blocks.
-  - a class, or a class name that some submodule has, or a tuple of them;
+  - a class, or a class name that some submodule has, or a tuple of them. A module
+    whose class a wrapper swapped in place (FSDP2's ``fully_shard`` makes a
+    ``Qwen2DecoderLayer`` an ``FSDPQwen2DecoderLayer``) goes by its own class's
+    name, so a selection finds the same blocks before and after sharding;
   - a regex over qualified module names: it selects a module when it matches
     the whole name or the whole of a dotted suffix (``r"layers\\.\\d+"`` selects
     ``model.layers.0``);
@@ -60,7 +63,7 @@ def describe_model(model: nn.Module) -> str:
         for name, mod in model.named_modules()
         if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > 0
     ]
-    counts = Counter(type(m).__name__ for _, m in model.named_modules())
+    counts = Counter(class_name(m) for _, m in model.named_modules())
     repeated = [f"{cls} x{n}" for cls, n in counts.most_common() if n >= 2 and not _is_container_name(cls)]
     return (
         f"Its module stacks: {', '.join(stacks[:8]) or 'none'}"
@@ -69,14 +72,34 @@ def describe_model(model: nn.Module) -> str:
     )
 
 
+def user_class(module: nn.Module) -> type:
+    """The module's class as its author wrote it: under the classes that wrap a module in place by
+    making a subclass of it (FSDP2's ``FSDP<Name>`` and ``Replicate<Name>``, ``(wrapper, Name)``
+    made in `torch.distributed`), the class it was made from."""
+    cls = type(module)
+    while (
+        len(cls.__bases__) == 2
+        and cls.__module__.startswith("torch.distributed")
+        and cls.__name__ != cls.__bases__[1].__name__
+        and cls.__name__.endswith(cls.__bases__[1].__name__)
+    ):
+        cls = cls.__bases__[1]
+    return cls
+
+
+def class_name(module: nn.Module) -> str:
+    """`user_class(module)`'s name: what a selection by class name matches."""
+    return user_class(module).__name__
+
+
 # ---------------------------------------------------------------- selection
 def _select(model: nn.Module, named: list[tuple[str, nn.Module]], blocks: BlockSelection):
     if isinstance(blocks, str):
         if blocks == "auto":
             return _auto(named)
-        classes = {type(m).__name__ for _, m in named}
+        classes = {class_name(m) for _, m in named}
         if blocks in classes:
-            return [(n, m) for n, m in named if type(m).__name__ == blocks]
+            return [(n, m) for n, m in named if class_name(m) == blocks]
         return _by_regex(named, blocks)
     if isinstance(blocks, type):
         _check_module_class(blocks)
@@ -101,7 +124,7 @@ def _auto(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
         for name, mod in named
         if isinstance(mod, (nn.ModuleList, nn.Sequential))
         and len(mod) >= 2
-        and len({type(child) for child in mod}) == 1
+        and len({user_class(child) for child in mod}) == 1
     ]
     outer = [
         (name, mod) for name, mod in stacks if not any(_is_inside(name, other) for other, _ in stacks if other != name)
@@ -152,7 +175,7 @@ def _layer_stack(stage: nn.Module) -> tuple[str, nn.Module] | None:
             name
             and isinstance(mod, (nn.ModuleList, nn.Sequential))
             and len(mod) >= 1
-            and len({type(child) for child in mod}) == 1
+            and len({user_class(child) for child in mod}) == 1
         ):
             if 2 * sum(w.numel() for w in mod.parameters()) >= total:
                 return name, mod
@@ -169,13 +192,13 @@ def _by_classes(named, classes: tuple) -> list[tuple[str, nn.Module]]:
             wanted_names.add(c)
         else:
             raise TypeError(f"a tuple of blocks holds classes or class names, got {c!r}")
-    present = {type(m).__name__ for _, m in named}
+    present = {class_name(m) for _, m in named}
     missing = sorted(wanted_names - present)
     if missing:
         raise ValueError(
             f"block class name(s) {missing} do not occur in the model; classes present include {sorted(present)[:20]}"
         )
-    return [(n, m) for n, m in named if n and (isinstance(m, tuple(wanted_types)) or type(m).__name__ in wanted_names)]
+    return [(n, m) for n, m in named if n and (isinstance(m, tuple(wanted_types)) or class_name(m) in wanted_names)]
 
 
 def _by_regex(named, pattern: str) -> list[tuple[str, nn.Module]]:
@@ -252,7 +275,7 @@ def _check_module_class(c: type) -> None:
 
 
 def _child_classes(mod: nn.Module) -> str:
-    names = sorted({type(c).__name__ for c in mod})
+    names = sorted({class_name(c) for c in mod})
     return names[0] if len(names) == 1 else "mixed: " + "/".join(names[:4])
 
 

@@ -59,3 +59,26 @@ def test_a_managed_fully_sharded_model_trains(group):
             model.zero_grad(set_to_none=True)
         assert mem.summary()["steps"] == 3
     assert adaptmem.get_handles(model) == []
+
+
+def test_blocks_are_found_as_users_name_them_before_and_after_fully_shard(group):
+    """`fully_shard` swaps each block's class for an FSDP subclass (`FSDPBlock`): a class name,
+    "auto", a regex over module paths, a tuple of names and the class itself select the same
+    blocks as before it, and the error for a name that is absent lists the names as written."""
+    from adaptmem.wrapping.selection import class_name, find_blocks
+
+    before = tiny()
+    block_class = type(before.blocks[0])
+    selections = ["auto", block_class.__name__, r"blocks\.\d+", (block_class.__name__,), block_class]
+    expected = {str(s): [n for n, _ in find_blocks(before, s)] for s in selections}
+    after = sharded()
+    assert type(after.blocks[0]).__name__ == f"FSDP{block_class.__name__}"
+    assert class_name(after.blocks[0]) == block_class.__name__
+    for selection in selections:
+        assert [n for n, _ in find_blocks(after, selection)] == expected[str(selection)], selection
+    assert expected["auto"] == [f"blocks.{i}" for i in range(4)]
+    with pytest.raises(ValueError) as err:
+        find_blocks(after, ("NoSuchLayer",))
+    assert block_class.__name__ in str(err.value) and f"FSDP{block_class.__name__}" not in str(err.value)
+    handles = adaptmem.instrument(after, blocks=block_class.__name__)
+    assert [h.name for h in handles] == expected["auto"]
