@@ -94,7 +94,7 @@ class Controller:
         self.model, self.policy, self.probe = model, policy, probe
         self.budgets, self.events = budgets, events
         self.blocks = ManagedBlocks(handles, head)
-        self.recorder = StepRecorder(probe, in_flight)
+        self.recorder = StepRecorder(probe, in_flight, last_index=len(handles) - 1)
         cuda = isinstance(probe, CudaProbe)
         self.costs = CostModel(
             [class_name(h.module) for h in handles],

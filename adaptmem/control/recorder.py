@@ -61,8 +61,13 @@ class Segment(enum.Enum):
 class StepRecorder:
     """A `BlockObserver` that records one step at a time through a probe (whose failures it survives)."""
 
-    def __init__(self, probe: MemoryProbe, in_flight: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self, probe: MemoryProbe, in_flight: Callable[[], int] | None = None, last_index: int | None = None
+    ) -> None:
         self.probe = SafeReadings(probe)
+        # the last managed block's index: in a step not measured block by block, only the first block
+        # run and this one get a backward hook (backward began; backward went through every block)
+        self.last_index = last_index
         self._in_flight = in_flight
         self._failures_at_begin = 0
         self._lock = threading.RLock()
@@ -205,12 +210,18 @@ class StepRecorder:
             block.host = call.stats.get("host", 0)
             if sample.detailed and "pack_s" in call.stats:  # its unpack time is known once its backward ran
                 block._marks["stats"] = call.stats
-            outs = tensors_in(output)
-            if sample.detailed:
-                block.output_bytes = sum(t.numel() * t.element_size() for t in outs)
-            grad_out = next((t for t in outs if t.requires_grad), None)
-            if grad_out is not None:
-                grad_out.register_hook(self._make_bwd_hook(block))
+            if (
+                sample.detailed
+                or block is sample.blocks[0]
+                or handle.index == self.last_index
+                or self.last_index is None
+            ):
+                outs = tensors_in(output)
+                if sample.detailed:
+                    block.output_bytes = sum(t.numel() * t.element_size() for t in outs)
+                grad_out = next((t for t in outs if t.requires_grad), None)
+                if grad_out is not None:
+                    grad_out.register_hook(self._make_bwd_hook(block))
             self._open = Segment.BETWEEN
 
     def recompute(self, handle: BlockHandle, begin: bool) -> None:
@@ -244,6 +255,10 @@ class StepRecorder:
             if not self.sample.detailed:  # only where backward has got to
                 if block is None:
                     self.sample.completed_once = True
+                elif block is self.sample.blocks[0]:  # the first block run: backward went through them all
+                    for b in self.sample.blocks:
+                        if b.bwd_start is None:
+                            b.bwd_start = 0
                 else:
                     block.bwd_start = 0
                 return

@@ -126,3 +126,46 @@ def test_the_models_own_checkpointing_switched_on_later_is_noticed(caplog):
     assert any("is off again" in m for m in messages)
     expected = grads_of(plain)
     assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_steps_not_measured_block_by_block_still_see_where_backward_got_to():
+    """After the first steps, a step is measured block by block only now and then; the others hook
+    the backward of the first and last blocks only. With the embeddings frozen (no gradient marks
+    the end of the blocks' backward), a second forward after backward is still a second
+    micro-batch, and a forward before any backward is still a second forward of the same step."""
+    model = tiny()
+    model.embed.requires_grad_(False)
+    model.pos.requires_grad_(False)
+    a, b = tiny_batch(model, seq=32), tiny_batch(model, seq=32)
+    dev = device()
+    with dev, adaptmem.manage(model, budget="1GiB", device=dev) as mem:
+        for _ in range(12):  # past calibration and the first measured steps
+            mem.run_step(lambda: model(**a).loss.backward())
+            model.zero_grad(set_to_none=True)
+        before = len(mem.events.of_type("step"))
+        for _ in range(3):
+            with mem.step(label="window"):
+                model(**a).loss.backward()
+                model(**b).loss.backward()
+            with mem.step(label="pair"):
+                (model(**a).loss + model(**b).loss).backward()
+            model.zero_grad(set_to_none=True)
+        steps = mem.events.of_type("step")[before:]
+        # out of memory in the backward of block 2 (of 4): backward began, at the last block
+        squeezed = []
+
+        def squeeze(module, args, output):
+            output.register_hook(lambda grad: squeezed.append(1) or dev.set_capacity(dev.allocated_bytes + 1))
+
+        hook = model.blocks[2].register_forward_hook(squeeze)
+
+        def train():
+            if squeezed:
+                hook.remove()
+                dev.set_capacity(2**31)
+            model(**a).loss.backward()
+
+        mem.run_step(train)
+        assert squeezed and mem.events.of_type("oom")[-1]["phase"] == "backward"
+    assert [s["label"] for s in steps] == ["window", "window", "pair"] * 3
+    assert {s["measured"] for s in steps} == {"peak", "blocks"}  # light steps among them
