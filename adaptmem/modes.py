@@ -15,7 +15,7 @@ class Mode(enum.Flag):
     """Per-block treatment of saved activations.
 
     NONE        keep them on the device.
-    SELECTIVE   keep outputs of matmul / attention / random ops, recompute the rest.
+    SELECTIVE   keep the weight layers' (and fused attention's) outputs, recompute the rest.
     CHECKPOINT  keep only the block input, recompute the block in backward.
     OFFLOAD     move saved tensors to host memory, bring them back in backward.
     COMPRESS    quantize saved floating tensors (lossy; opt-in).
@@ -38,6 +38,12 @@ class Mode(enum.Flag):
     def lossless(self) -> bool:
         """True when gradients under this mode equal those under NONE bit for bit."""
         return Mode.COMPRESS not in self
+
+    @property
+    def offloads(self) -> bool:
+        """True when its saved tensors go to host memory (OFFLOAD, alone or with another mode).
+        Read once per block per step: an integer test, not a Flag operation (about 1 us each)."""
+        return bool(self._value_ & 4)
 
     @property
     def recomputes(self) -> bool:

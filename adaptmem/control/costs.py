@@ -139,7 +139,7 @@ class CostModel:
     def ran(self, modes: tuple[Mode, ...]) -> None:
         """A step not measured block by block runs `modes`: its offloads allocate their host memory,
         and it is the last step run, so none of its offloads is a first one learned (`provisional`)."""
-        self.offloaded.update((i, m) for i, m in enumerate(modes) if m & Mode.OFFLOAD)
+        self.offloaded.update((i, m) for i, m in enumerate(modes) if m.offloads)
         self.provisional = False
 
     # ---------------------------------------------------------------- learn

@@ -158,7 +158,7 @@ class PlanBook:
             return True
         if not record.feasible:
             return False
-        predicted = self.predict(record.modes, record.key[0], record.extent, start)
+        predicted = self.predict(record.modes, record.key[0], record.extent, start, record.head)
         if predicted is not None and predicted > self.decider.fill * budget:
             return True
         self.cache[record.key] = replace(record, learned=self.costs.steps_learned)

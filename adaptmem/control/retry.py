@@ -104,20 +104,24 @@ class ListedModules:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = weakref.ref(model)
-        self._modules: list[torch.nn.Module] = []
+        self._dicts: dict[str, list[dict]] = {}  # per kind, the modules' dicts that hold any
         self._generation = -1
 
     def tensors(self, kind: str) -> list[torch.Tensor]:
-        """The model's parameters ("_parameters") or buffers ("_buffers"), each once, in order."""
+        """The model's parameters ("_parameters") or buffers ("_buffers"), each once, in order:
+        read from the modules' own dicts at each call (a parameter swapped into one in place
+        is read as it stands), skipping the modules that had none when listed (registering
+        one into them lists them again)."""
         model = self._model()
         if model is None:
             return []
         if self._generation != registrations():
-            self._modules, self._generation = listed(model)
+            modules, self._generation = listed(model)
+            self._dicts = {k: [d for d in (getattr(m, k) for m in modules) if d] for k in ("_parameters", "_buffers")}
         seen: set[int] = set()
         out = []
-        for module in self._modules:
-            for t in getattr(module, kind).values():
+        for held in self._dicts[kind]:
+            for t in held.values():
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
                     out.append(t)
@@ -155,7 +159,7 @@ class StepGuard:
             self.buffer_copies = (copies or BufferCopies()).take(buffers)
         params = model.parameters() if modules is None else modules.tensors("_parameters")
         self.params = [p for p in params if p.requires_grad]
-        self.existing = {p: p.grad for p in self.params if p.grad is not None}
+        self.existing = {p: g for p in self.params if (g := p.grad) is not None}
         self.versions = {p: g._version for p, g in self.existing.items()}
         self.saved: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._hooks = []

@@ -78,7 +78,7 @@ class _BlockForward:
                 observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
         call = handle.make_call(forward, args, kwargs, compiled=self.compiled is not None)
         output = STRATEGIES[call.mode](call)
-        if not call.mode & Mode.OFFLOAD:
+        if not call.mode.offloads:
             call.offload_runtime.prefetch_when_reached(output)
         handle.finished(call)
         if observer is not None:

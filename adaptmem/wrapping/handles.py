@@ -150,8 +150,13 @@ class BlockHandle:
 
 
 def checkpoints_itself(module: nn.Module) -> bool:
-    """The model's own gradient checkpointing (Hugging Face's `gradient_checkpointing`) is on for it."""
-    return getattr(module, "gradient_checkpointing", False) is True
+    """The model's own gradient checkpointing (Hugging Face's `gradient_checkpointing`) is on for it.
+    Read from the instance, then its class: a missing attribute through `nn.Module.__getattr__`
+    raises and is caught, about 1 us a block at every step."""
+    flag = module.__dict__.get("gradient_checkpointing")
+    if flag is None:
+        flag = getattr(type(module), "gradient_checkpointing", False)
+    return flag is True
 
 
 class _RecomputeListener:
