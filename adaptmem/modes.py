@@ -29,10 +29,13 @@ class Mode(enum.Flag):
 
     @property
     def label(self) -> str:
-        """Stable text form, e.g. ``"CHECKPOINT+OFFLOAD"`` (same on every Python)."""
-        if self is Mode.NONE or self.value == 0:
-            return "NONE"
-        return "+".join(m.name for m in _ATOMS if m in self)
+        """Stable text form, e.g. ``"CHECKPOINT+OFFLOAD"`` (same on every Python). Kept once made:
+        every step's record names each block's mode."""
+        text = _LABELS.get(self._value_)
+        if text is None:
+            text = "NONE" if self._value_ == 0 else "+".join(m.name for m in _ATOMS if m in self)
+            _LABELS[self._value_] = text
+        return text
 
     @property
     def lossless(self) -> bool:
@@ -73,6 +76,7 @@ class Mode(enum.Flag):
         return _check_allowed(mode)
 
 
+_LABELS: dict[int, str] = {}
 _ATOMS = (Mode.SELECTIVE, Mode.CHECKPOINT, Mode.COMPRESS, Mode.OFFLOAD)  # label order: what happens first
 
 #: Every mode a block may be set to. SELECTIVE is not combined with OFFLOAD:
