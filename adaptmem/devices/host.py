@@ -98,5 +98,13 @@ class HostProbe(HostClock):
             self._peak = 0
         self.allocated()
 
+    def take_peak(self) -> tuple[int, int]:
+        """(peak, allocated) from one reading of the resident size, then the peak starts again
+        from it: what a step measured block by block reads at each boundary."""
+        rss = self._rss()
+        with self._lock:
+            top, self._peak = max(self._peak, rss), rss
+        return top, rss
+
     def external(self) -> int:
         return max(0, self._total - self._available() - self._rss())

@@ -78,11 +78,17 @@ def test_a_replan_after_a_first_offload_waits_for_its_warm_reading():
     assert step + 1 not in made and step + 2 in made  # held one step, then remade
 
 
-def test_steady_steps_read_only_their_peak_and_measure_every_nth():
-    model, dev, probe, budget, policy = managed(every=5)
+def test_steady_steps_read_only_their_peak_and_measure_every_nth_stretching_while_on_target():
+    """In steady state a bucket is measured every `measure_every` steps, the period doubling after
+    each one held on target, up to `MAX_STRETCH` times; a miss starts it again from the first."""
+    from adaptmem.control.schedule import MAX_STRETCH
+
+    model, dev, probe, budget, policy = managed(every=3)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
-        steps = run(mem, model, probe, [128] * 24)
+        steps = run(mem, model, probe, [128] * 44)
         learned = mem.steps_learned
+        mem._controller.measuring.missed(mem._controller.now.key)  # as a light step's miss does
+        after = [r["measured"] for r, _, _ in run(mem, model, probe, [128] * 5)]
     measured = [r["measured"] for r, _, _ in steps]
     plans = [tuple(r["plan"]) for r, _, _ in steps]
     assert "peak" in measured and measured[0] == "blocks"
@@ -90,8 +96,11 @@ def test_steady_steps_read_only_their_peak_and_measure_every_nth():
     for i in range(1, len(steps)):  # a plan that changed is measured
         if plans[i] != plans[i - 1]:
             assert measured[i] == "blocks", (i, measured)
-    for i in range(len(measured) - 4):  # and never more than `measure_every` steps go by unmeasured
-        assert "blocks" in measured[i : i + 5], measured
+    held = max(i for i in range(1, len(plans)) if plans[i] != plans[i - 1]) if len(set(plans)) > 1 else 0
+    at = [i for i, m in enumerate(measured) if m == "blocks" and i >= held]
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert gaps[:3] == [3, 6, 12] and all(g == 3 * MAX_STRETCH for g in gaps[3:]), (held, measured)
+    assert after[0] == "blocks" and after[1:4] == ["peak"] * 2 + ["blocks"]  # from `measure_every` again
     light = [reads for (r, reads, _) in steps if r["measured"] == "peak"]
     detailed = [reads for (r, reads, _) in steps if r["measured"] == "blocks"]
     assert max(light) <= 8 < 3 * 6 <= min(detailed), (light, detailed)  # a few readings, not a few per block

@@ -52,6 +52,18 @@ def test_host_probe_reads_rss():
     assert probe.external() >= 0 and probe.host_available() > 0
 
 
+def test_host_probe_takes_its_peak_from_one_reading(monkeypatch):
+    """take_peak: the peak since the last one with the resident size now, from one reading, and
+    the peak starts again from that size (the three readings of peak, reset and allocated in one)."""
+    probe = HostProbe()
+    sizes = iter([100, 300, 200, 150])
+    monkeypatch.setattr(probe, "_rss", lambda: next(sizes))
+    probe.reset_peak()  # 100
+    assert probe.allocated() == 300
+    assert probe.take_peak() == (300, 200)
+    assert probe.take_peak() == (200, 150)  # the peak began again at 200, one reading each
+
+
 def test_host_probe_reads_what_others_use_as_psutil_does_and_without_the_files():
     """The memory available, read from /proc/meminfo kept open, is psutil's `available` (to within
     what the machine's other processes change between the two readings); closed, psutil reads it."""
