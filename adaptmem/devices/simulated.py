@@ -3,7 +3,10 @@
 `SimulatedDevice` watches every tensor storage that is allocated while it is
 active (through a `TorchDispatchMode`, the same way
 `torch.distributed._tools.mem_tracker.MemTracker` does) and forgets it when the
-storage is freed. Copies made by the OFFLOAD strategy (inside
+storage is freed. A storage resized in place (`untyped_storage().resize_()`,
+which no dispatch mode sees: FSDP2 frees a block's gathered parameters with
+`resize_(0)` and grows them again for the next gather) is counted at its new
+size, and a growth past the capacity raises as an allocation does. Copies made by the OFFLOAD strategy (inside
 `adaptmem.devices.tiers.host_allocations()`) are host bytes, everything else device
 bytes. An allocation that would take the device past its capacity raises a real
 `torch.OutOfMemoryError`, so out-of-memory handling is tested on machines
@@ -74,6 +77,43 @@ class PeakWindow:
         """Start a new window at the current allocation."""
         with self._device._lock:
             self.peaks = list(self._device._bytes)
+
+
+class _Resizes:
+    """`torch.UntypedStorage.resize_`, watched while any SimulatedDevice is active: each device
+    that counts the storage (or, for one it does not, each active device, where it grows)
+    checks a growth against its capacity first and counts the new size after."""
+
+    lock = threading.Lock()
+    devices: list[SimulatedDevice] = []  # entered and not yet left, with repeats for nesting
+    original: Any = None
+
+    @classmethod
+    def enter(cls, device: SimulatedDevice) -> None:
+        with cls.lock:
+            if not cls.devices:
+                cls.original = torch.UntypedStorage.resize_
+                torch.UntypedStorage.resize_ = _resize
+            cls.devices.append(device)
+
+    @classmethod
+    def leave(cls, device: SimulatedDevice) -> None:
+        with cls.lock:
+            cls.devices.remove(device)
+            if not cls.devices:
+                torch.UntypedStorage.resize_ = cls.original
+                cls.original = None
+
+
+def _resize(storage: Any, size: int) -> Any:
+    devices = list(dict.fromkeys(_Resizes.devices))
+    nbytes = int(size)
+    for device in devices:
+        device._check_resize(storage, nbytes)
+    out = _Resizes.original(storage, size)
+    for device in devices:
+        device._resized(storage, nbytes)
+    return out
 
 
 class _CountingMode(TorchDispatchMode):
@@ -221,9 +261,11 @@ class SimulatedDevice:
         link = using_link(self.link) if self.link is not None else contextlib.nullcontext()
         link.__enter__()
         self._modes.append((mode, link))
+        _Resizes.enter(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _Resizes.leave(self)
         mode, link = self._modes.pop()
         link.__exit__(*exc)
         mode.__exit__(*exc)
@@ -276,6 +318,36 @@ class SimulatedDevice:
                 self._live[st] = entry
                 self._add(tier, nbytes)
         return added
+
+    def _check_resize(self, storage: Any, nbytes: int) -> None:
+        """Before `storage` is resized to `nbytes`: a growth of device bytes past the capacity
+        raises, as an allocation would."""
+        with self._lock:
+            entry = self._live.get(storage)
+            tier = entry.tier if entry is not None else (_HOST if allocating_on_host() else _DEVICE)
+            growth = nbytes - (entry.nbytes if entry is not None else 0)
+            if growth > 0 and tier == _DEVICE and self._capacity is not None:
+                free = self._capacity - self._bytes[_DEVICE] - self._external
+                if growth > free:
+                    self.num_ooms += 1
+                    raise torch.OutOfMemoryError(self._oom_message(growth, free))
+
+    def _resized(self, storage: Any, nbytes: int) -> None:
+        """`storage` now holds `nbytes`: counted at that size (a storage not counted before, at
+        its first growth)."""
+        with self._lock:
+            entry = self._live.get(storage)
+            if entry is None:
+                if nbytes > 0:
+                    tier = _HOST if allocating_on_host() else _DEVICE
+                    entry = _Entry(nbytes, tier)
+                    entry.ref = weakref.ref(storage, self._make_release(entry))
+                    self._live[storage] = entry
+                    self._add(tier, nbytes)
+                return
+            if nbytes != entry.nbytes:
+                delta, entry.nbytes = nbytes - entry.nbytes, nbytes
+                self._add(entry.tier, delta)
 
     def _add(self, tier: int, nbytes: int) -> None:
         self._bytes[tier] += nbytes

@@ -30,6 +30,32 @@ def test_counts_allocations_and_frees():
     assert dev.peak_bytes == 2 * MiB
 
 
+def test_a_storage_resized_in_place_is_counted_at_its_new_size_and_past_capacity_refused():
+    """FSDP2 frees a block's gathered parameters with `untyped_storage().resize_(0)` and grows them
+    again for the next gather; no dispatch mode sees either. A free counts at once, a growth too,
+    and a growth past the capacity raises before the storage grows; a storage made before the
+    device was entered counts from its first growth inside; after the device is left,
+    `resize_` is PyTorch's own again."""
+    original = torch.UntypedStorage.resize_
+    outside = torch.empty(0, dtype=torch.uint8)
+    with SimulatedDevice(capacity_bytes=3 * MiB) as dev:
+        assert torch.UntypedStorage.resize_ is not original
+        gathered = torch.empty(2 * MiB, dtype=torch.uint8)
+        assert dev.allocated_bytes == 2 * MiB
+        gathered.untyped_storage().resize_(0)
+        assert dev.allocated_bytes == 0 and dev.peak_bytes == 2 * MiB
+        gathered.untyped_storage().resize_(2 * MiB)
+        assert dev.allocated_bytes == 2 * MiB
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 2.00 MiB"):
+            outside.untyped_storage().resize_(2 * MiB)
+        assert outside.untyped_storage().nbytes() == 0 and dev.allocated_bytes == 2 * MiB
+        outside.untyped_storage().resize_(MiB)
+        assert dev.allocated_bytes == 3 * MiB
+        del outside
+        assert dev.allocated_bytes == 2 * MiB
+    assert torch.UntypedStorage.resize_ is original
+
+
 def test_reset_peak_starts_a_new_window():
     with SimulatedDevice() as dev:
         big = torch.empty(4 * MiB, dtype=torch.uint8)
