@@ -10,7 +10,8 @@ A selection is one of
   - a class, or a class name that some submodule has, or a tuple of them. A module
     whose class a wrapper swapped in place (FSDP2's ``fully_shard`` makes a
     ``Qwen2DecoderLayer`` an ``FSDPQwen2DecoderLayer``) goes by its own class's
-    name, so a selection finds the same blocks before and after sharding;
+    name, so a selection finds the same blocks before and after sharding (the
+    wrapper's name selects them too, and messages list the names as written);
   - a regex over qualified module names: it selects a module when it matches
     the whole name or the whole of a dotted suffix (``r"layers\\.\\d+"`` selects
     ``model.layers.0``);
@@ -97,9 +98,9 @@ def _select(model: nn.Module, named: list[tuple[str, nn.Module]], blocks: BlockS
     if isinstance(blocks, str):
         if blocks == "auto":
             return _auto(named)
-        classes = {class_name(m) for _, m in named}
+        classes = {class_name(m) for _, m in named} | {type(m).__name__ for _, m in named}
         if blocks in classes:
-            return [(n, m) for n, m in named if class_name(m) == blocks]
+            return [(n, m) for n, m in named if blocks in (class_name(m), type(m).__name__)]
         return _by_regex(named, blocks)
     if isinstance(blocks, type):
         _check_module_class(blocks)
@@ -193,12 +194,16 @@ def _by_classes(named, classes: tuple) -> list[tuple[str, nn.Module]]:
         else:
             raise TypeError(f"a tuple of blocks holds classes or class names, got {c!r}")
     present = {class_name(m) for _, m in named}
-    missing = sorted(wanted_names - present)
+    missing = sorted(wanted_names - present - {type(m).__name__ for _, m in named})
     if missing:
         raise ValueError(
             f"block class name(s) {missing} do not occur in the model; classes present include {sorted(present)[:20]}"
         )
-    return [(n, m) for n, m in named if n and (isinstance(m, tuple(wanted_types)) or class_name(m) in wanted_names)]
+    return [
+        (n, m)
+        for n, m in named
+        if n and (isinstance(m, tuple(wanted_types)) or {class_name(m), type(m).__name__} & wanted_names)
+    ]
 
 
 def _by_regex(named, pattern: str) -> list[tuple[str, nn.Module]]:

@@ -80,5 +80,8 @@ def test_blocks_are_found_as_users_name_them_before_and_after_fully_shard(group)
     with pytest.raises(ValueError) as err:
         find_blocks(after, ("NoSuchLayer",))
     assert block_class.__name__ in str(err.value) and f"FSDP{block_class.__name__}" not in str(err.value)
+    wrapped = f"FSDP{block_class.__name__}"  # the name type(block).__name__ prints: the same blocks
+    assert [n for n, _ in find_blocks(after, wrapped)] == expected["auto"]
+    assert [n for n, _ in find_blocks(after, (wrapped,))] == expected["auto"]
     handles = adaptmem.instrument(after, blocks=block_class.__name__)
     assert [h.name for h in handles] == expected["auto"]
