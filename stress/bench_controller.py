@@ -28,6 +28,7 @@ import time
 import torch
 
 from stress.benchkit import batch_for, build
+from stress.verdicts import at_most
 
 
 def _thread_clock(thread: threading.Thread):
@@ -57,6 +58,9 @@ class Timed:
 
 
 _WATCHED = ("block_start", "block_end", "recompute")
+HOST_CHUNKS = 8  # stretches of steady steps whose host times give the host time's interval
+HOST_MS_LINE = 1.0  # the manager's host time per steady step on 24 blocks
+PROXY_LINE = 1.01  # a managed step against the same plan unmanaged
 
 
 def _watch(ctl, timed: Timed) -> None:
@@ -121,15 +125,19 @@ def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
         _watch(ctl, own)
         timed_work = inside.wrap(work)
         spent, total = 0.0, 0.0
-        for _ in range(steps):
+        chunks, chunk = [], max(1, steps // HOST_CHUNKS)
+        for i in range(steps):
             worked, t = inside.spent, time.thread_time()
             mem.run_step(timed_work)
             took = time.thread_time() - t
             total += took
             spent += took - (inside.spent - worked)
             model.zero_grad(set_to_none=True)
+            if (i + 1) % chunk == 0:  # the host time of each stretch of steps, for an interval
+                chunks.append(own.spent + spent)
         _unwatch(ctl)
         host_ms = 1e3 * (own.spent + spent) / steps
+        per_chunk = [1e3 * (b - a) / chunk for a, b in zip([0.0, *chunks], chunks)]
 
         def unmanaged():
             _unwatched(runtime, work)
@@ -151,6 +159,8 @@ def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
     return {
         "blocks": blocks,
         "host_ms": host_ms,
+        "host_ms_chunks": per_chunk,
+        "ratios": ratios,
         "step_ms": 1e3 * total / steps,
         **{name: statistics.median(r) for name, r in ratios.items()},
         "spread": {name: (min(r), max(r)) for name, r in ratios.items()},
@@ -247,6 +257,16 @@ def main() -> int:
             f"{got['run_step']:.3f}x ({got['spread']['run_step'][0]:.3f}..{got['spread']['run_step'][1]:.3f}), "
             f"step() {got['step()']:.3f}x ({got['spread']['step()'][0]:.3f}..{got['spread']['step()'][1]:.3f})"
         )
+        verdicts = [
+            at_most(
+                f"the manager's host time <= {HOST_MS_LINE:g} ms a steady step", got["host_ms_chunks"], HOST_MS_LINE
+            ),
+            *(
+                at_most(f"{name}: managed <= {PROXY_LINE}x the same plan unmanaged", got["ratios"][name], PROXY_LINE)
+                for name in ("run_step", "step()")
+            ),
+        ]
+        print("\n".join(v.line() for v in verdicts))
         return 0
     every = controller_fraction(measure_every=1)
     print(f"measuring every step block by block: {every['direct']:.3%} of a step in the controller's code")

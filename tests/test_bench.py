@@ -470,3 +470,15 @@ def test_selective_targets_read_round_by_round_against_none_and_checkpoint():
     batch1 = {v.what.split(" <=")[0]: v.state for v in selective_verdicts(rows, batch=1)}
     assert batch1 == {"step / CHECKPOINT's step": "undecided"}
     assert selective_verdicts(rows[:2], batch=4) == []  # CHECKPOINT did not run beside it
+
+
+def test_the_launch_bound_proxy_reports_host_time_by_stretch_for_its_interval():
+    """The proxy's host time per steady step is the mean of its stretches' (one per `HOST_CHUNKS`),
+    and each managed/unmanaged ratio is kept per round for the verdicts."""
+    from stress.bench_controller import HOST_CHUNKS, launch_bound
+
+    got = launch_bound(blocks=4, steps=16, rounds=2)
+    chunks = got["host_ms_chunks"]
+    assert len(chunks) == HOST_CHUNKS and all(c > 0 for c in chunks)
+    assert abs(sum(chunks) / len(chunks) - got["host_ms"]) < 1e-9 * max(1.0, got["host_ms"])
+    assert {name: len(r) for name, r in got["ratios"].items()} == {"run_step": 2, "step()": 2}
