@@ -243,7 +243,7 @@ class Controller:
                 record = replace(record, modes=self.ranks.agree.plan(record.modes))
             if now.open:
                 self._refuse_unfittable(record, shape, start)
-            self.apply(record)
+            self.apply(record, reason=None if self.plans.fresh else "cached")
             if now.open:
                 self.recorder.measure_blocks(self.measuring.worth(record))
                 now.key = record.key
@@ -251,8 +251,9 @@ class Controller:
                 now.feasible = record.feasible
                 now.start = start
 
-    def apply(self, record: PlanRecord) -> None:
-        """Set the blocks' modes and the head's choice; a changed plan is counted and logged."""
+    def apply(self, record: PlanRecord, reason: str | None = None) -> None:
+        """Set the blocks' modes and the head's choice; a changed plan is counted and logged (under
+        `reason`, else the record's own)."""
         if self.now.open and record.head is not None:
             self.recorder.planned_head(record.head)
         if not self.blocks.apply(record.modes, record.head):
@@ -261,7 +262,7 @@ class Controller:
         self.events.emit(
             "plan",
             step=self.stats.steps + 1,
-            reason=record.reason,
+            reason=reason or record.reason,
             batch=record.key[0],
             bucket=record.key[1],
             budget_bytes=self.budget,

@@ -118,6 +118,7 @@ class PlanBook:
         self._predicted_for: tuple[int, Policy] | None = None
         self._warned: set[tuple[Shape, bool]] = set()  # (bucket, its size measured) warned of a shortfall
         self._planned: set[Key] = set()  # buckets planned for before (their plans may have been dropped since)
+        self.fresh = True  # the last `choose` made its plan (False: it was the bucket's cached one)
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -132,6 +133,7 @@ class PlanBook:
         """The plan for a forward starting now: the bucket's, unless stale or retrying."""
         key = self.bucket(batch, extent)
         record = self.cache.get(key)
+        self.fresh = True  # made in this call (False: the bucket's cached plan, applied again)
         if record is None or extent > record.seen:
             seen = extent if record is None else max(extent, record.seen)
             reason = "larger input" if record is not None else "replan" if key in self._planned else "new shape"
@@ -143,6 +145,8 @@ class PlanBook:
         elif start > record.start + 0.01 * budget or self.failed is not None or self._outlearned(record, start, budget):
             record = self.make(key, start, budget, fixed={}, reason="replan", extent=record.seen)
             self.cache[key] = record
+        else:
+            self.fresh = False
         self.cache.move_to_end(key)
         while len(self.cache) > MAX_CACHED_PLANS:
             self.cache.popitem(last=False)

@@ -571,7 +571,11 @@ def test_an_accumulating_loop_keeps_a_plan_per_kind_of_micro_step_and_measures_o
             opt.step()
             opt.zero_grad(set_to_none=True)
         steps = mem.events.of_type("step")[-16:]  # the last 8 optimizer steps, the plans settled
+        first_settled = steps[0]["step"]
+        plans = [p for p in mem.events.of_type("plan") if p["step"] >= first_settled]
     assert sum(s["measured"] == "blocks" for s in steps) <= 2  # every measure_every (10) steps
+    # switching between the two kinds' plans applies each cached one, and says so: nothing is remade
+    assert plans and {p["reason"] for p in plans} == {"cached"}
     assert all(abs(s["prediction_error"]) < mem.policy.replan_tolerance for s in steps)
     first, second = steps[0::2], steps[1::2]
     assert len({tuple(s["plan"]) for s in first}) == 1 and len({tuple(s["plan"]) for s in second}) == 1
