@@ -65,8 +65,9 @@ class StepRecorder:
         self, probe: MemoryProbe, in_flight: Callable[[], int] | None = None, last_index: int | None = None
     ) -> None:
         self.probe = SafeReadings(probe)
-        # the last managed block's index: in a step not measured block by block, only the first block
-        # run and this one get a backward hook (backward began; backward went through every block)
+        # the index of the block a forward runs last (the last managed one, until a step shows which
+        # ran last): in a step not measured block by block, only the first block run and this one get
+        # a backward hook (backward began; backward went through every block)
         self.last_index = last_index
         self._in_flight = in_flight
         self._failures_at_begin = 0
@@ -107,6 +108,8 @@ class StepRecorder:
                 end_mark = self.probe.mark()
                 self.probe.synchronize()
             self._finish(sample, end_mark, waited)
+            if sample.blocks and not sample.overlapped:  # the block forward ran last, for the next light step
+                self.last_index = sample.blocks[-1].index
             sample.unmeasured = self.probe.failures > self._failures_at_begin
             self.sample = None
             self._open = Segment.IDLE

@@ -169,3 +169,50 @@ def test_steps_not_measured_block_by_block_still_see_where_backward_got_to():
         assert squeezed and mem.events.of_type("oom")[-1]["phase"] == "backward"
     assert [s["label"] for s in steps] == ["window", "window", "pair"] * 3
     assert {s["measured"] for s in steps} == {"peak", "blocks"}  # light steps among them
+
+
+class Reversed(torch.nn.Module):
+    """A model whose blocks run in the reverse of their order in the module (as an encoder
+    registered after the decoder it feeds would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)
+        )
+
+    def forward(self, x):
+        for block in reversed(self.blocks):
+            x = x + block(x)
+        return x.square().mean()
+
+
+def test_a_light_step_hooks_the_block_that_ran_last_whatever_its_place_in_the_module():
+    """Backward begins at the block forward ran last: here the first in the module. In a light
+    step, once that block's backward has run, the forward is seen as over (no plan is remade for
+    blocks "not yet run" under pressure from there on)."""
+    model, x = Reversed(), torch.randn(8, 32, 64)
+    dev = device()
+    with dev, adaptmem.manage(model, budget="1GiB", device=dev) as mem:
+        for _ in range(12):
+            mem.run_step(lambda: model(x).backward())
+            model.zero_grad(set_to_none=True)
+        states = []
+        recorder = mem._controller.recorder
+
+        def watch(
+            module, args, output
+        ):  # block 1 runs second to last: its output's gradient comes after block 0's backward
+            output.register_hook(lambda grad: states.append(recorder.forward_state()))
+
+        hook = model.blocks[1].register_forward_hook(watch)
+        seen = []
+        for _ in range(6):
+            states.clear()
+            mem.run_step(lambda: model(x).backward())
+            model.zero_grad(set_to_none=True)
+            seen.append((mem.last_step["measured"], list(states)))
+        hook.remove()
+    light = [got for measured, got in seen if measured == "peak"]
+    assert light and all(got == [None] for got in light), seen
