@@ -46,7 +46,7 @@ class Mode(enum.Flag):
     def offloads(self) -> bool:
         """True when its saved tensors go to host memory (OFFLOAD, alone or with another mode).
         Read once per block per step: an integer test, not a Flag operation (about 1 us each)."""
-        return bool(self._value_ & 4)
+        return bool(self._value_ & _OFFLOAD_BIT)
 
     @property
     def recomputes(self) -> bool:
@@ -77,6 +77,7 @@ class Mode(enum.Flag):
 
 
 _LABELS: dict[int, str] = {}
+_OFFLOAD_BIT = Mode.OFFLOAD.value
 _ATOMS = (Mode.SELECTIVE, Mode.CHECKPOINT, Mode.COMPRESS, Mode.OFFLOAD)  # label order: what happens first
 
 #: Every mode a block may be set to. SELECTIVE is not combined with OFFLOAD:

@@ -89,8 +89,14 @@ def user_class(module: nn.Module) -> type:
 
 
 def class_name(module: nn.Module) -> str:
-    """`user_class(module)`'s name: what a selection by class name matches."""
+    """`user_class(module)`'s name: how messages and the cost model name the module's class."""
     return user_class(module).__name__
+
+
+def class_names(module: nn.Module) -> set[str]:
+    """The names a selection by class name matches: `class_name(module)`, and the wrapper's own
+    name where a wrapper swapped the class (``FSDPQwen2DecoderLayer``, as `type()` prints it)."""
+    return {class_name(module), type(module).__name__}
 
 
 # ---------------------------------------------------------------- selection
@@ -98,9 +104,8 @@ def _select(model: nn.Module, named: list[tuple[str, nn.Module]], blocks: BlockS
     if isinstance(blocks, str):
         if blocks == "auto":
             return _auto(named)
-        classes = {class_name(m) for _, m in named} | {type(m).__name__ for _, m in named}
-        if blocks in classes:
-            return [(n, m) for n, m in named if blocks in (class_name(m), type(m).__name__)]
+        if any(blocks in class_names(m) for _, m in named):
+            return [(n, m) for n, m in named if blocks in class_names(m)]
         return _by_regex(named, blocks)
     if isinstance(blocks, type):
         _check_module_class(blocks)
@@ -194,16 +199,12 @@ def _by_classes(named, classes: tuple) -> list[tuple[str, nn.Module]]:
         else:
             raise TypeError(f"a tuple of blocks holds classes or class names, got {c!r}")
     present = {class_name(m) for _, m in named}
-    missing = sorted(wanted_names - present - {type(m).__name__ for _, m in named})
+    missing = sorted(wanted_names.difference(*(class_names(m) for _, m in named)))
     if missing:
         raise ValueError(
             f"block class name(s) {missing} do not occur in the model; classes present include {sorted(present)[:20]}"
         )
-    return [
-        (n, m)
-        for n, m in named
-        if n and (isinstance(m, tuple(wanted_types)) or {class_name(m), type(m).__name__} & wanted_names)
-    ]
+    return [(n, m) for n, m in named if n and (isinstance(m, tuple(wanted_types)) or class_names(m) & wanted_names)]
 
 
 def _by_regex(named, pattern: str) -> list[tuple[str, nn.Module]]:
