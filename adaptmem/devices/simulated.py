@@ -301,23 +301,37 @@ class SimulatedDevice:
                 nbytes = st.nbytes()
                 entry = self._live.get(st)
                 if entry is not None:
-                    if entry.nbytes != nbytes:  # resized in place
-                        self._add(entry.tier, nbytes - entry.nbytes)
-                        entry.nbytes = nbytes
+                    self._recount(entry, nbytes)  # resized in place since it was counted
                     continue
                 fresh.setdefault(id(st), (st, nbytes))
             added = sum(n for _, n in fresh.values())
-            if check and tier == _DEVICE and self._capacity is not None:
-                free = self._capacity - self._bytes[_DEVICE] - self._external
-                if added > free:
-                    self.num_ooms += 1
-                    raise torch.OutOfMemoryError(self._oom_message(added, free))
+            if check and tier == _DEVICE:
+                self._refuse_past_capacity(added)
             for st, nbytes in fresh.values():
-                entry = _Entry(nbytes, tier)
-                entry.ref = weakref.ref(st, self._make_release(entry))
-                self._live[st] = entry
-                self._add(tier, nbytes)
+                self._count(st, nbytes, tier)
         return added
+
+    def _count(self, storage: Any, nbytes: int, tier: int) -> None:
+        """Count a storage not counted before, until it is freed."""
+        entry = _Entry(nbytes, tier)
+        entry.ref = weakref.ref(storage, self._make_release(entry))
+        self._live[storage] = entry
+        self._add(tier, nbytes)
+
+    def _recount(self, entry: _Entry, nbytes: int) -> None:
+        """A counted storage now holds `nbytes`."""
+        if nbytes != entry.nbytes:
+            delta, entry.nbytes = nbytes - entry.nbytes, nbytes
+            self._add(entry.tier, delta)
+
+    def _refuse_past_capacity(self, wanted: int) -> None:
+        """Raise out-of-memory where `wanted` more device bytes would not fit."""
+        if self._capacity is None:
+            return
+        free = self._capacity - self._bytes[_DEVICE] - self._external
+        if wanted > free:
+            self.num_ooms += 1
+            raise torch.OutOfMemoryError(self._oom_message(wanted, free))
 
     def _check_resize(self, storage: Any, nbytes: int) -> None:
         """Before `storage` is resized to `nbytes`: a growth of device bytes past the capacity
@@ -326,28 +340,18 @@ class SimulatedDevice:
             entry = self._live.get(storage)
             tier = entry.tier if entry is not None else (_HOST if allocating_on_host() else _DEVICE)
             growth = nbytes - (entry.nbytes if entry is not None else 0)
-            if growth > 0 and tier == _DEVICE and self._capacity is not None:
-                free = self._capacity - self._bytes[_DEVICE] - self._external
-                if growth > free:
-                    self.num_ooms += 1
-                    raise torch.OutOfMemoryError(self._oom_message(growth, free))
+            if growth > 0 and tier == _DEVICE:
+                self._refuse_past_capacity(growth)
 
     def _resized(self, storage: Any, nbytes: int) -> None:
         """`storage` now holds `nbytes`: counted at that size (a storage not counted before, at
         its first growth)."""
         with self._lock:
             entry = self._live.get(storage)
-            if entry is None:
-                if nbytes > 0:
-                    tier = _HOST if allocating_on_host() else _DEVICE
-                    entry = _Entry(nbytes, tier)
-                    entry.ref = weakref.ref(storage, self._make_release(entry))
-                    self._live[storage] = entry
-                    self._add(tier, nbytes)
-                return
-            if nbytes != entry.nbytes:
-                delta, entry.nbytes = nbytes - entry.nbytes, nbytes
-                self._add(entry.tier, delta)
+            if entry is not None:
+                self._recount(entry, nbytes)
+            elif nbytes > 0:
+                self._count(storage, nbytes, _HOST if allocating_on_host() else _DEVICE)
 
     def _add(self, tier: int, nbytes: int) -> None:
         self._bytes[tier] += nbytes
