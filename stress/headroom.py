@@ -81,7 +81,7 @@ def _cuda_back(packed) -> torch.Tensor:
 
 
 def cap_cuda(capacity: int) -> None:
-    """The GPU cut to `capacity` bytes for this process, from an emptied cache."""
+    """The GPU cut to `capacity` bytes for this process (each `Run` empties the cache first)."""
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if capacity > total:
         raise SystemExit(f"--device-mib: {format_bytes(capacity)} is more than the GPU's {format_bytes(total)}")
