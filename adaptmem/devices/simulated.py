@@ -6,7 +6,8 @@ active (through a `TorchDispatchMode`, the same way
 storage is freed. A storage resized in place (`untyped_storage().resize_()`,
 which no dispatch mode sees: FSDP2 frees a block's gathered parameters with
 `resize_(0)` and grows them again for the next gather) is counted at its new
-size, and a growth past the capacity raises as an allocation does. Copies made by the OFFLOAD strategy (inside
+size, and a growth past the capacity raises as an allocation does. A wrapper
+subclass (a DTensor) is counted by the tensors inside it. Copies made by the OFFLOAD strategy (inside
 `adaptmem.devices.tiers.host_allocations()`) are host bytes, everything else device
 bytes. An allocation that would take the device past its capacity raises a real
 `torch.OutOfMemoryError`, so out-of-memory handling is tested on machines
@@ -286,7 +287,7 @@ class SimulatedDevice:
     def _account(self, out: Any) -> None:
         if self.link is not None:
             self.link.poll()  # copies that have reached the host free their device bytes
-        tensors = tensors_in(out)
+        tensors = _with_inner(tensors_in(out))
         if tensors:
             tier = _HOST if allocating_on_host() else _DEVICE
             self._register(tensors, tier=tier, check=True)
@@ -379,24 +380,43 @@ class SimulatedDevice:
 
 
 def _storage_of(t: torch.Tensor):
-    if t.device.type == "meta":
+    """The storage holding `t`'s values, or None where it holds none: a meta tensor, or a wrapper
+    subclass (a DTensor), whose storage has a size but no data (its inner tensors hold the bytes)."""
+    if t.device.type == "meta" or (type(t) is not torch.Tensor and hasattr(type(t), "__tensor_flatten__")):
         return None
     try:
         return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
+    except (RuntimeError, NotImplementedError):  # other wrapper subclasses without storage
         return None
+
+
+def _with_inner(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` and, for each wrapper subclass among them (a DTensor, a quantized tensor), the
+    tensors inside it, at any depth: a wrapper's own ops run inside the counting mode's handler,
+    where the mode sees none of them, so what they allocate is found in what they return."""
+    if all(type(t) is torch.Tensor for t in tensors):
+        return tensors
+    found: list[torch.Tensor] = []
+    stack = list(reversed(tensors))
+    while stack:
+        t = stack.pop()
+        found.append(t)
+        if type(t) is not torch.Tensor and hasattr(type(t), "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            stack.extend(v for v in (getattr(t, name) for name in reversed(names)) if isinstance(v, torch.Tensor))
+    return found
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        return [obj]
+        return _with_inner([obj])
     if isinstance(obj, torch.nn.Module):
-        return [*obj.parameters(), *obj.buffers()]
+        return _with_inner([*obj.parameters(), *obj.buffers()])
     if isinstance(obj, torch.optim.Optimizer):
         found: list[torch.Tensor] = []
         for state in obj.state.values():
             found.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-        return found
+        return _with_inner(found)
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in _tensors_of(item)]
     raise TypeError(f"SimulatedDevice.track takes tensors, modules or optimizers, got {type(obj).__name__}")

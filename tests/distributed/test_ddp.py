@@ -2,48 +2,17 @@
 every step although their devices differ and only one sees outside pressure; an OOM in
 backward on one rank makes both retry, with no deadlock and parameters equal to plain DDP."""
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
+from ranks import run_ranks
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(tmp_path: Path, mode: str) -> list[dict]:
-    port, outs = free_port(), [tmp_path / f"{mode}{r}.pt" for r in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), "2", str(port), str(outs[r]), mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    for proc in procs:
-        try:
-            _, err = proc.communicate(timeout=240)  # a deadlock fails here instead of hanging the suite
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"rank deadlocked ({mode})")
-        assert proc.returncode == 0, err[-3000:]
-    return [torch.load(out, weights_only=False) for out in outs]
-
-
 def test_ranks_agree_and_retry_together(tmp_path):
-    plain = run_ranks(tmp_path, "plain")
-    managed = run_ranks(tmp_path, "managed")
+    plain = run_ranks(WORKER, tmp_path, "plain")
+    managed = run_ranks(WORKER, tmp_path, "managed")
     steps = [[r for r in m["records"] if "plan" in r] for m in managed]
     summaries = [m["records"][-1]["summary"] for m in managed]
     assert [s["plan"] for s in steps[0]] == [s["plan"] for s in steps[1]]  # one plan per step on both ranks
