@@ -233,7 +233,8 @@ class Controller:
                 # next one. What the failure taught stays; its retry rules are for that batch only
                 self.plans.succeeded()
                 self.retries.new_batch(self.trace())
-            batch, extent, start, budget = shape.batch, shape.extent, self.recorder.probe.allocated(), self.budget
+            own = start = self.recorder.probe.allocated()
+            batch, extent, budget = shape.batch, shape.extent, self.budget
             agree = self.ranks.agree is not None and now.open
             if agree:  # every rank plans for the largest shape and allocation, the smallest budget
                 batch, extent, start, budget = self.ranks.agree.figures(batch, extent, start, budget)
@@ -247,9 +248,10 @@ class Controller:
             if now.open:
                 self.recorder.measure_blocks(self.measuring.worth(record))
                 now.key = record.key
-                now.predicted = self.plans.predict(record.modes, batch, extent, start, record.head)
+                # this rank's own peak under the plan every rank runs: its shape and allocation
+                now.predicted = self.plans.predict(record.modes, shape.batch, shape.extent, own, record.head)
                 now.feasible = record.feasible
-                now.start = start
+                now.start = own
 
     def apply(self, record: PlanRecord, reason: str | None = None) -> None:
         """Set the blocks' modes and the head's choice; a changed plan is counted and logged (under

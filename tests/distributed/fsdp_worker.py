@@ -1,0 +1,184 @@
+"""One rank of the two-process FSDP2 tests: `python fsdp_worker.py RANK WORLD PORT OUT JOB`.
+
+JOB "held": the model is built, sharded and trained for two AdamW steps inside a
+SimulatedDevice; after forward, after backward and after the optimizer's step it
+writes the stand-in's count beside the bytes torch holds, found without it: the
+storages of every tensor Python can reach plus every tensor autograd saved.
+
+JOB "exact": 10 AdamW steps (dropout on) of FSDP2 without adaptmem, then of FSDP2
+with every block in each lossless mode, `instrument` called before `fully_shard`
+and after; then a managed run whose budget needs a mixed plan. Writes each run's
+losses, last full gradients and final weights, and the managed run's plans.
+"""
+
+import contextlib
+import gc
+import os
+import sys
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed import fsdp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
+
+from helpers import tiny, tiny_batch
+
+import adaptmem
+from adaptmem import LOSSLESS_MODES
+from adaptmem.config.policy import load_policy
+from adaptmem.testing import SimulatedDevice
+
+STEPS = 10
+
+
+def shard(model):
+    for block in model.blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    return model
+
+
+def batches(rank):
+    model = tiny()
+    return [tiny_batch(model, batch=2, seq=24 + 8 * ((i + rank) % 3)) for i in range(STEPS)]
+
+
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def train(model, data, rank, step=None, around=None):
+    """STEPS AdamW steps (inside `around`, a context); returns the losses, the last step's
+    full gradients and the weights, gathered after it."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(7 + rank)
+    losses = []
+    with around or contextlib.nullcontext():
+        for batch in data:
+            opt.zero_grad(set_to_none=True)
+            loss = _backward(model, batch) if step is None else step(batch)
+            losses.append(loss.detach().clone())
+            opt.step()
+    return {
+        "losses": losses,
+        "grads": {n: full(p.grad) for n, p in model.named_parameters()},
+        "params": {n: full(p) for n, p in model.named_parameters()},
+    }
+
+
+def _backward(model, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    return loss
+
+
+# ------------------------------------------------------------------ held
+class Saved:
+    """Every tensor autograd saves while entered, held weakly."""
+
+    def __init__(self):
+        self.refs = []
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def pack(self, t):
+        self.refs.append(weakref.ref(t))
+        return t
+
+    def tensors(self):
+        return [t for t in (r() for r in self.refs) if t is not None]
+
+
+def storages(tensors):
+    """{data pointer: bytes} of the storages holding `tensors`' values (a DTensor's in its local shard)."""
+    found = {}
+    for t in tensors:
+        if hasattr(t, "_local_tensor"):
+            t = t._local_tensor
+        if t.device.type != "cpu":
+            continue
+        st = t.untyped_storage()
+        if st.nbytes():
+            found[st.data_ptr()] = st.nbytes()
+    return found
+
+
+def held_bytes(before, saved):
+    """Bytes torch holds in storages made since `before` (a set of data pointers): what
+    Python reaches plus what autograd saved."""
+    gc.collect()
+    reached = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)] + saved.tensors()
+    return sum(n for ptr, n in storages(reached).items() if ptr not in before)
+
+
+def held(rank):
+    gc.collect()
+    keep = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]  # alive, so their pointers stay theirs
+    before = set(storages(keep))
+    figures = []
+    with SimulatedDevice() as dev:
+        model = shard(tiny())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for i, batch in enumerate(batches(rank)[:2]):
+            saved = Saved()
+            with saved.hooks:
+                loss = model(**batch).loss
+            figures.append(("forward", i, dev.allocated_bytes, held_bytes(before, saved)))
+            loss.backward()
+            del loss
+            figures.append(("backward", i, dev.allocated_bytes, held_bytes(before, saved)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            figures.append(("step", i, dev.allocated_bytes, held_bytes(before, saved)))
+    return {"figures": figures}
+
+
+# ------------------------------------------------------------------ exact
+def exact(rank):
+    data = batches(rank)
+    runs = {"plain": train(shard(tiny()), data, rank)}
+    for mode in LOSSLESS_MODES:
+        first = tiny()
+        adaptmem.instrument(first, mode=mode)
+        runs[f"{mode.label} before"] = train(shard(first), data, rank)
+        after = shard(tiny())
+        adaptmem.instrument(after, mode=mode)
+        runs[f"{mode.label} after"] = train(after, data, rank)
+    model = shard(tiny())
+    dev = SimulatedDevice(capacity_bytes=(6 if rank == 0 else 5) * 2**20, name=f"rank{rank}")
+    policy = load_policy().model_copy(update={"modes": ("NONE", "CHECKPOINT")})  # chosen by memory alone
+    mem = adaptmem.manage(model, policy=policy, budget="90%", device=dev)
+    records = []
+
+    def step(batch):
+        loss = mem.run_step(_backward, model, batch)
+        records.append({k: mem.last_step[k] for k in RECORDED})
+        return loss
+
+    runs["managed"] = train(model, data, rank, step, around=_both(dev, mem))
+    runs["managed"]["records"] = records
+    return runs
+
+
+@contextlib.contextmanager
+def _both(dev, mem):
+    with dev, mem:
+        yield
+
+
+RECORDED = ("plan", "observed_peak_bytes", "predicted_peak_bytes", "budget_bytes", "attempt")
+
+
+def main() -> None:
+    rank, world, port, out, job = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    result = held(rank) if job == "held" else exact(rank)
+    torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
