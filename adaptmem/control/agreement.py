@@ -13,7 +13,9 @@ order on every rank, so no collective waits on a rank that took another path:
                    and the gradients are averaged across ranks (see below).
 
 A rank that runs out of memory before its plan point still joins the plan
-collectives with empty figures. Under `DistributedDataParallel` the managed step
+collectives with empty figures. Under FSDP2 the step has collectives of its own
+between these points: a rank that fails takes part in the rest of them with
+zeros (`adaptmem.control.sharded`), then in the step's end. Under `DistributedDataParallel` the managed step
 runs inside `no_sync()` and the gradients are averaged here once every rank has
 succeeded, exactly as DDP's default hook does (divide by the world size, then
 sum): a rank failing in backward can then never leave DDP's reducer waiting.
@@ -27,6 +29,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from adaptmem.control.sharded import ShardedSteps, fsdp_modules
 from adaptmem.modes import LADDER, Mode
 
 
@@ -87,6 +90,30 @@ class Ranks:
         self.rank = self.agree.rank if self.agree is not None else 0
         self._ddp = ddp
         self._syncing = False  # this step runs in DDP's no_sync(): gradients are averaged after it
+        self.sharded: ShardedSteps | None = None  # under FSDP2 with other ranks: the steps' collectives
+        self._looked = False  # for FSDP2 modules, at the first step (`fully_shard` may come after `manage`)
+        self.deferring = False  # inside run_step: a failed rank catches up once the attempt is freed
+        self._pending: tuple[Callable[[], tuple[Mode, ...]], bool] | None = None
+
+    def begin_attempt(self, model: torch.nn.Module) -> None:
+        """A step's attempt starts: its FSDP2 collectives are logged from here."""
+        if self.agree is None:
+            return
+        if not self._looked:
+            self._looked = True
+            modules = fsdp_modules(model)
+            if modules:
+                self.sharded = ShardedSteps(modules)
+        if self.sharded is not None:
+            self.sharded.begin_attempt()
+
+    def plan_point(self) -> None:
+        if self.sharded is not None:
+            self.sharded.plan_point()
+
+    def close(self) -> None:
+        if self.sharded is not None:
+            self.sharded.close()
 
     @property
     def alone(self) -> bool:
@@ -105,21 +132,49 @@ class Ranks:
         if self.agree is not None and self._syncing:
             self.agree.average_gradients(params)
 
-    def join_plan_point(self, modes: tuple[Mode, ...]) -> None:
-        """A rank that failed before its first block still takes part in the plan collectives."""
+    def join_plan_point(self, modes: tuple[Mode, ...], retrying: bool) -> None:
+        """A rank that failed before its plan point still takes part in the plan collectives (and, in
+        a retry, in the vote on giving the batch up)."""
         self.agree.figures(0, 0, 0, 2**62)
         self.agree.plan(modes)
+        if retrying:
+            self.agree.any(False)
 
     def failure(
-        self, error: BaseException | None, joined: bool, modes: Callable[[], tuple[Mode, ...]]
+        self,
+        error: BaseException | None,
+        joined: bool,
+        modes: Callable[[], tuple[Mode, ...]],
+        retrying: bool = False,
+        refused: bool = False,
     ) -> BaseException | None:
         """When any rank ran out of memory in this step, every rank records it. `joined`: this rank
-        took part in the plan point's collectives (else it joins them now, with the `modes()` it runs)."""
+        took part in the plan point's collectives (else it joins them now, with the `modes()` it runs);
+        `retrying`: the attempt retries a failed one; `refused`: every rank gave the batch up together
+        at the plan point. Under FSDP2 a rank that failed first runs the rest of the step's collectives;
+        inside run_step it does so once the attempt's memory is freed (`catch_up`)."""
         if self.agree is None:
             return error
         oom = isinstance(error, torch.OutOfMemoryError)
-        if oom and not joined:
-            self.join_plan_point(modes())
+        sharded = self.sharded
+        if oom and not refused and sharded is not None and sharded.can_catch_up():
+            if self.deferring:
+                self._pending = (modes, retrying)
+                return error
+            sharded.catch_up(lambda: self.join_plan_point(modes(), retrying))
+        elif oom and not joined:
+            self.join_plan_point(modes(), retrying)
+        if sharded is not None and error is None:
+            sharded.succeeded()
         if self.agree.any(oom) and not oom and error is None:
             return torch.OutOfMemoryError("another rank ran out of memory in this step")
         return error
+
+    def catch_up(self) -> None:
+        """After a failed attempt is freed (run_step): this rank's part in the rest of the step's
+        FSDP2 collectives, then in its end, where the other ranks learn of the failure."""
+        if self._pending is None:
+            return
+        (modes, retrying), self._pending = self._pending, None
+        self.sharded.catch_up(lambda: self.join_plan_point(modes(), retrying))
+        self.agree.any(True)

@@ -136,6 +136,7 @@ class Controller:
             if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
                 self.retries.new_batch(self.trace())
             self.now = StepState(open=True, label=label, rng=rng_state())
+            self.ranks.begin_attempt(self.model)
             resident = any(w.grad is not None for w in self.blocks.handles[-1].module.parameters())
             self.costs.expect_gradients(resident)  # planned for as it is
             self.recorder.begin(grads_resident=resident)
@@ -144,8 +145,10 @@ class Controller:
         """end: learn from the step and decide (`_after_step`), or record its OOM (`_record_oom`)."""
         sample = self.recorder.end()
         self.notices.device_idle(self.probe, sample, self.stats.steps + 1)
-        error = self.ranks.failure(error, self.now.plan_point_passed, self.blocks.running)
         refused, self.now.refused = self.now.refused, False
+        error = self.ranks.failure(
+            error, self.now.plan_point_passed, self.blocks.running, self.plans.failed is not None, refused
+        )
         with self.lock:
             self.now.open = False
             if refused:  # given up before a block ran: the batch leaves no trace
@@ -174,6 +177,7 @@ class Controller:
         error, undo what the attempt changed, free, and run it again under a tighter plan."""
         guard = self.retries.guard(self.model, self.policy.accumulation_snapshot, self.policy.buffer_snapshot_limit)
         self.plans.succeeded()  # a new batch: not a retry of whatever failed before
+        self.ranks.deferring = True
         try:
             for attempt in range(self.policy.max_retries + 1):
                 self.plans.start_attempt(attempt)
@@ -192,9 +196,11 @@ class Controller:
                 if refused is not None:
                     raise refused
                 self._free_after_oom()
+                self.ranks.catch_up()  # under FSDP2: the rest of the step's collectives, once freed
             self.rewind(self.retries.trace)  # every retry failed: the batch leaves no trace either
             raise self.retries.report(self.policy.max_retries)
         finally:
+            self.ranks.deferring = False
             self.plans.start_attempt(0)
             self.plans.succeeded()
             guard.close()
@@ -237,6 +243,7 @@ class Controller:
             batch, extent, budget = shape.batch, shape.extent, self.budget
             agree = self.ranks.agree is not None and now.open
             if agree:  # every rank plans for the largest shape and allocation, the smallest budget
+                self.ranks.plan_point()
                 batch, extent, start, budget = self.ranks.agree.figures(batch, extent, start, budget)
                 now.plan_point_passed = True
             record = self.plans.choose(batch, extent, start, budget)

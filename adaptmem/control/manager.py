@@ -315,6 +315,7 @@ class MemoryManager:
         self._sampler.stop()
         ctl = self._controller
         ctl.abandon_step()
+        ctl.ranks.close()  # FSDP2's own communication back
         self._runtime.observer = None
         self.events.emit("end", step=ctl.stats.steps, summary=self.summary(), reach=end_record(ctl))
         self._compiles.close()

@@ -28,6 +28,7 @@ from helpers import tiny, tiny_batch
 import adaptmem
 from adaptmem import LOSSLESS_MODES
 from adaptmem.config.policy import load_policy
+from adaptmem.control.sharded import fsdp_modules
 from adaptmem.testing import SimulatedDevice
 
 STEPS = 10
@@ -170,11 +171,74 @@ def _both(dev, mem):
 RECORDED = ("plan", "observed_peak_bytes", "predicted_peak_bytes", "budget_bytes", "attempt")
 
 
+# ------------------------------------------------------------------ retry
+def retry(rank):
+    """An out-of-memory error on rank 0 only, at step 3: raised in block 2's forward, raised in its
+    backward, and (a third run) the stand-in's own, where block 2's forward leaves the device one
+    KiB free; both ranks retry together and end where FSDP2 without adaptmem ends."""
+    data = batches(rank)
+    runs = {"plain": train(shard(tiny()), data, rank)}
+    for where in ("forward", "backward", "device"):
+        model = shard(tiny())
+        fired = []
+        dev = SimulatedDevice(capacity_bytes=2**28, name=f"rank{rank}")
+        model.blocks[2].register_forward_hook(_failing(rank, where, fired, len(data) // 3, dev))
+        mem = adaptmem.manage(model, budget=2**27, device=dev)
+        records = []
+
+        def step(batch, mem=mem, records=records):
+            loss = mem.run_step(_backward, model, batch)
+            records.append({k: mem.last_step[k] for k in RECORDED})
+            return loss
+
+        runs[where] = train(model, data, rank, step, around=_both(dev, mem))
+        runs[where]["records"] = records
+        runs[where]["summary"] = mem.summary()
+        runs[where]["fired"] = len(fired)
+        runs[where]["comms after close"] = sorted({name for m in fsdp_modules(model) for name in _comms(m)})
+    return runs
+
+
+def _comms(module):
+    """The names of the communication classes FSDP2 runs for `module`'s parameter groups."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        yield type(group._all_gather_comm).__name__
+        yield type(group._reduce_scatter_comm).__name__
+
+
+def _failing(rank, where, fired, at, dev):
+    """A forward hook making an out-of-memory error once, on rank 0, at step `at`: raised in forward
+    or in backward, or the stand-in's own at the next allocation, the device filled up to one KiB by
+    a tensor that lives as long as the block's output."""
+    calls = []
+
+    def hook(module, args, output):
+        calls.append(1)
+        if rank != 0 or fired or len(calls) != at + 1:
+            return
+        if where == "device":
+            fired.append(1)
+            output.balloon = torch.empty(dev.free_bytes - 1024, dtype=torch.uint8)
+            return
+        if where == "forward":
+            fired.append(1)
+            raise torch.OutOfMemoryError("out of memory in forward on rank 0")
+
+        def fail(grad):
+            if not fired:
+                fired.append(1)
+                raise torch.OutOfMemoryError("out of memory in backward on rank 0")
+
+        output.register_hook(fail)
+
+    return hook
+
+
 def main() -> None:
     rank, world, port, out, job = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    result = held(rank) if job == "held" else exact(rank)
+    result = {"held": held, "exact": exact, "retry": retry}[job](rank)
     torch.save(result, out)
     dist.barrier()
     dist.destroy_process_group()

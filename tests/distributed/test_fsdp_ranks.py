@@ -42,3 +42,22 @@ def test_lossless_modes_are_exact_and_a_managed_run_agrees_on_both_ranks(tmp_pat
             assert r["attempt"] == 0 and r["observed_peak_bytes"] <= r["budget_bytes"], (rank, i, r)
             if i >= 3:  # steady: every length has been seen
                 assert abs(r["predicted_peak_bytes"] / r["observed_peak_bytes"] - 1) <= 0.10, (rank, i, r)
+
+
+def test_an_out_of_memory_error_on_one_rank_is_retried_by_both_and_stays_exact(tmp_path):
+    """Rank 0 alone fails at step 3: an error raised in forward, one raised in backward, and the
+    stand-in's own at a real allocation. Rank 0 takes part in the rest of the step's FSDP2
+    collectives; both ranks retry the step together, and losses, full gradients and weights after
+    10 AdamW steps equal FSDP2's without adaptmem."""
+    ranks = run_ranks(WORKER, tmp_path, "retry", timeout=120)
+    for rank, runs in enumerate(ranks):
+        plain = runs.pop("plain")
+        assert set(runs) == {"forward", "backward", "device"}
+        for where, run in runs.items():
+            assert run["fired"] == (1 if rank == 0 else 0), (rank, where)
+            assert [r["attempt"] for r in run["records"]] == [0, 0, 0, 1] + [0] * 6, (rank, where)
+            assert run["summary"]["ooms_recovered"] == 1, (rank, where)
+            assert run["comms after close"] == ["DefaultAllGather", "DefaultReduceScatter"]  # FSDP2's own, back
+            assert all(torch.equal(a, b) for a, b in zip(run["losses"], plain["losses"], strict=True)), (rank, where)
+            for kind in ("grads", "params"):
+                assert all(torch.equal(run[kind][n], plain[kind][n]) for n in plain[kind]), (rank, where, kind)

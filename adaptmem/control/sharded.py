@@ -1,0 +1,178 @@
+"""FSDP2 (`fully_shard`) across ranks: a rank that runs out of memory takes part in the rest
+of the step's collectives, so every rank can retry it together.
+
+Under FSDP2 a step is a fixed sequence of collectives: an all-gather before each
+sharded module's forward (and again before its backward, where it resharded after
+forward), a reduce-scatter after its backward, and the manager's own plan point
+between them. A rank whose forward or backward stops on an out-of-memory error
+leaves the others inside the next one. So the sequence is logged as it is issued
+(through FSDP2's `set_custom_all_gather` / `set_custom_reduce_scatter`, around the
+communication FSDP2 would use anyway), and a step that succeeded is kept as the
+template. A rank that fails then, once it has freed what the attempt held, resets
+FSDP2's per-step state (`FSDPModule.reset_iter_state`), drops the gradients its
+gathered parameters took before the failure, and runs the rest of the template with
+zeros of the same sizes: the other ranks finish their step, learn at its end that
+one rank failed, and every rank puts its state back and retries. What the failing
+rank sent is discarded with the attempt, so the gradients stay exact.
+
+Not covered (said once, as a warning): a failure in the first step (no template yet),
+a torch whose FSDP2 has no `reset_iter_state`, FSDP2 modules with a communication
+of the user's own, and a 2-D (HSDP) mesh, whose all-reduce runs outside that communication.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("adaptmem")
+
+PLAN_POINT = "plan point"  # the manager's own collectives, at the first managed block's forward
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that `fully_shard` has wrapped, in `model.modules()` order."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class _Logged:
+    """FSDP2's communication for one kind of collective, logging each call in the step's sequence."""
+
+    def __init__(self, steps: ShardedSteps, inner: Any) -> None:
+        self.steps = steps
+        self.inner = inner
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, *args: Any, **kwargs: Any):
+        self.steps.now.append(_Call(self.inner, output_tensor, input_tensor, group, args, kwargs))
+        return self.inner(output_tensor, input_tensor, group, *args, **kwargs)
+
+
+class _Call:
+    """One collective of a step, as FSDP2 issued it: enough to issue it again with zeros."""
+
+    __slots__ = ("comm", "out_shape", "in_shape", "dtype", "device", "group", "args", "kwargs")
+
+    def __init__(self, comm: Any, output: torch.Tensor, input: torch.Tensor, group: Any, args: tuple, kwargs: dict):
+        self.comm, self.group, self.args = comm, group, args
+        self.out_shape, self.in_shape, self.dtype, self.device = output.shape, input.shape, input.dtype, input.device
+        self.kwargs = {**kwargs, "async_op": False} if "async_op" in kwargs else kwargs
+
+    def again(self) -> None:
+        """The same collective with zeros for this rank's part, waited for."""
+        output = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        zeros = torch.zeros(self.in_shape, dtype=self.dtype, device=self.device)
+        work = self.comm(output, zeros, self.group, *self.args, **self.kwargs)
+        if work is not None:
+            work.wait()
+
+
+class ShardedSteps:
+    """The collective sequence of a managed FSDP2 model's steps, and the catch-up of a rank
+    that failed in one (see the module's docstring)."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.now: list = []  # what this attempt issued so far: `_Call`s and PLAN_POINT
+        self.template: list | None = None  # what the last successful attempt issued
+        self.installed: list[tuple[nn.Module, Any, Any]] = []
+        self.missing = _missing(modules)
+        if self.missing is None:
+            self._install()
+        else:
+            log.warning(
+                "adaptmem: under FSDP2, an out-of-memory error on one rank cannot be retried here (%s): "
+                "the other ranks would wait in FSDP2's collectives. Give the run a budget with room.",
+                self.missing,
+            )
+
+    def _install(self) -> None:
+        for module in self.modules:
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            gather, scatter = groups[0]._all_gather_comm, groups[0]._reduce_scatter_comm
+            module.set_custom_all_gather(_Logged(self, gather))
+            module.set_custom_reduce_scatter(_Logged(self, scatter))
+            self.installed.append((module, gather, scatter))
+
+    def close(self) -> None:
+        """Put FSDP2's own communication back."""
+        for module, gather, scatter in self.installed:
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(scatter)
+        self.installed.clear()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.installed)
+
+    def begin_attempt(self) -> None:
+        self.now = []
+
+    def plan_point(self) -> None:
+        self.now.append(PLAN_POINT)
+
+    def succeeded(self) -> None:
+        self.template = self.now
+        self.now = []
+
+    def can_catch_up(self) -> bool:
+        return self.active and self.template is not None and len(self.now) <= len(self.template)
+
+    def catch_up(self, join_plan_point: Callable[[], None]) -> None:
+        """After this rank failed: reset FSDP2's per-step state, drop what its gathered parameters
+        accumulated, and run the rest of the template's collectives with zeros."""
+        _reset(self.modules)
+        done, self.now = len(self.now), []
+        for entry in self.template[done:]:
+            if entry is PLAN_POINT:
+                join_plan_point()
+            else:
+                entry.again()
+
+
+def _missing(modules: list[nn.Module]) -> str | None:
+    """Why a failed rank could not catch up under these modules, or None."""
+    for module in modules:
+        if not hasattr(module, "reset_iter_state"):
+            return f"this torch {torch.__version__} has no FSDPModule.reset_iter_state"
+        state = getattr(module, "_get_fsdp_state", lambda: None)()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            return "FSDP2's parameter groups were not found"
+        if len(groups) > 1:
+            return f"{type(module).__name__} has several parameter groups"
+        for group in groups:
+            for comm in (getattr(group, "_all_gather_comm", None), getattr(group, "_reduce_scatter_comm", None)):
+                if comm is None or not type(comm).__name__.startswith("Default"):
+                    return f"{type(module).__name__} has a communication of its own ({type(comm).__name__})"
+            mesh = getattr(group, "mesh_info", None)
+            if getattr(getattr(mesh, "mesh", None), "ndim", 1) != 1:
+                return "the mesh has two dimensions (HSDP)"
+    return None
+
+
+def _reset(modules: list[nn.Module]) -> None:
+    """FSDP2 as after a step that ran to its end: the root's `reset_iter_state` (reshard, clear the
+    step's trackers), and no gradient left on a gathered parameter (backward stopped before its
+    reduce-scatter took it, and the retry would add to it)."""
+    for module in modules:
+        try:
+            module.reset_iter_state()
+        except RuntimeError:  # not a root: the root resets every module under it
+            continue
+    for module in modules:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
