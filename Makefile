@@ -28,12 +28,12 @@ test-all: $(STAMP)
 
 # ruff's lint and its formatter's check (the configuration is in pyproject.toml); `make format` formats
 lint: $(STAMP)
-	$(VENV)/bin/ruff check adaptmem tests stress
-	$(VENV)/bin/ruff format --check adaptmem tests stress
+	$(VENV)/bin/ruff check adaptmem tests stress docs/examples
+	$(VENV)/bin/ruff format --check adaptmem tests stress docs/examples
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix adaptmem tests stress
-	$(VENV)/bin/ruff format adaptmem tests stress
+	$(VENV)/bin/ruff check --fix adaptmem tests stress docs/examples
+	$(VENV)/bin/ruff format adaptmem tests stress docs/examples
 
 test-cuda: $(STAMP)
 	$(PY) -m pytest -q -m cuda $(PYTEST_ARGS)

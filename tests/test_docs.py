@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import hf_arguments, hf_batch, lightning_trainer, llama, tiny, tiny_batch
 
 import adaptmem
@@ -140,9 +141,14 @@ def test_every_python_block_runs(page, line, code, tmp_path, monkeypatch):
     scope = _user_scope(tmp_path)
     if re.search(r"\bmem\.", code) and not re.search(r"\bmem = |as mem\b", code):  # a manager made before it
         scope["mem"] = adaptmem.manage(scope["model"])
+    sharding = "fully_shard(" in code  # FSDP2 wants a process group: one of one rank, as torchrun would start
+    if sharding:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         exec(compile(code, f"{page.name}:{line}", "exec"), scope)
     finally:
+        if sharding:
+            dist.destroy_process_group()
         mem = scope.get("mem")
         if isinstance(mem, adaptmem.MemoryManager):
             mem.close()
