@@ -34,10 +34,10 @@ from adaptmem.testing import SimulatedDevice
 STEPS = 10
 
 
-def shard(model):
+def shard(model, reshard=True):
     for block in model.blocks:
-        fsdp.fully_shard(block)
-    fsdp.fully_shard(model)
+        fsdp.fully_shard(block, reshard_after_forward=reshard)
+    fsdp.fully_shard(model, reshard_after_forward=reshard)
     return model
 
 
@@ -146,19 +146,21 @@ def exact(rank):
         after = shard(tiny())
         adaptmem.instrument(after, mode=mode)
         runs[f"{mode.label} after"] = train(after, data, rank)
-    model = shard(tiny())
-    dev = SimulatedDevice(capacity_bytes=(6 if rank == 0 else 5) * 2**20, name=f"rank{rank}")
-    policy = load_policy().model_copy(update={"modes": ("NONE", "CHECKPOINT")})  # chosen by memory alone
-    mem = adaptmem.manage(model, policy=policy, budget="90%", device=dev)
-    records = []
+    for reshard in (True, False):  # False: each block's gathered parameters kept from forward to backward
+        model = shard(tiny(), reshard)
+        dev = SimulatedDevice(capacity_bytes=(6 if rank == 0 else 5) * 2**20, name=f"rank{rank}")
+        policy = load_policy().model_copy(update={"modes": ("NONE", "CHECKPOINT")})  # chosen by memory alone
+        mem = adaptmem.manage(model, policy=policy, budget="90%", device=dev)
+        records = []
 
-    def step(batch):
-        loss = mem.run_step(_backward, model, batch)
-        records.append({k: mem.last_step[k] for k in RECORDED})
-        return loss
+        def step(batch, mem=mem, records=records, model=model):
+            loss = mem.run_step(_backward, model, batch)
+            records.append({k: mem.last_step[k] for k in RECORDED})
+            return loss
 
-    runs["managed"] = train(model, data, rank, step, around=_both(dev, mem))
-    runs["managed"]["records"] = records
+        name = "managed" if reshard else "managed, kept gathered"
+        runs[name] = train(model, data, rank, step, around=_both(dev, mem))
+        runs[name]["records"] = records
     return runs
 
 
