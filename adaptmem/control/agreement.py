@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from adaptmem.control.sharded import ShardedSteps, fsdp_modules
+from adaptmem.control.sharded import STEP_END, ShardedSteps, Stopped, fsdp_modules
 from adaptmem.modes import LADDER, Mode
 
 
@@ -45,12 +45,18 @@ class RankAgreement:
         backend = dist.get_backend()
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def figures(self, batch: int, extent: int, start: int, budget: int) -> tuple[int, int, int, int]:
-        """(largest batch, largest extent, largest start, smallest budget) across ranks."""
-        t = torch.tensor([batch, extent, start, -budget], dtype=torch.int64, device=self.device)
+    def figures(
+        self, batch: int, extent: int, start: int, budget: int, bias: float = 0.0, fill: float = 1.0
+    ) -> tuple[int, int, int, int, float, float]:
+        """(largest batch, largest extent, largest start, smallest budget, largest bias, smallest
+        fill) across ranks: rank 0 plans for every rank, so with the predictions' bias and the fill
+        that are safest for all (each rank learns its own from its own peaks)."""
+        scale = 1_000_000
+        figures = [batch, extent, start, -budget, round(bias * scale), -round(fill * scale)]
+        t = torch.tensor(figures, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        b, e, s, nb = (int(v) for v in t.tolist())
-        return b, e, s, -nb
+        b, e, s, nb, bi, nf = (int(v) for v in t.tolist())
+        return b, e, s, -nb, bi / scale, -nf / scale
 
     def plan(self, modes: tuple[Mode, ...]) -> tuple[Mode, ...]:
         """Rank 0's plan, on every rank."""
@@ -62,6 +68,13 @@ class RankAgreement:
         t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def check(self, flag: bool, phase: int) -> tuple[bool, int]:
+        """(whether any rank raised its flag, the largest phase any rank is at): the first step's
+        checks under FSDP2, where a rank that failed signals from outside the step (`sharded`)."""
+        t = torch.tensor([1 if flag else 0, phase], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0].item()), int(t[1].item())
 
     def worst(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -93,7 +106,7 @@ class Ranks:
         self.sharded: ShardedSteps | None = None  # under FSDP2 with other ranks: the steps' collectives
         self._looked = False  # for FSDP2 modules, at the first step (`fully_shard` may come after `manage`)
         self.deferring = False  # inside run_step: a failed rank catches up once the attempt is freed
-        self._pending: tuple[Callable[[], tuple[Mode, ...]], bool] | None = None
+        self._pending: tuple[Callable[[], tuple[Mode, ...]], bool] | str | None = None
 
     def begin_attempt(self, model: torch.nn.Module) -> None:
         """A step's attempt starts: its FSDP2 collectives are logged from here."""
@@ -103,7 +116,7 @@ class Ranks:
             self._looked = True
             modules = fsdp_modules(model)
             if modules:
-                self.sharded = ShardedSteps(modules)
+                self.sharded = ShardedSteps(modules, self.agree.check)
         if self.sharded is not None:
             self.sharded.begin_attempt()
 
@@ -157,6 +170,8 @@ class Ranks:
             return error
         oom = isinstance(error, torch.OutOfMemoryError)
         sharded = self.sharded
+        if sharded is not None and sharded.checking and not refused:
+            return self._first_step_end(error, oom)
         if oom and not refused and sharded is not None and sharded.can_catch_up():
             if self.deferring:
                 self._pending = (modes, retrying)
@@ -164,17 +179,42 @@ class Ranks:
             sharded.catch_up(lambda: self.join_plan_point(modes(), retrying))
         elif oom and not joined:
             self.join_plan_point(modes(), retrying)
-        if sharded is not None and error is None:
+        failed = self.agree.any(oom)
+        if sharded is not None and not failed:
             sharded.succeeded()
-        if self.agree.any(oom) and not oom and error is None:
+        if failed and not oom and error is None:
             return torch.OutOfMemoryError("another rank ran out of memory in this step")
+        return error
+
+    def _first_step_end(self, error: BaseException | None, oom: bool) -> BaseException | None:
+        """The end of an attempt under FSDP2 before any step succeeded (no template to catch up
+        with: `sharded` checks before each collective instead). A rank stopped at a check joins the
+        others at the end; a rank that failed signals, once freed inside run_step."""
+        if isinstance(error, Stopped):
+            self.sharded.reset()
+            self.agree.check(True, STEP_END)
+            return error
+        if oom:
+            if self.deferring:
+                self._pending = "signal"
+                return error
+            self.sharded.signal()
+            return error
+        failed, _ = self.agree.check(False, STEP_END)
+        if failed:
+            return torch.OutOfMemoryError("another rank ran out of memory in this step")
+        self.sharded.succeeded()
         return error
 
     def catch_up(self) -> None:
         """After a failed attempt is freed (run_step): this rank's part in the rest of the step's
         FSDP2 collectives, then in its end, where the other ranks learn of the failure."""
-        if self._pending is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        (modes, retrying), self._pending = self._pending, None
+        if pending == "signal":
+            self.sharded.signal()
+            return
+        modes, retrying = pending
         self.sharded.catch_up(lambda: self.join_plan_point(modes(), retrying))
         self.agree.any(True)

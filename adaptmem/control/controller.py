@@ -244,7 +244,10 @@ class Controller:
             agree = self.ranks.agree is not None and now.open
             if agree:  # every rank plans for the largest shape and allocation, the smallest budget
                 self.ranks.plan_point()
-                batch, extent, start, budget = self.ranks.agree.figures(batch, extent, start, budget)
+                decider = self.decider
+                batch, extent, start, budget, decider.bias, decider.agreed_fill = self.ranks.agree.figures(
+                    batch, extent, start, budget, decider.bias, decider.own_fill
+                )
                 now.plan_point_passed = True
             record = self.plans.choose(batch, extent, start, budget)
             if agree:  # and runs rank 0's plan

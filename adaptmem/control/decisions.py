@@ -81,6 +81,7 @@ class Decider:
     relaxed_from: float | None = field(default=None, init=False)
     bias: float = field(default=1.0, init=False)
     misses: deque = field(default_factory=lambda: deque(maxlen=SPREAD_WINDOW), init=False)
+    agreed_fill: float | None = field(default=None, init=False)  # with other ranks: the smallest fill of all
 
     def __post_init__(self) -> None:
         self.headroom = self.policy.headroom
@@ -112,7 +113,14 @@ class Decider:
 
     @property
     def fill(self) -> float:
-        """The most of the budget a plan aims at: `max_headroom` until the misses earn more."""
+        """The most of the budget a plan aims at: `max_headroom` until the misses earn more (with
+        other ranks, the smallest of every rank's, agreed at the plan point)."""
+        own = self.own_fill
+        return own if self.agreed_fill is None else min(own, self.agreed_fill)
+
+    @property
+    def own_fill(self) -> float:
+        """The fill this rank's own misses earn."""
         return self._fill(self.margin)
 
     def _fill(self, margin: float | None) -> float:

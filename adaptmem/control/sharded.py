@@ -15,8 +15,13 @@ zeros of the same sizes: the other ranks finish their step, learn at its end tha
 one rank failed, and every rank puts its state back and retries. What the failing
 rank sent is discarded with the attempt, so the gradients stay exact.
 
-Not covered (said once, as a warning): a failure in the first step (no template yet),
-a torch whose FSDP2 has no `reset_iter_state`, FSDP2 modules with a communication
+Before any step has succeeded there is no template: then every rank checks, with a
+small all-reduce before each of FSDP2's collectives and before the plan point,
+whether a rank failed; one that did signals at the others' next check, which
+stops their step there (`Stopped`), and all meet at its end. That costs a
+collective per collective, in the first step only.
+
+Not covered (said once, as a warning): a torch whose FSDP2 has no `reset_iter_state`, FSDP2 modules with a communication
 of the user's own, and a 2-D (HSDP) mesh, whose all-reduce runs outside that communication.
 """
 
@@ -32,6 +37,13 @@ from torch import nn
 log = logging.getLogger("adaptmem")
 
 PLAN_POINT = "plan point"  # the manager's own collectives, at the first managed block's forward
+
+# Phases of the first step's checks (`RankAgreement.check`): what a rank is doing when it takes part.
+FAILING, BEFORE_COLLECTIVE, BEFORE_PLAN, STEP_END = 0, 1, 2, 3
+
+
+class Stopped(torch.OutOfMemoryError):
+    """Raised on a rank whose step is stopped at a check because another rank ran out of memory."""
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -54,6 +66,8 @@ class _Logged:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, *args: Any, **kwargs: Any):
+        if self.steps.checking:
+            self.steps.checked(BEFORE_COLLECTIVE)
         self.steps.now.append(_Call(self.inner, output_tensor, input_tensor, group, args, kwargs))
         return self.inner(output_tensor, input_tensor, group, *args, **kwargs)
 
@@ -81,8 +95,9 @@ class ShardedSteps:
     """The collective sequence of a managed FSDP2 model's steps, and the catch-up of a rank
     that failed in one (see the module's docstring)."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], check: Callable[[bool, int], tuple[bool, int]]) -> None:
         self.modules = modules
+        self.check = check  # RankAgreement.check
         self.now: list = []  # what this attempt issued so far: `_Call`s and PLAN_POINT
         self.template: list | None = None  # what the last successful attempt issued
         self.installed: list[tuple[nn.Module, Any, Any]] = []
@@ -119,7 +134,34 @@ class ShardedSteps:
         self.now = []
 
     def plan_point(self) -> None:
+        if self.checking:
+            self.checked(BEFORE_PLAN)
         self.now.append(PLAN_POINT)
+
+    @property
+    def checking(self) -> bool:
+        """No step has succeeded yet, so a failed rank has no template to catch up with: every rank
+        checks before each collective whether one failed (a small all-reduce each, first step only)."""
+        return self.active and self.template is None
+
+    def checked(self, phase: int) -> None:
+        """A check before a collective: stop this rank's step if another rank failed."""
+        failed, _ = self.check(False, phase)
+        if failed:
+            raise Stopped("another rank ran out of memory in this step (stopped before FSDP2's next collective)")
+
+    def signal(self) -> None:
+        """This rank failed in a first step: reset FSDP2, then tell the others at their next check
+        (they stop, and meet it at the step's end) or at the step's end itself."""
+        self.reset()
+        self.now = []
+        while True:
+            _, phase = self.check(True, FAILING)
+            if phase in (FAILING, STEP_END):  # the others were at the step's end, or failed as well
+                return
+
+    def reset(self) -> None:
+        _reset(self.modules)
 
     def succeeded(self) -> None:
         self.template = self.now
@@ -131,7 +173,7 @@ class ShardedSteps:
     def catch_up(self, join_plan_point: Callable[[], None]) -> None:
         """After this rank failed: reset FSDP2's per-step state, drop what its gathered parameters
         accumulated, and run the rest of the template's collectives with zeros."""
-        _reset(self.modules)
+        self.reset()
         done, self.now = len(self.now), []
         for entry in self.template[done:]:
             if entry is PLAN_POINT:

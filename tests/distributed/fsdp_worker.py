@@ -113,6 +113,12 @@ def held_bytes(before, saved):
     return sum(n for ptr, n in storages(reached).items() if ptr not in before)
 
 
+def _both_counts(phase, step, dev, before, saved):
+    """(phase, step, the stand-in's count, the bytes torch holds), read after a collection."""
+    held = held_bytes(before, saved)  # collects first: garbage in cycles is freed before either is read
+    return phase, step, dev.allocated_bytes, held
+
+
 def held(rank):
     gc.collect()
     keep = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]  # alive, so their pointers stay theirs
@@ -125,13 +131,13 @@ def held(rank):
             saved = Saved()
             with saved.hooks:
                 loss = model(**batch).loss
-            figures.append(("forward", i, dev.allocated_bytes, held_bytes(before, saved)))
+            figures.append(_both_counts("forward", i, dev, before, saved))
             loss.backward()
             del loss
-            figures.append(("backward", i, dev.allocated_bytes, held_bytes(before, saved)))
+            figures.append(_both_counts("backward", i, dev, before, saved))
             opt.step()
             opt.zero_grad(set_to_none=True)
-            figures.append(("step", i, dev.allocated_bytes, held_bytes(before, saved)))
+            figures.append(_both_counts("step", i, dev, before, saved))
     return {"figures": figures}
 
 
@@ -177,14 +183,16 @@ RECORDED = ("plan", "observed_peak_bytes", "predicted_peak_bytes", "budget_bytes
 def retry(rank):
     """An out-of-memory error on rank 0 only, at step 3: raised in block 2's forward, raised in its
     backward, and (a third run) the stand-in's own, where block 2's forward leaves the device one
-    KiB free; both ranks retry together and end where FSDP2 without adaptmem ends."""
+    KiB free; then raised in forward and in backward of the first step, before any step succeeded.
+    Both ranks retry together and end where FSDP2 without adaptmem ends."""
     data = batches(rank)
     runs = {"plain": train(shard(tiny()), data, rank)}
-    for where in ("forward", "backward", "device"):
+    for where in ("forward", "backward", "device", "first forward", "first backward"):
         model = shard(tiny())
         fired = []
         dev = SimulatedDevice(capacity_bytes=2**28, name=f"rank{rank}")
-        model.blocks[2].register_forward_hook(_failing(rank, where, fired, len(data) // 3, dev))
+        at = 0 if where.startswith("first") else len(data) // 3
+        model.blocks[2].register_forward_hook(_failing(rank, where.removeprefix("first "), fired, at, dev))
         mem = adaptmem.manage(model, budget=2**27, device=dev)
         records = []
 

@@ -43,25 +43,27 @@ def test_lossless_modes_are_exact_and_a_managed_run_agrees_on_both_ranks(tmp_pat
         assert [r["plan"] for r in records[0]] == [r["plan"] for r in records[1]], name  # one plan per step
         assert any(len(set(r["plan"])) > 1 for r in records[0]), name  # the budget needs a mixed plan
         for rank in range(2):
-            for i, r in enumerate(records[rank]):
-                assert r["attempt"] == 0 and r["observed_peak_bytes"] <= r["budget_bytes"], (name, rank, i, r)
-                if i >= 3:  # steady: every length has been seen
-                    error = r["predicted_peak_bytes"] / r["observed_peak_bytes"] - 1
-                    assert abs(error) <= 0.10, (name, rank, i, r)
+            assert all(r["attempt"] == 0 for r in records[rank]), (name, rank)
+            for i, r in enumerate(records[rank][3:], 3):  # steady: every length has been seen
+                assert r["observed_peak_bytes"] <= r["budget_bytes"], (name, rank, i, r)
+                error = r["predicted_peak_bytes"] / r["observed_peak_bytes"] - 1
+                assert abs(error) <= 0.10, (name, rank, i, r)
 
 
 def test_an_out_of_memory_error_on_one_rank_is_retried_by_both_and_stays_exact(tmp_path):
     """Rank 0 alone fails at step 3: an error raised in forward, one raised in backward, and the
     stand-in's own at a real allocation. Rank 0 takes part in the rest of the step's FSDP2
-    collectives; both ranks retry the step together, and losses, full gradients and weights after
-    10 AdamW steps equal FSDP2's without adaptmem."""
+    collectives; both ranks retry the step together. The same in the first step, where no step
+    has succeeded to learn the collectives from: rank 1 is stopped at its next check. Losses, full
+    gradients and weights after 10 AdamW steps equal FSDP2's without adaptmem."""
     ranks = run_ranks(WORKER, tmp_path, "retry", timeout=120)
     for rank, runs in enumerate(ranks):
         plain = runs.pop("plain")
-        assert set(runs) == {"forward", "backward", "device"}
+        assert set(runs) == {"forward", "backward", "device", "first forward", "first backward"}
         for where, run in runs.items():
             assert run["fired"] == (1 if rank == 0 else 0), (rank, where)
-            assert [r["attempt"] for r in run["records"]] == [0, 0, 0, 1] + [0] * 6, (rank, where)
+            retried = [1, 0, 0, 0, 0] if where.startswith("first") else [0, 0, 0, 1, 0]
+            assert [r["attempt"] for r in run["records"]] == retried + [0] * 5, (rank, where)
             assert run["summary"]["ooms_recovered"] == 1, (rank, where)
             assert run["comms after close"] == ["DefaultAllGather", "DefaultReduceScatter"]  # FSDP2's own, back
             assert all(torch.equal(a, b) for a, b in zip(run["losses"], plain["losses"], strict=True)), (rank, where)
