@@ -24,12 +24,14 @@ sum): a rank failing in backward can then never leave DDP's reducer waiting.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from adaptmem.control.sharded import STEP_END, ShardedSteps, Stopped, fsdp_modules
+from adaptmem.config.policy import Policy, PolicyError
+from adaptmem.control.sharded import STEP_END, ShardedSteps, Stopped, fsdp_modules, split_blocks
 from adaptmem.modes import LADDER, Mode
 
 
@@ -68,6 +70,20 @@ class RankAgreement:
         t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def same_policy(self, policy: Policy) -> None:
+        """Raise `PolicyError` on every rank unless every rank runs this policy (its settings, not its
+        name): ranks that decide differently would run different plans."""
+        digest = hashlib.sha256(policy.model_dump_json(exclude={"name"}).encode()).digest()
+        mine = int.from_bytes(digest[:7], "big")
+        t = torch.tensor([mine, -mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) != -int(t[1]):
+            raise PolicyError(
+                f"adaptmem: the ranks run different policies (rank {self.rank} runs {policy.name!r}); every rank "
+                "must run the same one, or their plans would differ. Pass the same policy= (and budget fractions) "
+                "on every rank, and check that ADAPTMEM_POLICY is set alike in every rank's environment."
+            )
 
     def check(self, flag: bool, phase: int) -> tuple[bool, int]:
         """(whether any rank raised its flag, the largest phase any rank is at): the first step's
@@ -108,14 +124,18 @@ class Ranks:
         self.deferring = False  # inside run_step: a failed rank catches up once the attempt is freed
         self._pending: tuple[Callable[[], tuple[Mode, ...]], bool] | str | None = None
 
-    def begin_attempt(self, model: torch.nn.Module) -> None:
-        """A step's attempt starts: its FSDP2 collectives are logged from here."""
+    def begin_attempt(self, model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]], policy: Policy) -> None:
+        """A step's attempt starts: its FSDP2 collectives are logged from here. At the first, every
+        rank checks that all run one policy, and that no block spans two FSDP2 units; a rank that
+        finds either raises, and so does every other, at the same point."""
         if self.agree is None:
             return
         if not self._looked:
             self._looked = True
+            self.agree.same_policy(policy)
             modules = fsdp_modules(model)
             if modules:
+                split_blocks(blocks, modules)
                 self.sharded = ShardedSteps(modules, self.agree.check)
         if self.sharded is not None:
             self.sharded.begin_attempt()

@@ -61,7 +61,7 @@ from adaptmem.control.retry import (
 from adaptmem.control.samples import InputShape, StepSample, StepState, shape_of
 from adaptmem.control.schedule import MeasureSchedule
 from adaptmem.control.stats import RunStats
-from adaptmem.control.unfit import Trace, refusal, unfittable
+from adaptmem.control.unfit import Trace, below_floor, refusal, unfittable
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.host import HostProbe
 from adaptmem.modes import Mode
@@ -136,7 +136,7 @@ class Controller:
             if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
                 self.retries.new_batch(self.trace())
             self.now = StepState(open=True, label=label, rng=rng_state())
-            self.ranks.begin_attempt(self.model)
+            self.ranks.begin_attempt(self.model, [(h.name, h.module) for h in self.blocks.handles], self.policy)
             resident = any(w.grad is not None for w in self.blocks.handles[-1].module.parameters())
             self.costs.expect_gradients(resident)  # planned for as it is
             self.recorder.begin(grads_resident=resident)
@@ -248,6 +248,8 @@ class Controller:
                 batch, extent, start, budget, decider.bias, decider.agreed_fill = self.ranks.agree.figures(
                     batch, extent, start, budget, decider.bias, decider.own_fill
                 )
+                if now.open and start >= budget:  # every rank sees it here, and raises
+                    raise ValueError(below_floor(start, budget))
                 now.plan_point_passed = True
             record = self.plans.choose(batch, extent, start, budget)
             if agree:  # and runs rank 0's plan

@@ -55,6 +55,24 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def split_blocks(blocks: list[tuple[str, nn.Module]], modules: list[nn.Module]) -> None:
+    """Raise ValueError naming the blocks that span two FSDP2 units (a block with a sharded module
+    inside it): its parameters are gathered in parts, so its costs and its recompute's gathers are
+    not the block's alone."""
+    sharded = {id(m) for m in modules}
+    split = []
+    for name, block in blocks:
+        inner = [n for n, m in block.named_modules() if n and id(m) in sharded]
+        if inner:
+            split.append(f"{name} ({', '.join(inner[:3])}{', ...' if len(inner) > 3 else ''} sharded apart)")
+    if split:
+        raise ValueError(
+            f"adaptmem: {len(split)} block(s) span two FSDP2 units: {'; '.join(split[:3])}. Shard each block "
+            "whole (fully_shard(block), then fully_shard(model)), or select as blocks the modules you shard "
+            "(manage(..., blocks=...))."
+        )
+
+
 class _Logged:
     """FSDP2's communication for one kind of collective, logging each call in the step's sequence."""
 

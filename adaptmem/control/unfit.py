@@ -72,6 +72,18 @@ def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool
     return start + (record.predicted - start) * (1 - REFUSE_MARGIN) > limit
 
 
+def below_floor(start: int, budget: int) -> str:
+    """The message when, with other ranks, the budget is under what a rank holds as its step
+    reaches its first block: no plan can keep it."""
+    return (
+        f"adaptmem: the budget ({format_bytes(budget)}, the smallest of the ranks') is below what a rank holds "
+        f"as its step reaches its first block ({format_bytes(start)}: weights, gradients and optimizer state on "
+        "the device; under FSDP2 its shards of them, plus the parameters gathered for the first blocks), so no "
+        "plan can keep a step under it. Raise the budget (budget= in bytes or a share of the device), shard "
+        "across more ranks, or keep the optimizer's state off the device."
+    )
+
+
 def refusal(
     record: PlanRecord,
     batch: int,

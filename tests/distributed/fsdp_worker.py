@@ -179,6 +179,39 @@ def _both(dev, mem):
 RECORDED = ("plan", "observed_peak_bytes", "predicted_peak_bytes", "budget_bytes", "attempt")
 
 
+# ------------------------------------------------------------------ refused
+def refused(rank):
+    """Bad input on both ranks, each in a fresh model: a budget below what a rank holds as its step
+    starts (its shards, and AdamW's state once the first step made it), ranks started with different
+    policies, and blocks that span two FSDP2 units. Returns each error as it reads, per case."""
+    errors = {}
+    cases = {
+        "floor": (shard(tiny()), {"budget": 3 * 2**19}),
+        "policy": (shard(tiny()), {"policy": load_policy().model_copy(update={"headroom": 0.9 if rank else 0.94})}),
+        "split": (_split(tiny()), {}),
+    }
+    for case, (model, options) in cases.items():
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dev = SimulatedDevice(capacity_bytes=2**30, name=f"rank{rank}")
+        try:
+            with dev, adaptmem.manage(model, device=dev, **{"budget": "90%", **options}) as mem:
+                for batch in batches(rank)[:3]:
+                    mem.run_step(_backward, model, batch)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        except ValueError as err:
+            errors[case] = f"{type(err).__name__}: {err}"
+    return errors
+
+
+def _split(model):
+    """Each block's attention and MLP sharded apart, then the model: a block spans two FSDP2 units."""
+    for block in model.blocks:
+        fsdp.fully_shard(block.attn)
+        fsdp.fully_shard(block.mlp)
+    return fsdp.fully_shard(model)
+
+
 # ------------------------------------------------------------------ retry
 def retry(rank):
     """An out-of-memory error on rank 0 only, at step 3: raised in block 2's forward, raised in its
@@ -248,7 +281,7 @@ def main() -> None:
     rank, world, port, out, job = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    result = {"held": held, "exact": exact, "retry": retry}[job](rank)
+    result = {"held": held, "exact": exact, "retry": retry, "refused": refused}[job](rank)
     torch.save(result, out)
     dist.barrier()
     dist.destroy_process_group()

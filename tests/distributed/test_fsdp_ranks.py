@@ -69,3 +69,15 @@ def test_an_out_of_memory_error_on_one_rank_is_retried_by_both_and_stays_exact(t
             assert all(torch.equal(a, b) for a, b in zip(run["losses"], plain["losses"], strict=True)), (rank, where)
             for kind in ("grads", "params"):
                 assert all(torch.equal(run[kind][n], plain[kind][n]) for n in plain[kind]), (rank, where, kind)
+
+
+def test_bad_input_raises_a_clear_error_on_every_rank_and_leaves_none_waiting(tmp_path):
+    """A budget below what a rank holds as its step starts, ranks given different policies, and
+    blocks sharded in parts: each rank raises the same error, naming the fix, at the same point."""
+    ranks = run_ranks(WORKER, tmp_path, "refused", timeout=120)
+    for errors in ranks:
+        assert set(errors) == {"floor", "policy", "split"}
+        assert errors["floor"].startswith("ValueError") and "below what a rank holds" in errors["floor"]
+        assert "Raise the budget" in errors["floor"]
+        assert errors["policy"].startswith("PolicyError") and "different policies" in errors["policy"]
+        assert "blocks.0 (attn, mlp sharded apart)" in errors["split"] and "fully_shard(block)" in errors["split"]
