@@ -6,7 +6,8 @@ order on every rank, so no collective waits on a rank that took another path:
 
   the plan point   (first managed block's forward) the largest shape and
                    allocation and the smallest budget are reduced across ranks,
-                   and rank 0's plan for them is broadcast: every rank runs it;
+                   and rank 0's plan for them (blocks and loss head) is broadcast:
+                   every rank runs it;
   the step's end   whether any rank ran out of memory; if one did, every rank
                    records the failure, puts its state back and retries;
   a clean end      the worst peak / budget ratio, so every decider moves alike,
@@ -31,8 +32,11 @@ import torch
 import torch.distributed as dist
 
 from adaptmem.config.policy import Policy, PolicyError
+from adaptmem.control.headcosts import KEPT, HeadChoice
 from adaptmem.control.sharded import STEP_END, ShardedSteps, Stopped, fsdp_modules, split_blocks
-from adaptmem.modes import LADDER, Mode
+from adaptmem.modes import LADDER, HeadMode, Mode
+
+_NO_HEAD, _KEPT = -2, -1  # the head's code in a broadcast plan; a chunked head's is its chunk
 
 
 def distributed() -> bool:
@@ -60,11 +64,16 @@ class RankAgreement:
         b, e, s, nb, bi, nf = (int(v) for v in t.tolist())
         return b, e, s, -nb, bi / scale, -nf / scale
 
-    def plan(self, modes: tuple[Mode, ...]) -> tuple[Mode, ...]:
-        """Rank 0's plan, on every rank."""
-        t = torch.tensor([LADDER.index(m) for m in modes], dtype=torch.int64, device=self.device)
+    def plan(
+        self, modes: tuple[Mode, ...], head: HeadChoice | None = None
+    ) -> tuple[tuple[Mode, ...], HeadChoice | None]:
+        """Rank 0's plan, the blocks' modes and the loss head's choice, on every rank."""
+        code = _NO_HEAD if head is None else _KEPT if head.chunk is None else head.chunk
+        t = torch.tensor([LADDER.index(m) for m in modes] + [code], dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=0)
-        return tuple(LADDER[i] for i in t.tolist())
+        *indices, code = t.tolist()
+        head = None if code == _NO_HEAD else KEPT if code == _KEPT else HeadChoice(HeadMode.CHUNKED, code)
+        return tuple(LADDER[i] for i in indices), head
 
     def any(self, flag: bool) -> bool:
         t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)

@@ -253,7 +253,8 @@ class Controller:
                 now.plan_point_passed = True
             record = self.plans.choose(batch, extent, start, budget)
             if agree:  # and runs rank 0's plan
-                record = replace(record, modes=self.ranks.agree.plan(record.modes))
+                modes, head = self.ranks.agree.plan(record.modes, record.head)
+                record = replace(record, modes=modes, head=head)
             if now.open:
                 self._refuse_unfittable(record, shape, start)
             self.apply(record, reason=None if self.plans.fresh else "cached")
@@ -302,9 +303,12 @@ class Controller:
         then = attempts[-1].get("available_bytes") if attempts else None
         # others have freed memory since the last attempt failed: the tightest plan is worth running again
         lifted = available is not None and then is not None and available > then + RETRY_STEP * self.budget
+        elsewhere = False
         if agree is not None:
-            if not agree.any(record.exhausted and not lifted):
+            mine = record.exhausted and not lifted
+            if not agree.any(mine):
                 return
+            elsewhere = not mine  # another rank's verdict: every rank gives the batch up
         elif not (
             (record.exhausted and not lifted)
             or unfittable(record, start, available, self.costs.measured(shape.batch, shape.extent))
@@ -324,6 +328,7 @@ class Controller:
             budget=self.budget,
             limit=available,
             longest=lambda batch: self.reacher(None).longest(batch),
+            elsewhere=elsewhere,
         )
         self.now.refused = True
         self.events.emit(

@@ -96,15 +96,18 @@ def refusal(
     budget: int,
     limit: int | None,
     longest: Callable[[int], Any],
+    elsewhere: bool = False,
 ) -> str:
     """The message of a refused step: what was asked, what the tightest plan needs (`predicted`),
-    the budget and the device's usable memory (`limit`), and what fits (`longest(batch)`, a `Reach`)."""
+    the budget and the device's usable memory (`limit`), and what fits (`longest(batch)`, a `Reach`).
+    `elsewhere`: another rank gave the batch up, and every rank does."""
     size = f"batch {batch} x {seq:,} tokens" if seq else f"batch {batch} x {extent:,} input elements"
-    why = (
-        f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step"
-        if record.exhausted
-        else "the tightest plan is predicted over the device's usable memory"
-    )
+    if elsewhere:
+        why = "another rank found no plan predicted lower than those that ran out of memory there"
+    elif record.exhausted:
+        why = f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step"
+    else:
+        why = "the tightest plan is predicted over the device's usable memory"
     counts = counts_text(Counter(m.label for m in record.modes))
     head = f", head {record.head.label}" if record.head is not None else ""
     lines = [

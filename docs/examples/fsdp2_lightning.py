@@ -83,7 +83,7 @@ class Records(lightning.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         last = self.adaptmem.manager.last_step
-        self.records.append({k: last[k] for k in ("plan", "observed_peak_bytes", "budget_bytes", "attempt")})
+        self.records.append({k: last[k] for k in ("plan", "head", "observed_peak_bytes", "budget_bytes", "attempt")})
 
 
 def main(argv: list[str] | None = None) -> None:

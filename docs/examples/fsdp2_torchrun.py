@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 last = mem.last_step
-                records.append({k: last[k] for k in ("plan", "observed_peak_bytes", "budget_bytes", "attempt")})
+                records.append({k: last[k] for k in ("plan", "head", "observed_peak_bytes", "budget_bytes", "attempt")})
                 if rank == 0:
                     print(
                         f"step {step + 1}/{args.steps}: {length} tokens, loss {loss.item():.3f}, "

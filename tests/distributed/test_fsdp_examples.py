@@ -21,6 +21,8 @@ def run(command: list[str], out: Path) -> list[dict]:
     records = [r["records"] for r in ranks]
     assert len(records[0]) == len(records[1]) == 6
     assert [r["plan"] for r in records[0]] == [r["plan"] for r in records[1]]  # one plan per step
+    assert [r["head"] for r in records[0]] == [r["head"] for r in records[1]]  # the loss head's part of it too
+    assert all(r["head"] is not None for r in records[0])  # a Hugging Face model's head is managed
     for rank in records:
         assert all(r["observed_peak_bytes"] <= r["budget_bytes"] and r["attempt"] == 0 for r in rank), rank
     return ranks
