@@ -38,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -156,17 +157,23 @@ def longest(
 ) -> int:
     """The longest multiple of GRAIN that trains, to within PRECISION (0: not even GRAIN).
     With a `limit`, no length past it is tried: a method that trains it reads as `limit`."""
+    return search(lambda length: trains(method, vocab, capacity, length, device, dtype), method, start, limit)
+
+
+def search(trial: Callable[[int], bool], label: str, start: int = 256, limit: int = 0, say=log) -> int:
+    """The longest multiple of GRAIN at which `trial(length)` is true, doubling from `start` and
+    bisecting back to within PRECISION; `limit` caps the lengths tried."""
     low, high = 0, max(GRAIN, start)
-    while trains(method, vocab, capacity, high, device, dtype):
-        log(f"  {method}: {high} trains")
+    while trial(high):
+        say(f"  {label}: {high} trains")
         if limit and high >= limit:
             return high
         low, high = high, min(high * 2, limit) if limit else high * 2
-    log(f"  {method}: {high} does not")
+    say(f"  {label}: {high} does not")
     while high - low > GRAIN and high > low * PRECISION:
         mid = (low + high) // 2 // GRAIN * GRAIN
-        ok = trains(method, vocab, capacity, mid, device, dtype)
-        log(f"  {method}: {mid} {'trains' if ok else 'does not'}")
+        ok = trial(mid)
+        say(f"  {label}: {mid} {'trains' if ok else 'does not'}")
         low, high = (mid, high) if ok else (low, mid)
     return low
 

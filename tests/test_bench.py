@@ -482,3 +482,27 @@ def test_the_launch_bound_proxy_reports_host_time_by_stretch_for_its_interval():
     assert len(chunks) == HOST_CHUNKS and all(c > 0 for c in chunks)
     assert abs(sum(chunks) / len(chunks) - got["host_ms"]) < 1e-9 * max(1.0, got["host_ms"])
     assert {name: len(r) for name, r in got["ratios"].items()} == {"run_step": 2, "step()": 2}
+
+
+def test_the_headroom_search_finds_the_longest_length_to_within_its_precision():
+    """`stress.headroom.search` doubles from its start, then bisects back to a multiple of GRAIN
+    within PRECISION of the first length that fails; a limit caps the lengths it tries."""
+    from stress.headroom import GRAIN, PRECISION, search
+
+    tried = []
+
+    def trial(longest):
+        def fits(length):
+            tried.append(length)
+            return length <= longest
+
+        return fits
+
+    for longest in (100, 1000, 5000, 20_000):
+        found = search(trial(longest), "probe", say=lambda message: None)
+        assert found % GRAIN == 0 and found <= longest
+        assert longest < max(found + GRAIN, found * PRECISION), (longest, found)
+    assert search(trial(10), "probe", say=lambda message: None) == 0  # not even GRAIN
+    tried.clear()
+    assert search(trial(5000), "probe", limit=2048, say=lambda message: None) == 2048
+    assert max(tried) == 2048

@@ -1,0 +1,188 @@
+"""How long can each method go on two ranks under FSDP2? The longest sequence per rank, each rank
+on a stand-in device of the same fixed size.
+
+    python -m stress.headroom_ranks                          # vocab 32000, 320 MiB per rank
+    python -m stress.headroom_ranks --device-mib 480 --json runs/headroom_ranks.json
+
+The model of `stress.headroom` (a Llama from a config: 8 layers, hidden 256; random weights),
+`fully_shard` on each decoder layer and then on the model, on two gloo processes on the CPU;
+each rank trains its own batch of one sequence, AdamW. A length trains when a fresh model and
+optimizer run `headroom.STEPS` training steps at it on both ranks. For FSDP2 + HF gradient
+checkpointing (`hf_gc`, the peer) each rank counts its bytes on an unlimited stand-in and the
+length trains when no rank's peak passed the device's size: an out-of-memory error on one rank
+would leave the other inside a collective, and on the stand-in a run past its size fails at the
+same allocation. FSDP2 + adaptmem (`adaptmem`: `adaptmem.manage(model)` after `fully_shard`, the
+default policy and budget, the loss head managed) runs on a stand-in of the size itself, where
+an out-of-memory error is real and retried by both ranks. The search (doubling from 256 tokens,
+bisecting back to within 5%) is `headroom.search`, run alike on both ranks. Then, at hf_gc's
+longest, adaptmem's step time over hf_gc's (the median of paired rounds, both on the stand-in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import adaptmem
+from adaptmem.config.units import format_bytes
+from adaptmem.demo.longest import hf_checkpointing
+from adaptmem.testing import SimulatedDevice
+from stress.benchkit import log
+from stress.headroom import STEPS, batch, build, search
+
+METHODS = ("hf_gc", "adaptmem")
+DEVICE_MIB = 320  # per rank, for vocab 32000: room for a rank's half of the weights and AdamW state
+
+
+class ShardedRun:
+    """One method's sharded model, optimizer and stand-in on this rank: of `capacity` bytes for
+    adaptmem, unlimited (counting only) for the peer."""
+
+    def __init__(self, method: str, vocab: int, capacity: int) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.method, self.vocab, self.capacity = method, vocab, capacity
+        model = build(vocab)
+        if method == "hf_gc":
+            hf_checkpointing(model, True)
+        model.train()
+        self.dev = SimulatedDevice(capacity if method == "adaptmem" else None, name=f"rank{dist.get_rank()}")
+        with self.dev:  # the shards are made on the device: the weights and gradients counted are a rank's
+            for layer in model.model.layers:
+                fully_shard(layer)
+            self.model = fully_shard(model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.mem = adaptmem.manage(self.model, device=self.dev) if method == "adaptmem" else None
+
+    def step(self, length: int, seed: int) -> float:
+        data = batch(self.vocab, length + seed)  # each rank's own tokens, of the same length
+        data = {k: v[:, :length] for k, v in data.items()}
+        start = time.perf_counter()
+        with self.dev:
+            if self.mem is not None:
+                self.mem.run_step(lambda: self.model(**data).loss.backward())
+            else:
+                self.model(**data).loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    def fits(self) -> bool:
+        return self.mem is not None or self.dev.peak_bytes <= self.capacity
+
+    def close(self) -> None:
+        if self.mem is not None:
+            self.mem.close()
+
+
+def trains(method: str, vocab: int, capacity: int, length: int) -> bool:
+    """STEPS steps at `length` on both ranks; true on every rank when none failed."""
+    run = ShardedRun(method, vocab, capacity)
+    ok = True
+    try:
+        for _ in range(STEPS):
+            run.step(length, dist.get_rank())
+        ok = run.fits()
+    except torch.OutOfMemoryError:  # adaptmem's: the ranks gave the step up together
+        ok = False
+    finally:
+        run.close()
+    flag = torch.tensor([0 if ok else 1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not bool(flag.item())
+
+
+def paired_time(vocab: int, capacity: int, length: int, rounds: int = 3) -> float:
+    """adaptmem's step over hf_gc's at `length` (rank 0's, the median of per-round ratios)."""
+    runs = {m: ShardedRun(m, vocab, capacity) for m in METHODS}
+    try:
+        for run in runs.values():
+            for _ in range(STEPS):
+                run.step(length, dist.get_rank())
+        ratios = []
+        for _ in range(rounds):
+            took = {m: run.step(length, dist.get_rank()) for m, run in runs.items()}
+            ratios.append(took["adaptmem"] / took["hf_gc"])
+        return statistics.median(ratios)
+    finally:
+        for run in runs.values():
+            run.close()
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2)
+    torch.set_num_threads(1)
+    say = log if args.rank == 0 else (lambda message: None)
+    capacity = args.device_mib * 2**20
+    say(f"[vocab {args.vocab}, 2 ranks under FSDP2, a stand-in of {format_bytes(capacity)} each]")
+    found = {
+        m: search(lambda n, m=m: trains(m, args.vocab, capacity, n), m, limit=args.limit, say=say) for m in args.methods
+    }
+    row = {"vocab": args.vocab, "ranks": 2, "device_bytes": capacity, "longest": found}
+    if args.limit:
+        row["limit"] = args.limit
+    if set(METHODS) <= found.keys() and found["hf_gc"]:
+        row["vs_hf_gc"] = found["adaptmem"] / found["hf_gc"]
+        row["time_at_hf_gc_longest"] = paired_time(args.vocab, capacity, found["hf_gc"])
+    if args.rank == 0:
+        print(
+            f"vocab {args.vocab}, 2 ranks, {format_bytes(capacity)} each: "
+            + ", ".join(f"{m} {n:,}" for m, n in found.items())
+            + (
+                f"; adaptmem {row['vs_hf_gc']:.2f}x hf_gc's length, its step {row['time_at_hf_gc_longest']:.2f}x "
+                f"hf_gc's at {found['hf_gc']:,}"
+                if "vs_hf_gc" in row
+                else ""
+            ),
+            flush=True,
+        )
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps([row], indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--device-mib", type=int, default=DEVICE_MIB, help="each rank's stand-in")
+    parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--limit", type=int, default=0, help="the longest length tried (default: none)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank is not None:
+        rank_main(args)
+        return 0
+    with socket.socket() as s:  # a free port for the two ranks to meet on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "stress.headroom_ranks", *forwarded, "--rank", str(r), "--port", str(port)], env=env
+        )
+        for r in range(2)
+    ]
+    codes = [p.wait() for p in ranks]
+    return max(codes)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
