@@ -62,8 +62,8 @@ def build(vocab: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return small_llama(vocab, layers=8, max_positions=1 << 17).to(dtype)
 
 
-def batch(vocab: int, length: int, device: str = "cpu") -> dict:
-    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
+def batch(vocab: int, length: int, device: str = "cpu", seed: int = 0) -> dict:
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length + seed)).to(device)
     return {"input_ids": ids, "labels": ids}
 
 
@@ -95,6 +95,7 @@ class Run:
 
     def __init__(self, method: str, vocab: int, capacity: int, device: str = "cpu", dtype=torch.float32) -> None:
         self.method, self.vocab, self.device = method, vocab, device
+        self.seed = 0  # of the tokens, with the length
         self.model = build(vocab, dtype)
         if method.startswith("hf_gc"):
             hf_checkpointing(self.model, True)
@@ -115,7 +116,7 @@ class Run:
             self.mem = adaptmem.manage(self.model, device=None if device == "cuda" else self.dev)
 
     def step(self, length: int) -> float:
-        data = batch(self.vocab, length, self.device)
+        data = batch(self.vocab, length, self.device, self.seed)
         cuda = self.device == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -213,6 +214,18 @@ def paired_time(
             run.close()
 
 
+def summary(where: str, row: dict, limit: int = 0) -> str:
+    """A result row as one line: each method's longest length, and adaptmem against hf_gc's."""
+    found = row["longest"]
+    line = f"{where}: " + ", ".join(f"{m} {'at least ' if limit and n >= limit else ''}{n:,}" for m, n in found.items())
+    if "vs_hf_gc" in row:
+        line += (
+            f"; adaptmem {row['vs_hf_gc']:.2f}x hf_gc's length, its step {row['time_at_hf_gc_longest']:.2f}x "
+            f"hf_gc's at {found['hf_gc']:,}"
+        )
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, nargs="*", default=sorted(DEVICE_MIB))
@@ -246,17 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             row["vs_hf_gc"] = found["adaptmem"] / found["hf_gc"]
             row["time_at_hf_gc_longest"] = paired_time(vocab, capacity, found["hf_gc"], device=args.device, dtype=dtype)
         results.append(row)
-        print(
-            f"vocab {vocab}, device {format_bytes(capacity)}: "
-            + ", ".join(f"{m} {'at least ' if args.limit and n >= args.limit else ''}{n:,}" for m, n in found.items())
-            + (
-                f"; adaptmem {row['vs_hf_gc']:.2f}x hf_gc's length, its step {row['time_at_hf_gc_longest']:.2f}x "
-                f"hf_gc's at {found['hf_gc']:,}"
-                if "vs_hf_gc" in row
-                else ""
-            ),
-            flush=True,
-        )
+        print(summary(f"vocab {vocab}, device {format_bytes(capacity)}", row, args.limit), flush=True)
         if args.json:  # after each vocabulary: a long run cut short keeps what it found
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=2))

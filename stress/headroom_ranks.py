@@ -27,7 +27,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,25 +37,27 @@ from adaptmem.config.units import format_bytes
 from adaptmem.demo.longest import hf_checkpointing
 from adaptmem.testing import SimulatedDevice
 from stress.benchkit import log
-from stress.headroom import STEPS, batch, build, search
+from stress.headroom import STEPS, Run, build, search, summary
 
 METHODS = ("hf_gc", "adaptmem")
 DEVICE_MIB = 320  # per rank, for vocab 32000: room for a rank's half of the weights and AdamW state
 
 
-class ShardedRun:
+class ShardedRun(Run):
     """One method's sharded model, optimizer and stand-in on this rank: of `capacity` bytes for
-    adaptmem, unlimited (counting only) for the peer."""
+    adaptmem, unlimited (counting only) for the peer. Its steps are `Run.step`'s, on tokens of
+    this rank's own."""
 
     def __init__(self, method: str, vocab: int, capacity: int) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        self.method, self.vocab, self.capacity = method, vocab, capacity
+        self.method, self.vocab, self.device, self.capacity = method, vocab, "cpu", capacity
+        self.seed = dist.get_rank()
         model = build(vocab)
         if method == "hf_gc":
             hf_checkpointing(model, True)
         model.train()
-        self.dev = SimulatedDevice(capacity if method == "adaptmem" else None, name=f"rank{dist.get_rank()}")
+        self.dev = SimulatedDevice(capacity if method == "adaptmem" else None, name=f"rank{self.seed}")
         with self.dev:  # the shards are made on the device: the weights and gradients counted are a rank's
             for layer in model.model.layers:
                 fully_shard(layer)
@@ -64,25 +65,8 @@ class ShardedRun:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.mem = adaptmem.manage(self.model, device=self.dev) if method == "adaptmem" else None
 
-    def step(self, length: int, seed: int) -> float:
-        data = batch(self.vocab, length + seed)  # each rank's own tokens, of the same length
-        data = {k: v[:, :length] for k, v in data.items()}
-        start = time.perf_counter()
-        with self.dev:
-            if self.mem is not None:
-                self.mem.run_step(lambda: self.model(**data).loss.backward())
-            else:
-                self.model(**data).loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
-
     def fits(self) -> bool:
         return self.mem is not None or self.dev.peak_bytes <= self.capacity
-
-    def close(self) -> None:
-        if self.mem is not None:
-            self.mem.close()
 
 
 def trains(method: str, vocab: int, capacity: int, length: int) -> bool:
@@ -91,7 +75,7 @@ def trains(method: str, vocab: int, capacity: int, length: int) -> bool:
     ok = True
     try:
         for _ in range(STEPS):
-            run.step(length, dist.get_rank())
+            run.step(length)
         ok = run.fits()
     except torch.OutOfMemoryError:  # adaptmem's: the ranks gave the step up together
         ok = False
@@ -108,10 +92,10 @@ def paired_time(vocab: int, capacity: int, length: int, rounds: int = 3) -> floa
     try:
         for run in runs.values():
             for _ in range(STEPS):
-                run.step(length, dist.get_rank())
+                run.step(length)
         ratios = []
         for _ in range(rounds):
-            took = {m: run.step(length, dist.get_rank()) for m, run in runs.items()}
+            took = {m: run.step(length) for m, run in runs.items()}
             ratios.append(took["adaptmem"] / took["hf_gc"])
         return statistics.median(ratios)
     finally:
@@ -135,17 +119,7 @@ def rank_main(args: argparse.Namespace) -> None:
         row["vs_hf_gc"] = found["adaptmem"] / found["hf_gc"]
         row["time_at_hf_gc_longest"] = paired_time(args.vocab, capacity, found["hf_gc"])
     if args.rank == 0:
-        print(
-            f"vocab {args.vocab}, 2 ranks, {format_bytes(capacity)} each: "
-            + ", ".join(f"{m} {n:,}" for m, n in found.items())
-            + (
-                f"; adaptmem {row['vs_hf_gc']:.2f}x hf_gc's length, its step {row['time_at_hf_gc_longest']:.2f}x "
-                f"hf_gc's at {found['hf_gc']:,}"
-                if "vs_hf_gc" in row
-                else ""
-            ),
-            flush=True,
-        )
+        print(summary(f"vocab {args.vocab}, 2 ranks, {format_bytes(capacity)} each", row, args.limit), flush=True)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps([row], indent=2))

@@ -16,10 +16,11 @@ order on every rank, so no collective waits on a rank that took another path:
 A rank that runs out of memory before its plan point still joins the plan
 collectives with empty figures. Under FSDP2 the step has collectives of its own
 between these points: a rank that fails takes part in the rest of them with
-zeros (`adaptmem.control.sharded`), then in the step's end. Under `DistributedDataParallel` the managed step
-runs inside `no_sync()` and the gradients are averaged here once every rank has
-succeeded, exactly as DDP's default hook does (divide by the world size, then
-sum): a rank failing in backward can then never leave DDP's reducer waiting.
+zeros (`adaptmem.control.sharded`), then in the step's end. Under
+`DistributedDataParallel` the managed step runs inside `no_sync()` and the
+gradients are averaged here once every rank has succeeded, exactly as DDP's
+default hook does (divide by the world size, then sum): a rank failing in
+backward can then never leave DDP's reducer waiting.
 """
 
 from __future__ import annotations

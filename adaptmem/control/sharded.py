@@ -21,8 +21,9 @@ whether a rank failed; one that did signals at the others' next check, which
 stops their step there (`Stopped`), and all meet at its end. That costs a
 collective per collective, in the first step only.
 
-Not covered (said once, as a warning): a torch whose FSDP2 has no `reset_iter_state`, FSDP2 modules with a communication
-of the user's own, and a 2-D (HSDP) mesh, whose all-reduce runs outside that communication.
+Not covered (said once, as a warning): a torch whose FSDP2 has no `reset_iter_state`,
+FSDP2 modules with a communication of the user's own or several parameter groups, and a
+2-D (HSDP) mesh, whose all-reduce runs outside that communication.
 """
 
 from __future__ import annotations
@@ -119,14 +120,14 @@ class ShardedSteps:
         self.now: list = []  # what this attempt issued so far: `_Call`s and PLAN_POINT
         self.template: list | None = None  # what the last successful attempt issued
         self.installed: list[tuple[nn.Module, Any, Any]] = []
-        self.missing = _missing(modules)
-        if self.missing is None:
+        missing = _missing(modules)
+        if missing is None:
             self._install()
         else:
             log.warning(
                 "adaptmem: under FSDP2, an out-of-memory error on one rank cannot be retried here (%s): "
                 "the other ranks would wait in FSDP2's collectives. Give the run a budget with room.",
-                self.missing,
+                missing,
             )
 
     def _install(self) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import lightning
 import torch
+from fsdp2_torchrun import build_model  # this folder's other example (Lightning runs this script again per rank)
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
@@ -31,20 +32,7 @@ from adaptmem.integrations.lightning import AdaptMemCallback
 class Causal(lightning.LightningModule):
     def __init__(self, hidden: int, layers: int, vocab: int) -> None:
         super().__init__()
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        config = Qwen2Config(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=hidden * 3,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attention_dropout=0.1,
-            use_cache=False,
-        )
-        torch.manual_seed(0)  # the same weights on every rank before sharding
-        self.model = Qwen2ForCausalLM(config)
+        self.model = build_model(hidden, layers, vocab)  # the torchrun example's Qwen2
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
