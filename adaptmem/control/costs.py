@@ -59,7 +59,7 @@ _TIME_SPAN = 4  # observations a time is averaged over (`Fit.span`); bytes keep 
 
 def _fit(name: str) -> Fit:
     """A new fit for the quantity `name`: a time ("seconds", "..._s") averages more readings."""
-    return Fit(span=_TIME_SPAN) if name == "seconds" or name.endswith("_s") else Fit()
+    return Fit(span=_TIME_SPAN, exact=False) if name == "seconds" or name.endswith("_s") else Fit()
 
 
 class CostModel:
