@@ -15,6 +15,7 @@ import contextlib
 import gc
 import os
 import sys
+import time
 import weakref
 
 import torch
@@ -28,7 +29,7 @@ from helpers import tiny, tiny_batch
 import adaptmem
 from adaptmem import LOSSLESS_MODES
 from adaptmem.config.policy import load_policy
-from adaptmem.control.sharded import fsdp_modules
+from adaptmem.control.sharded import ShardedSteps, fsdp_modules
 from adaptmem.testing import SimulatedDevice
 
 STEPS = 10
@@ -114,8 +115,15 @@ def held_bytes(before, saved):
 
 
 def _both_counts(phase, step, dev, before, saved):
-    """(phase, step, the stand-in's count, the bytes torch holds), read after a collection."""
-    held = held_bytes(before, saved)  # collects first: garbage in cycles is freed before either is read
+    """(phase, step, the stand-in's count, the bytes torch holds), read when no storage was freed
+    between them: gloo's worker thread lets go of a collective's buffers a moment after the
+    collective returns, and one freed between the two readings made them differ by its size."""
+    for _ in range(100):
+        counted = dev.allocated_bytes
+        held = held_bytes(before, saved)  # collects first: garbage in cycles is freed before it is read
+        if dev.allocated_bytes == counted:
+            break
+        time.sleep(0.01)
     return phase, step, dev.allocated_bytes, held
 
 
@@ -176,7 +184,7 @@ def _both(dev, mem):
         yield
 
 
-RECORDED = ("plan", "observed_peak_bytes", "predicted_peak_bytes", "budget_bytes", "attempt")
+RECORDED = ("plan", "seq", "observed_peak_bytes", "predicted_peak_bytes", "budget_bytes", "attempt")
 
 
 # ------------------------------------------------------------------ refused
@@ -210,6 +218,25 @@ def _split(model):
         fsdp.fully_shard(block.attn)
         fsdp.fully_shard(block.mlp)
     return fsdp.fully_shard(model)
+
+
+# ------------------------------------------------------------------ settle
+def settle(rank):
+    """FSDP2's all-gather, as a managed model runs it, 300 times: how many calls returned with
+    gloo's worker still holding a reference to the output's storage (freed late, if FSDP2 freed
+    it next). FSDP2's own communication does so in about one call in five on two busy cores."""
+    model = shard(tiny())
+    steps = ShardedSteps(fsdp_modules(model), check=lambda failed, phase: (failed, phase))
+    steps.template = []  # as after a first step: no checks
+    gather = fsdp_modules(model)[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm
+    count, late = torch._C._storage_Use_Count, 0
+    for _ in range(300):
+        out, inp = torch.empty(2 * 20000), torch.ones(20000)
+        before = count(out.untyped_storage()._cdata)
+        gather(out, inp, dist.group.WORLD)
+        late += count(out.untyped_storage()._cdata) > before
+    steps.close()
+    return {"late": late}
 
 
 # ------------------------------------------------------------------ retry
@@ -281,7 +308,7 @@ def main() -> None:
     rank, world, port, out, job = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    result = {"held": held, "exact": exact, "retry": retry, "refused": refused}[job](rank)
+    result = {"held": held, "exact": exact, "retry": retry, "refused": refused, "settle": settle}[job](rank)
     torch.save(result, out)
     dist.barrier()
     dist.destroy_process_group()

@@ -25,6 +25,14 @@ def test_the_stand_in_counts_what_fsdp2_holds_on_each_rank(tmp_path):
             assert abs(counted - held) <= 0.01 * held, (rank, phase, step, counted, held)
 
 
+def test_a_collective_returns_once_gloo_has_let_go_of_its_buffers(tmp_path):
+    """gloo's worker thread drops its reference to a collective's buffers just after it reports the
+    collective finished: FSDP2's own communication returns before that in some calls, and a buffer
+    FSDP2 frees next then outlives its free. Under adaptmem, none does."""
+    for result in run_ranks(WORKER, tmp_path, "settle"):
+        assert result["late"] == 0, result
+
+
 def test_lossless_modes_are_exact_and_a_managed_run_agrees_on_both_ranks(tmp_path):
     """Managed twice: FSDP2's default (blocks reshard after forward and gather again in backward)
     and `reshard_after_forward=False` (each block's gathered parameters kept from forward to
@@ -44,12 +52,16 @@ def test_lossless_modes_are_exact_and_a_managed_run_agrees_on_both_ranks(tmp_pat
         assert [r["plan"] for r in records[0]] == [r["plan"] for r in records[1]], name  # one plan per step
         assert any(len(set(r["plan"])) > 1 for r in records[0]), name  # the budget needs a mixed plan
         for rank in range(2):
+            ran = {(tuple(r["plan"]), r["seq"]) for r in records[rank][:3]}  # (plan, length) pairs run
             for i, r in enumerate(records[rank][3:], 3):  # steady: every length has been seen
                 # (before, a first plan at a length never seen may run out of memory: retried, and exact)
                 assert r["attempt"] == 0 and r["observed_peak_bytes"] <= r["budget_bytes"], (name, rank, i, r)
-                # never more than 10% under, the side that runs out of memory (over: seen up to 41%
-                # in some runs, after an early retry made the costs cautious)
-                assert r["predicted_peak_bytes"] >= 0.90 * r["observed_peak_bytes"], (name, rank, i, r)
+                ratio = r["predicted_peak_bytes"] / r["observed_peak_bytes"]
+                assert ratio >= 0.90, (name, rank, i, r)  # never more than 10% under: the side that fails
+                pair = (tuple(r["plan"]), r["seq"])
+                if pair in ran:  # a plan at a length it has run at before: within 10% over as well (its
+                    assert ratio <= 1.10, (name, rank, i, r)  # first run there is extrapolated, with margin)
+                ran.add(pair)
 
 
 def test_an_out_of_memory_error_on_one_rank_is_retried_by_both_and_stays_exact(tmp_path):
