@@ -137,6 +137,8 @@ class Controller:
                 self.retries.new_batch(self.trace())
             self.now = StepState(open=True, label=label, rng=rng_state())
             self.ranks.begin_attempt(self.model, [(h.name, h.module) for h in self.blocks.handles], self.policy)
+            if self.ranks.sharded is not None:
+                self.costs.pin_seen_bytes()  # its blocks' bytes hold their gathered parameters
             resident = any(w.grad is not None for w in self.blocks.handles[-1].module.parameters())
             self.costs.expect_gradients(resident)  # planned for as it is
             self.recorder.begin(grads_resident=resident)

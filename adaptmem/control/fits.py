@@ -10,12 +10,10 @@ shape seen it is held constant when shapes shrink and scaled with tokens when
 they grow, all but a given `constant` part (bytes known not to depend on the
 shape, such as the gradients of the weights whose backward has run).
 
-Bytes repeat exactly where the shape repeats, so a fit of bytes (`exact`) predicts a
-shape it has seen at what was seen there: a least-squares line through several
-shapes need not pass through each. FSDP2's gathered parameters, a constant per
-block, are not proportional to the tokens: the terms fitted to 200 KB of them plus
-300 B per token at 48, 64 and 80 tokens read 18% high at 80. Times are noisy
-readings, and their fit smooths across shapes.
+An `exact` fit predicts a shape it has seen at what was seen there: the terms
+through several shapes need not pass through each, and a part that is constant
+(FSDP2's gathered parameters) is not proportional to the tokens. Elsewhere the
+terms average what varies at one shape (`CostModel.pin_seen_bytes` says where).
 
 The fits are least squares by `torch.linalg.lstsq` on a handful of points;
 coefficients are kept non-negative (bytes and seconds do not shrink as a
@@ -35,14 +33,14 @@ MAX_SHAPES = 32
 class Fit:
     """One quantity as a function of (batch, extent), from the observations so far."""
 
-    def __init__(self, kind: str = "act", span: int = 2, exact: bool = True) -> None:
+    def __init__(self, kind: str = "act", span: int = 2, exact: bool = False) -> None:
         if kind not in ("act", "base"):
             raise ValueError(f"Fit kind must be 'act' or 'base', got {kind!r}")
         if span < 1:
             raise ValueError(f"Fit span must be at least 1 observation, got {span}")
         self.kind = kind
         self.span = span
-        self.exact = exact  # a shape seen is predicted at what was seen (bytes; not a noisy time)
+        self.exact = exact  # a shape seen is predicted at what was seen (see the module's docstring)
         self.points: OrderedDict[tuple[int, int], float] = OrderedDict()
         self.counts: dict[tuple[int, int], int] = {}
         self._terms: tuple | None = None  # the least-squares terms of the points as they stand
@@ -151,7 +149,7 @@ class Fit:
 
     @classmethod
     def from_state(cls, state: dict) -> Fit:
-        fit = cls(state["kind"], int(state.get("span", 2)), bool(state.get("exact", True)))
+        fit = cls(state["kind"], int(state.get("span", 2)), bool(state.get("exact", False)))
         rows = [(int(b), int(s), float(y), int(rest[0]) if rest else 1) for b, s, y, *rest in state["points"]]
         fit.points = OrderedDict(((b, s), y) for b, s, y, _ in rows)
         fit.counts = {(b, s): n for b, s, _, n in rows}

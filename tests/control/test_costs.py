@@ -116,12 +116,12 @@ def test_a_time_is_the_mean_of_its_last_readings_and_bytes_follow_a_change_at_on
     assert model.latent[0]["none_s"].span > model.latent[0]["activations"].span == 2
 
 
-def test_bytes_at_a_shape_seen_are_what_was_seen_there_and_a_time_is_smoothed():
+def test_pinned_bytes_at_a_shape_seen_are_what_was_seen_there_and_a_time_is_smoothed():
     """A constant part (FSDP2's gathered parameters of a block) is not proportional to the tokens:
     the least-squares terms through three lengths miss each one, but a length seen is predicted at
     what was seen; a length between them still comes from the terms. Times, noisy, are not pinned."""
     gathered, per_token = 200_000.0, 300.0
-    held, time = Fit(), Fit(span=4, exact=False)
+    held, time = Fit(exact=True), Fit(span=4)
     for seq in (24, 32, 40):
         held.add(2, seq, gathered + per_token * 2 * seq)
         time.add(2, seq, gathered + per_token * 2 * seq)
@@ -133,6 +133,11 @@ def test_bytes_at_a_shape_seen_are_what_was_seen_there_and_a_time_is_smoothed():
     assert time.predict(2, 40) != gathered + per_token * 80  # the terms, not the reading
     assert not Fit.from_state(time.state_dict()).exact
     assert held.predict(2, 36) == max(lin * 72 + quad * 72 * 36, held.predict(2, 32) * 36 / 32)
+    model = CostModel(["Layer"], load_policy(None), cuda=False)  # pinned under FSDP2 only
+    model.direct[0][Mode.NONE] = {"held": Fit(), "seconds": Fit(span=4)}
+    assert not model.direct[0][Mode.NONE]["held"].exact
+    model.pin_seen_bytes()
+    assert model.direct[0][Mode.NONE]["held"].exact and not model.direct[0][Mode.NONE]["seconds"].exact
 
 
 def test_the_plan_cache_forgets_the_least_recently_used_bucket():
