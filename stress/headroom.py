@@ -199,7 +199,12 @@ def paired_time(
                 run.close()
                 del run
         return statistics.median(a / h for a, h in zip(times["adaptmem"], times["hf_gc"]))
-    runs = {m: Run(m, vocab, capacity, device, dtype) for m in methods}
+    return interleaved({m: Run(m, vocab, capacity, device, dtype) for m in methods}, length, rounds)
+
+
+def interleaved(runs: dict, length: int, rounds: int) -> float:
+    """The median over `rounds` of adaptmem's step time over hf_gc's at `length`, the two runs'
+    steps interleaved after `STEPS` warm-up steps each; the runs are closed after."""
     try:
         for run in runs.values():
             for _ in range(STEPS):

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +36,7 @@ from adaptmem.config.units import format_bytes
 from adaptmem.demo.longest import hf_checkpointing
 from adaptmem.testing import SimulatedDevice
 from stress.benchkit import log
-from stress.headroom import STEPS, Run, build, search, summary
+from stress.headroom import STEPS, Run, build, interleaved, search, summary
 
 METHODS = ("hf_gc", "adaptmem")
 DEVICE_MIB = 480  # per rank, for vocab 32000: a rank's half of the weights and AdamW state, the gathered root, and room
@@ -88,19 +87,7 @@ def trains(method: str, vocab: int, capacity: int, length: int) -> bool:
 
 def paired_time(vocab: int, capacity: int, length: int, rounds: int = 3) -> float:
     """adaptmem's step over hf_gc's at `length` (rank 0's, the median of per-round ratios)."""
-    runs = {m: ShardedRun(m, vocab, capacity) for m in METHODS}
-    try:
-        for run in runs.values():
-            for _ in range(STEPS):
-                run.step(length)
-        ratios = []
-        for _ in range(rounds):
-            took = {m: run.step(length) for m, run in runs.items()}
-            ratios.append(took["adaptmem"] / took["hf_gc"])
-        return statistics.median(ratios)
-    finally:
-        for run in runs.values():
-            run.close()
+    return interleaved({m: ShardedRun(m, vocab, capacity) for m in METHODS}, length, rounds)
 
 
 def rank_main(args: argparse.Namespace) -> None:

@@ -57,13 +57,15 @@ _TIE_BREAK = 1e-6  # seconds per ladder rung: far below any measured cost
 _TIME_SPAN = 4  # observations a time is averaged over (`Fit.span`); bytes keep the default 2
 
 
+def _is_time(name: str) -> bool:
+    """The quantity `name` is a time ("seconds", "..._s"), not bytes."""
+    return name == "seconds" or name.endswith("_s")
+
+
 def _fit(name: str, pinned: bool = False) -> Fit:
-    """A new fit for the quantity `name`: a time ("seconds", "..._s") averages more readings.
-    `pinned`: bytes predicted at a shape seen as what was seen there (`Fit.exact`; see
-    `CostModel.pin_seen_bytes`)."""
-    if name == "seconds" or name.endswith("_s"):
-        return Fit(span=_TIME_SPAN)
-    return Fit(exact=pinned)
+    """A new fit for the quantity `name`: a time averages more readings. `pinned`: bytes predicted
+    at a shape seen as what was seen there (`Fit.exact`; see `CostModel.pin_seen_bytes`)."""
+    return Fit(span=_TIME_SPAN) if _is_time(name) else Fit(exact=pinned)
 
 
 class CostModel:
@@ -127,7 +129,7 @@ class CostModel:
         for by_mode in self.direct:
             for fits in by_mode.values():
                 for name, fit in fits.items():
-                    fit.exact = not (name == "seconds" or name.endswith("_s"))
+                    fit.exact = not _is_time(name)
 
     @property
     def grads_resident(self) -> bool:
@@ -325,7 +327,7 @@ class CostModel:
             return seen
         group = self.times.alike_groups(batch, extent)[index]
         guide = next((self.latent[j][name] for j in self._spanning(group, name, batch, extent) if j != index), None)
-        if guide is None and not name.endswith("_s"):
+        if guide is None and not _is_time(name):
             guide = next(
                 (self.latent[j]["activations"] for j in self._spanning(group, "activations", batch, extent)), None
             )
