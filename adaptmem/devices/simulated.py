@@ -124,8 +124,31 @@ class _CountingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._device._account(out)
+        self._device._account(out, _input_storages(func, args, kwargs) if _aliases(func) else ())
         return out
+
+
+_ALIASING: dict[Any, bool] = {}
+
+
+def _aliases(func: Any) -> bool:
+    """Whether `func` may return one of its inputs' storages (a view, an in-place or `out=` op)."""
+    found = _ALIASING.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = schema is None or any(r.alias_info is not None for r in schema.returns)
+        _ALIASING[func] = found
+    return found
+
+
+def _input_storages(func: Any, args: tuple, kwargs: dict | None) -> set[int]:
+    """The storages (their `_cdata`) of an aliasing op's input tensors, inner ones included."""
+    found = set()
+    for t in _with_inner(tensors_in((args, kwargs or {}))):
+        st = _storage_of(t)
+        if st is not None:
+            found.add(st._cdata)
+    return found
 
 
 class SimulatedDevice:
@@ -284,15 +307,21 @@ class SimulatedDevice:
         )
 
     # ------------------------------------------------------------ internals
-    def _account(self, out: Any) -> None:
+    def _account(self, out: Any, inputs: set[int] | tuple = ()) -> None:
+        """Count what an op returned. A storage among its inputs' (`inputs`: a view, an in-place
+        op) is no allocation: one the stand-in does not count (made before it was active, as a
+        model's weights are) stays uncounted, where counting it at its first view would charge a
+        step for weights a GPU holds before it starts."""
         if self.link is not None:
             self.link.poll()  # copies that have reached the host free their device bytes
         tensors = _with_inner(tensors_in(out))
         if tensors:
             tier = _HOST if allocating_on_host() else _DEVICE
-            self._register(tensors, tier=tier, check=True)
+            self._register(tensors, tier=tier, check=True, existing=inputs)
 
-    def _register(self, tensors: Iterable[torch.Tensor], *, tier: int, check: bool) -> int:
+    def _register(
+        self, tensors: Iterable[torch.Tensor], *, tier: int, check: bool, existing: set[int] | tuple = ()
+    ) -> int:
         fresh: dict[int, tuple[Any, int]] = {}
         with self._lock:
             for t in tensors:
@@ -303,6 +332,8 @@ class SimulatedDevice:
                 entry = self._live.get(st)
                 if entry is not None:
                     self._recount(entry, nbytes)  # resized in place since it was counted
+                    continue
+                if existing and st._cdata in existing:
                     continue
                 fresh.setdefault(id(st), (st, nbytes))
             added = sum(n for _, n in fresh.values())
