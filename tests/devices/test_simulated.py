@@ -78,7 +78,6 @@ def test_only_what_is_allocated_inside_counts_unless_tracked():
         assert dev.track(model) == 0  # already counted
 
 
-
 def test_a_view_or_in_place_op_on_a_tensor_made_outside_allocates_nothing():
     """Weights made before the device was entered (and not tracked) are not the step's bytes: a
     view of them, an in-place op on them or an `out=` into them is no allocation, where counting
@@ -122,6 +121,7 @@ def _first_step_above_second(model):
             peaks.append(dev.peak_bytes - start)
             opt.step()
     return (peaks[0] - peaks[1]) / peaks[1]
+
 
 def test_oom_is_a_real_torch_out_of_memory_error_with_a_cuda_like_message():
     with SimulatedDevice(capacity_bytes=3 * MiB, name="gpu0") as dev:
