@@ -737,3 +737,18 @@ def test_gradients_resident_from_the_step_before_are_not_taken_as_allocated_with
         assert mem._controller.costs.grad_constant(0) == 2 * layer
         mem.run_step(lambda: model(**batch).loss.backward())  # accumulates: no zero_grad between
         assert mem.last_step["measured"] and mem._controller.costs.grad_constant(0) == 0
+
+
+def test_a_step_that_failed_before_the_backward_does_not_teach_the_head():
+    """A step that ran out of memory in a block's forward (or in the head) read the head's peak only
+    in part, from the last block it finished: learned, the head's bytes at that shape fell to what
+    little was allocated before the failure, and the retry's plan counted on it."""
+    costs = CostModel(["Layer"] * 2, load_policy("balanced"), cuda=False)
+    whole = _linear_step([Mode.NONE] * 2, 1000)
+    costs.learn(replace(whole, head_top=whole.blocks[-1].end + 5000))
+    assert costs.head_bytes(1, 1000) == pytest.approx(5000)
+    failed = replace(whole, completed=False, blocks=[replace(b, bwd_start=None, bwd_top=None) for b in whole.blocks])
+    costs.learn(replace(failed, head_top=failed.blocks[-1].end + 100))  # a part of the head, then the error
+    assert costs.head_bytes(1, 1000) == pytest.approx(5000)
+    costs.learn(replace(whole, head_top=whole.blocks[-1].end + 6000))  # a whole step learns it again
+    assert costs.head_bytes(1, 1000) > 5000
