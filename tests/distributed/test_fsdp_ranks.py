@@ -34,12 +34,15 @@ def test_a_collective_returns_once_gloo_has_let_go_of_its_buffers(tmp_path):
 
 
 def test_lossless_modes_are_exact_and_a_managed_run_agrees_on_both_ranks(tmp_path):
-    """Managed twice: FSDP2's default (blocks reshard after forward and gather again in backward)
-    and `reshard_after_forward=False` (each block's gathered parameters kept from forward to
-    backward). The stand-in sees the gathers, so the costs the plans are made of count them. Which
-    blocks a plan checkpoints is chosen by time as well, so plans vary from run to run."""
+    """Managed three times: FSDP2's default (blocks reshard after forward and gather again in
+    backward), `reshard_after_forward=False` (each block's gathered parameters kept from forward to
+    backward), and the default again with an out-of-memory error on rank 0 in the second step,
+    retried by both ranks. The stand-in sees the gathers, so the costs the plans are made of count
+    them. Which blocks a plan checkpoints is chosen by time as well, so plans vary from run to run.
+    A retry leaves nothing behind that keeps the predictions high: the failed attempt's head read
+    a block's forward and the device filled up (at 1.48x, then up to 1.26x at later steps)."""
     ranks = run_ranks(WORKER, tmp_path, "exact")
-    managed = ("managed", "managed, kept gathered")
+    managed = ("managed", "managed, kept gathered", "managed, retried")
     for rank, runs in enumerate(ranks):
         plain = runs.pop("plain")
         assert len(runs) == 2 * len(LOSSLESS_MODES) + len(managed)  # each before and after fully_shard
@@ -51,19 +54,13 @@ def test_lossless_modes_are_exact_and_a_managed_run_agrees_on_both_ranks(tmp_pat
         records = [runs[name]["records"] for runs in ranks]
         assert [r["plan"] for r in records[0]] == [r["plan"] for r in records[1]], name  # one plan per step
         assert any(len(set(r["plan"])) > 1 for r in records[0]), name  # the budget needs a mixed plan
+        assert [r["attempt"] for r in records[0][:2]] == [0, int(name.endswith("retried"))], name
         for rank in range(2):
-            ran = {(tuple(r["plan"]), r["seq"]) for r in records[rank][:3]}  # (plan, length) pairs run
-            retried = any(r["attempt"] for r in records[rank])  # (a retry leaves the costs cautious: in
-            # 3 runs of about 130, later steps were predicted up to 46% over after it)
             for i, r in enumerate(records[rank][3:], 3):  # steady: every length has been seen
                 # (before, a first plan at a length never seen may run out of memory: retried, and exact)
                 assert r["attempt"] == 0 and r["observed_peak_bytes"] <= r["budget_bytes"], (name, rank, i, r)
                 ratio = r["predicted_peak_bytes"] / r["observed_peak_bytes"]
-                assert ratio >= 0.90, (name, rank, i, r)  # never more than 10% under: the side that fails
-                pair = (tuple(r["plan"]), r["seq"])
-                if pair in ran and not retried:  # a plan at a length it has run at before: within 10%
-                    assert ratio <= 1.10, (name, rank, i, r)  # over too (a first run there is extrapolated)
-                ran.add(pair)
+                assert 0.90 <= ratio <= 1.10, (name, rank, i, r)  # within 10%, a plan's first run at a length too
 
 
 def test_an_out_of_memory_error_on_one_rank_is_retried_by_both_and_stays_exact(tmp_path):
