@@ -564,7 +564,7 @@ def test_an_accumulating_loop_keeps_a_plan_per_kind_of_micro_step_and_measures_o
     dev = SimulatedDevice(capacity_bytes=4 * high)
     dev.track(model)
     with dev, adaptmem.manage(model, budget=budget, device=dev) as mem:
-        for _ in range(20):
+        for _ in range(30):  # (the headroom earned may relax the plans as late as micro-step 30)
             for batch in batches:
                 with mem.step():
                     (model(**batch).loss / 2).backward()
@@ -575,7 +575,12 @@ def test_an_accumulating_loop_keeps_a_plan_per_kind_of_micro_step_and_measures_o
         plans = [p for p in mem.events.of_type("plan") if p["step"] >= first_settled]
     assert sum(s["measured"] == "blocks" for s in steps) <= 2  # every measure_every (10) steps
     # switching between the two kinds' plans applies each cached one, and says so: nothing is remade
-    assert plans and {p["reason"] for p in plans} == {"cached"}
+    # but after a step that taught something (measured block by block, or the decider moved: a relax
+    # from earned headroom lands in this window on a loaded machine), once for each kind
+    taught = {s["step"] for s in steps if s["measured"] == "blocks" or s["decision"] != "hold"}
+    remade = [p["step"] for p in plans if p["reason"] != "cached"]
+    assert plans and all({step - 1, step - 2} & taught for step in remade), (remade, taught)
+    assert len(remade) <= 2 * len(taught) and len(remade) < len(plans) / 2, (remade, taught)
     assert all(abs(s["prediction_error"]) < mem.policy.replan_tolerance for s in steps)
     first, second = steps[0::2], steps[1::2]
     assert len({tuple(s["plan"]) for s in first}) == 1 and len({tuple(s["plan"]) for s in second}) == 1
