@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     generator = torch.Generator().manual_seed(rank)
     with stand_in or torch.enable_grad():
+        if stand_in is not None:
+            stand_in.track(model)  # the shards made before it, counted as a GPU holds them
         with adaptmem.manage(model, budget=args.budget, device=stand_in) as mem:  # 3. then adaptmem
             for step in range(args.steps):
                 length = int(torch.randint(64, 257, (1,), generator=generator))
