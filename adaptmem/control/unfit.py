@@ -124,6 +124,8 @@ def refusal(
             f"{format_bytes(a['predicted_peak_bytes'])}; out of memory in {a['phase']}"
         )
     fits = _longest(longest, batch) if seq else None
+    if fits is not None and fits >= seq:  # the predictions this batch proved wrong: no answer from them
+        fits = None
     lines.append(
         (f"  The longest sequence predicted to fit at batch {batch}: {fits:,} tokens. " if fits else "  ")
         + "Split or truncate this batch, lower the batch size, or raise the budget. The controller's "

@@ -151,3 +151,24 @@ def test_after_an_oom_episode_the_plan_is_all_none_again_within_seven_steps():
         back = plans.index({"NONE"})
         assert back <= 7 and all(p == {"NONE"} for p in plans[back:]), plans
         assert mem.headroom == pytest.approx(mem.policy.headroom)
+
+
+def test_a_refusal_never_names_a_longest_length_at_or_above_the_one_it_refused():
+    """The cost model can be wrong at a length a batch has just run out of memory at (its retries
+    exhausted): the longest length it predicts to fit, 389 tokens where 295 were refused, is then
+    no answer, and the message leaves it out."""
+    from types import SimpleNamespace
+
+    from adaptmem import Mode
+    from adaptmem.control.unfit import refusal
+
+    record = SimpleNamespace(exhausted=True, modes=(Mode.CHECKPOINT,) * 3 + (Mode.NONE,), head=None)
+
+    def text(longest):
+        return refusal(
+            record, 2, 295 * 128, 295, 10 * 2**20, [], predicted=2**24, budget=2**24, limit=2**25,
+            longest=lambda batch: SimpleNamespace(length=longest),
+        )  # fmt: skip
+
+    assert "The longest sequence predicted to fit at batch 2: 240 tokens." in text(240)
+    assert "longest sequence" not in text(389) and "Split or truncate this batch" in text(389)
