@@ -237,6 +237,18 @@ class StepGuard:
         self.saved.clear()
 
 
+def _shortened(text: str, limit: int = 300) -> str:
+    """`text` within `limit` characters: whole sentences where they fit, else whole words and "...",
+    never a word cut in two (an allocator's message runs to several sentences of advice)."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    end = cut.rfind(". ")
+    if end >= limit // 3:
+        return cut[: end + 1]
+    return cut[: limit - 4].rsplit(" ", 1)[0] + " ..."
+
+
 def failure_record(
     err: BaseException,
     sample: Any,
@@ -253,7 +265,7 @@ def failure_record(
     message = text.splitlines()[0] if text else type(err).__name__
     return {
         "phase": "backward" if backward else "forward" if ran else "before the first managed block",
-        "message": message[:300],
+        "message": _shortened(message),
         "plan_counts": dict(Counter(m.label for m in executed)) if ran else {},
         "predicted_peak_bytes": predicted,
         "budget_bytes": budget,

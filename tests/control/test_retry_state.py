@@ -186,3 +186,20 @@ def test_modules_registered_outside_a_listed_model_do_not_make_it_listed_again()
     assert registrations() == count
     model[0].append(torch.nn.Linear(2, 2))
     assert registrations() != count
+
+
+def test_a_failed_attempts_message_is_shortened_at_a_sentence_or_a_word_never_inside_one():
+    """An allocator's out-of-memory message runs to several sentences; the record of a failed
+    attempt keeps what fits in 300 characters without cutting a word (it read "...where a CUDA
+    allocati")."""
+    from adaptmem.control.retry import failure_record
+
+    with SimulatedDevice(capacity_bytes=2**20) as dev, pytest.raises(torch.OutOfMemoryError) as err:
+        torch.empty(2 * dev.capacity_bytes, dtype=torch.uint8)
+    text = str(err.value)
+    assert len(text) > 300
+    message = failure_record(err.value, None, (), 0.0, 2**20, 0.97)["message"]
+    assert len(message) <= 300 and text.startswith(message) and message.endswith(".")
+    words = failure_record(torch.OutOfMemoryError("x" * 10 + " word" * 100), None, (), 0.0, 1, 0.97)["message"]
+    assert len(words) <= 300 and words.endswith(" word ...")
+    assert failure_record(torch.OutOfMemoryError("short. two."), None, (), 0.0, 1, 0.97)["message"] == "short. two."
