@@ -182,7 +182,7 @@ class CostModel:
             if blk.bwd_start is not None:
                 grad = self.grad_resident if sample.grads_resident else self.grad
                 grad[blk.index].add(b, s, blk.bwd_start - (start0 + prefix))
-        if sample.head_top and any(blk.bwd_start is not None for blk in sample.blocks):
+        if sample.head_top and sample.backward_reached:
             # (the head's peak is whole once the backward reached a block: a step that ran out of
             # memory before, in a block's forward or in the head, read a part of it)
             above = sample.head_top - (start0 + prefix)

@@ -133,7 +133,7 @@ class StepRecorder:
         forward is under way and no backward has begun; None otherwise."""
         with self._lock:
             sample = self.sample
-            if sample is None or not sample.blocks or any(b.bwd_start is not None for b in sample.blocks):
+            if sample is None or not sample.blocks or sample.backward_reached:
                 return None
             return sample.batch, sample.extent, sample.blocks[0].start, {b.index: b.mode for b in sample.blocks}
 

@@ -260,7 +260,7 @@ def failure_record(
 ) -> dict:
     """What one failed attempt was: where it ran out (`phase`), the message, the plan that ran."""
     ran = sample is not None and bool(sample.blocks)
-    backward = ran and any(b.bwd_start is not None for b in sample.blocks)
+    backward = ran and sample.backward_reached
     text = str(err).strip()
     message = text.splitlines()[0] if text else type(err).__name__
     return {

@@ -80,6 +80,11 @@ class StepSample:
     def tokens(self) -> int:
         return self.batch * self.seq
 
+    @property
+    def backward_reached(self) -> bool:
+        """The backward reached a block: the head and loss before it ran whole."""
+        return any(b.bwd_start is not None for b in self.blocks)
+
 
 class InputShape(NamedTuple):
     """The size of a block's main input: what plans and costs are keyed on."""
