@@ -124,7 +124,7 @@ class _CountingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._device._account(out, _input_storages(func, args, kwargs) if _aliases(func) else ())
+        self._device._account(out, (args, kwargs) if _aliases(func) else None)
         return out
 
 
@@ -141,14 +141,10 @@ def _aliases(func: Any) -> bool:
     return found
 
 
-def _input_storages(func: Any, args: tuple, kwargs: dict | None) -> set[int]:
-    """The storages (their `_cdata`) of an aliasing op's input tensors, inner ones included."""
-    found = set()
-    for t in _with_inner(tensors_in((args, kwargs or {}))):
-        st = _storage_of(t)
-        if st is not None:
-            found.add(st._cdata)
-    return found
+def _storages_in(inputs: Any) -> set[int]:
+    """The storages (their `_cdata`) of the tensors in `inputs`, inner ones included."""
+    storages = (_storage_of(t) for t in _with_inner(tensors_in(inputs)))
+    return {st._cdata for st in storages if st is not None}
 
 
 class SimulatedDevice:
@@ -307,11 +303,11 @@ class SimulatedDevice:
         )
 
     # ------------------------------------------------------------ internals
-    def _account(self, out: Any, inputs: set[int] | tuple = ()) -> None:
-        """Count what an op returned. A storage among its inputs' (`inputs`: a view, an in-place
-        op) is no allocation: one the stand-in does not count (made before it was active, as a
-        model's weights are) stays uncounted, where counting it at its first view would charge a
-        step for weights a GPU holds before it starts."""
+    def _account(self, out: Any, inputs: Any = None) -> None:
+        """Count what an op returned. Where it may return an input's storage (`inputs`, its
+        arguments: a view, an in-place op), such a storage is no allocation: one the stand-in does
+        not count (made before it was active, as a model's weights are) stays uncounted, where
+        counting it at its first view would charge a step for weights a GPU holds before it starts."""
         if self.link is not None:
             self.link.poll()  # copies that have reached the host free their device bytes
         tensors = _with_inner(tensors_in(out))
@@ -319,10 +315,11 @@ class SimulatedDevice:
             tier = _HOST if allocating_on_host() else _DEVICE
             self._register(tensors, tier=tier, check=True, existing=inputs)
 
-    def _register(
-        self, tensors: Iterable[torch.Tensor], *, tier: int, check: bool, existing: set[int] | tuple = ()
-    ) -> int:
+    def _register(self, tensors: Iterable[torch.Tensor], *, tier: int, check: bool, existing: Any = None) -> int:
+        """Count the storages of `tensors` not counted yet, leaving out those of `existing` (an op's
+        arguments), read only where an output's storage is not counted (most are)."""
         fresh: dict[int, tuple[Any, int]] = {}
+        inputs: set[int] | None = None
         with self._lock:
             for t in tensors:
                 st = _storage_of(t)
@@ -333,8 +330,10 @@ class SimulatedDevice:
                 if entry is not None:
                     self._recount(entry, nbytes)  # resized in place since it was counted
                     continue
-                if existing and st._cdata in existing:
-                    continue
+                if existing is not None:
+                    inputs = _storages_in(existing) if inputs is None else inputs
+                    if st._cdata in inputs:
+                        continue
                 fresh.setdefault(id(st), (st, nbytes))
             added = sum(n for _, n in fresh.values())
             if check and tier == _DEVICE:
