@@ -92,13 +92,14 @@ class Saved:
         return [t for t in (r() for r in self.refs) if t is not None]
 
 
-def storages(tensors):
-    """{data pointer: bytes} of the storages holding `tensors`' values (a DTensor's in its local shard)."""
+def storages(tensors, device="cpu"):
+    """{data pointer: bytes} of the storages on `device` holding `tensors`' values (a DTensor's in
+    its local shard)."""
     found = {}
     for t in tensors:
         if hasattr(t, "_local_tensor"):
             t = t._local_tensor
-        if t.device.type != "cpu":
+        if t.device.type != device:
             continue
         st = t.untyped_storage()
         if st.nbytes():

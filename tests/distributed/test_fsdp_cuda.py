@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_worker import storages
 from helpers import tiny, tiny_batch
 
 import adaptmem
@@ -47,12 +48,8 @@ def full(t):
 def cuda_storages():
     """{data pointer: bytes, rounded as the allocator rounds them} of every CUDA storage Python
     reaches (a DTensor's in its local shard)."""
-    found = {}
-    for t in (o for o in gc.get_objects() if isinstance(o, torch.Tensor)):
-        t = getattr(t, "_local_tensor", t)
-        if t.device.type == "cuda" and (st := t.untyped_storage()).nbytes():
-            found[st.data_ptr()] = -(-st.nbytes() // ALIGN) * ALIGN
-    return found
+    reached = storages((o for o in gc.get_objects() if isinstance(o, torch.Tensor)), "cuda")
+    return {ptr: -(-n // ALIGN) * ALIGN for ptr, n in reached.items()}
 
 
 def test_the_allocator_holds_what_fsdp2_keeps_after_each_phase(nccl):
