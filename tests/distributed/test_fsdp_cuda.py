@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_worker import storages
+from fsdp_worker import full, storages
 from helpers import tiny, tiny_batch
 
 import adaptmem
@@ -39,10 +39,6 @@ def sharded(reshard=True):
 
 def batch(model, seq=256):
     return {k: v.cuda() for k, v in tiny_batch(model, seq=seq).items()}
-
-
-def full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def cuda_storages():
