@@ -1,9 +1,11 @@
 """CHECKPOINT and SELECTIVE: recompute in backward what forward did not keep.
 
-Both use non-reentrant `torch.utils.checkpoint` (RNG state and autocast state
-preserved). The recompute calls the block's original forward, never the
-adaptmem wrapper, so a mode set between forward and backward cannot change what
-is recomputed.
+Both run a non-reentrant checkpoint (RNG state and autocast state preserved):
+adaptmem's own (`rerun`), which does what PyTorch's does with less host work per
+saved tensor, and PyTorch's `torch.utils.checkpoint` where the block is compiled
+or runs under the compiler (which traces PyTorch's). The recompute calls the
+block's original forward, never the adaptmem wrapper, so a mode set between
+forward and backward cannot change what is recomputed.
 
 Tensor keyword arguments are handed to checkpoint positionally: checkpoint
 saves its tensor inputs through the saved-tensor mechanism, which is what lets
@@ -25,6 +27,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from adaptmem.registrations import buffers_of
+from adaptmem.strategies import rerun
 from adaptmem.strategies.call import BlockCall, main_input
 from adaptmem.strategies.packing import Packer
 from adaptmem.strategies.selective import ATTENTION_OPS, SelectiveRun, resolve_ops
@@ -155,7 +159,7 @@ def keep_buffers(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tens
     PyTorch's caching mode, which refuses ops the forward did not run.
     """
     with torch.no_grad(), _disable_current_modes():
-        return [(b, b.detach().clone()) for b in module.buffers()]
+        return [(b, b.detach().clone()) for b in buffers_of(module)]
 
 
 def put_back_buffers(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -176,15 +180,12 @@ def _checkpointed(call: BlockCall, context_fn: Any, selective: Any = None) -> An
     args, kwargs = without_cache(call)
     tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     static = {k: v for k, v in kwargs.items() if k not in tensor_keys}
+    run = BlockRun(call, tensor_keys, static, selective)
+    flat = (*args, *(kwargs[k] for k in tensor_keys))
+    if context_fn is None and not (call.compiled or torch.compiler.is_compiling()):
+        return rerun.checkpoint(run, *flat)
     options = {} if context_fn is None else {"context_fn": context_fn}  # the default is what torch.compile expects
-    return checkpoint(
-        BlockRun(call, tensor_keys, static, selective),
-        *args,
-        *(kwargs[k] for k in tensor_keys),
-        use_reentrant=False,
-        preserve_rng_state=True,
-        **options,
-    )
+    return checkpoint(run, *flat, use_reentrant=False, preserve_rng_state=True, **options)
 
 
 _CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
