@@ -45,3 +45,48 @@ def listed(root: torch.nn.Module) -> tuple[list[torch.nn.Module], int]:
     modules = list(root.modules())
     _watched.update(modules)
     return modules, _count
+
+
+class ListedModules:
+    """A model's modules, listed once and again only after a module is registered into one of
+    them (`adaptmem.registrations`): a step's guard reads each module's parameters and
+    buffers in place, as `model.parameters()` / `buffers()` give them (in order, each once),
+    without walking the model, which took 0.2 ms a step on 24 small blocks."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self._dicts: dict[str, list[dict]] = {}  # per kind, the modules' dicts that hold any
+        self._generation = -1
+
+    def tensors(self, kind: str) -> list[torch.Tensor]:
+        """The model's parameters ("_parameters") or buffers ("_buffers"), each once, in order:
+        read from the modules' own dicts at each call (a parameter swapped into one in place
+        is read as it stands), skipping the modules that had none when listed (registering
+        one into them lists them again)."""
+        model = self._model()
+        if model is None:
+            return []
+        if self._generation != registrations():
+            modules, self._generation = listed(model)
+            self._dicts = {k: [d for d in (getattr(m, k) for m in modules) if d] for k in ("_parameters", "_buffers")}
+        seen: set[int] = set()
+        out = []
+        for held in self._dicts[kind]:
+            for t in held.values():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
+        return out
+
+
+#: Each block's `ListedModules`: its buffers are read at every recompute, and walking its modules
+#: anew cost more than copying them.
+_LISTS: weakref.WeakKeyDictionary[torch.nn.Module, ListedModules] = weakref.WeakKeyDictionary()
+
+
+def buffers_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    """`module.buffers()`, each once, in order, read as they stand (`ListedModules`)."""
+    known = _LISTS.get(module)
+    if known is None:
+        known = _LISTS[module] = ListedModules(module)
+    return known.tensors("_buffers")

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from adaptmem.devices.tiers import link_clock
+from adaptmem.registrations import buffers_of
 from adaptmem.strategies.compress import CompressOptions, encode
 from adaptmem.strategies.offload import HostCopy, OffloadOptions
 from adaptmem.strategies.offload_runtime import OffloadRuntime
@@ -191,7 +192,7 @@ class Packer:
         if isinstance(base, nn.Parameter) or _is_cast_of_leaf(base):
             return True
         if self._buffers is None:
-            self._buffers = {b.untyped_storage().data_ptr() for b in self._module.buffers()}
+            self._buffers = {b.untyped_storage().data_ptr() for b in buffers_of(self._module)}
         return bool(self._buffers) and t.untyped_storage().data_ptr() in self._buffers
 
 

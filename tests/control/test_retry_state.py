@@ -153,7 +153,7 @@ def test_the_guard_reads_the_models_parameters_and_buffers_as_they_stand_without
     """The modules are listed once, again after a module is registered into one; parameters and buffers are
     read from them in place: the same tensors in the same order as `model.parameters()` and
     `model.buffers()`, a parameter replaced or a submodule added seen at once."""
-    from adaptmem.control.retry import ListedModules
+    from adaptmem.registrations import ListedModules
 
     model = cnn()
     model.tied = torch.nn.Linear(16, 10)
