@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -39,6 +40,11 @@ PRESETS = {
     ),
     "small": dict(
         hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+    ),
+    # small tensors, so the host launching ops bounds the step, as on a GPU at batch 1 (16 tokens,
+    # batch 1, vocab 256 by default); weight layers of 256 inputs, the least SELECTIVE holds
+    "launch": dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2
     ),
 }
 
@@ -67,6 +73,30 @@ def one_step(model, ids):
 HF_CHECKPOINTING = "HF checkpointing"  # the model's own checkpointing: the peer users pick today
 
 
+class OnTorchCheckpoint:
+    """A recomputing mode with its block checkpoint run by `torch.utils.checkpoint` instead of
+    adaptmem's own (`adaptmem.strategies.rerun`): what the latter saves in host work."""
+
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+        self.label = f"{mode.label} on torch"
+
+    @contextmanager
+    def installed(self):
+        from torch.utils.checkpoint import checkpoint
+
+        from adaptmem.strategies import rerun
+
+        def on_torch(fn, *args):
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+
+        own, rerun.checkpoint = rerun.checkpoint, on_torch
+        try:
+            yield
+        finally:
+            rerun.checkpoint = own
+
+
 def set_mode(model, handles, mode) -> None:
     """Every block in `mode`, or (the peer's row) every block plain under the model's own checkpointing."""
     from adaptmem.integrations.transformers import switch_own_checkpointing
@@ -74,7 +104,12 @@ def set_mode(model, handles, mode) -> None:
     peer = mode == HF_CHECKPOINTING
     switch_own_checkpointing(model, peer)
     for h in handles:
-        h.mode = Mode.NONE if peer else mode
+        h.mode = Mode.NONE if peer else getattr(mode, "mode", mode)
+
+
+def run_as(mode):
+    """The context a row's mode runs in: PyTorch's checkpoint installed for `OnTorchCheckpoint`."""
+    return mode.installed() if isinstance(mode, OnTorchCheckpoint) else nullcontext()
 
 
 def peak_of(model, ids, device) -> int:
@@ -133,6 +168,18 @@ def selective_verdicts(rows: list[dict], batch: int) -> list:
     return verdicts
 
 
+def checkpoint_verdicts(rows: list[dict]) -> list:
+    """Each recomputing mode on adaptmem's checkpoint against the same mode on PyTorch's (rows of
+    `--torch-checkpoint`), round by round: never slower."""
+    by = {r["mode"]: r for r in rows}
+    return [
+        at_most(f"{mode}: step / the same on torch.utils.checkpoint <= 1.00", round_ratios(own, theirs), 1.0)
+        for mode, own, theirs in (
+            (m, by[m]["round_s"], by[f"{m} on torch"]["round_s"]) for m in by if f"{m} on torch" in by
+        )
+    ]
+
+
 def link_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
     """Device-to-host and host-to-device GB/s of one pinned copy of `nbytes`: the floor of offload's time."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -179,17 +226,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
-        "--preset", choices=list(PRESETS), default=None, help="model shape (default: 1b on CUDA, small on CPU)"
+        "--preset",
+        choices=list(PRESETS),
+        default=None,
+        help="model shape (default: 1b on CUDA, small on CPU; launch: small tensors, host-bound)",
     )
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048 on CUDA, 512 on CPU)")
+    p.add_argument(
+        "--seq", type=int, default=None, help="tokens per sequence (default 2048 on CUDA, 512 on CPU, 16 for launch)"
+    )
     p.add_argument(
         "--vocab",
         type=int,
         default=None,
         help="vocabulary (default 32000 on CUDA; 4096 on CPU, where a large vocabulary's "
-        "gradients and logits would hide the activations)",
+        "gradients and logits would hide the activations; 256 for launch)",
     )
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 1 on CUDA, 4 on CPU)")
+    p.add_argument(
+        "--batch", type=int, default=None, help="sequences per step (default 1 on CUDA and for launch, 4 on CPU)"
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode and round")
     p.add_argument("--repeat", type=int, default=3, help="rounds over every mode (rotated repetitions)")
     p.add_argument(
@@ -201,6 +255,11 @@ def main(argv=None) -> int:
         "--no-peer",
         action="store_true",
         help=f"leave out the {HF_CHECKPOINTING!r} row (the model's own gradient_checkpointing_enable())",
+    )
+    p.add_argument(
+        "--torch-checkpoint",
+        action="store_true",
+        help="add rows of the recomputing modes run on torch.utils.checkpoint instead of adaptmem's own",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument(
@@ -218,11 +277,15 @@ def main(argv=None) -> int:
 
     cuda = args.device == "cuda"
     preset = args.preset or ("1b" if cuda else "small")
-    seq = args.seq or (2048 if cuda else 512)
-    vocab = args.vocab or (32000 if cuda else 4096)
-    args.batch = args.batch or (1 if cuda else 4)
+    launch = preset == "launch"
+    seq = args.seq or (16 if launch else 2048 if cuda else 512)
+    vocab = args.vocab or (256 if launch else 32000 if cuda else 4096)
+    args.batch = args.batch or (1 if cuda or launch else 4)
     dtype = torch.bfloat16 if cuda else torch.float32
-    modes = [Mode.parse(m) for m in args.modes.split(",")] + ([] if args.no_peer else [HF_CHECKPOINTING])
+    modes = [Mode.parse(m) for m in args.modes.split(",")]
+    if args.torch_checkpoint:
+        modes += [OnTorchCheckpoint(m) for m in modes if m.recomputes and not m & Mode.OFFLOAD]
+    modes += [] if args.no_peer else [HF_CHECKPOINTING]
     model = build(preset, vocab, args.device, dtype)
     handles = adaptmem.instrument(model)
     ids = torch.randint(0, vocab, (args.batch, seq), device=args.device)
@@ -238,14 +301,16 @@ def main(argv=None) -> int:
     peaks, times, rounds = {}, {m: [] for m in modes}, {m: [] for m in modes}
     for i, mode in enumerate(modes, 1):
         set_mode(model, handles, mode)
-        peaks[mode] = peak_of(model, ids, args.device)
+        with run_as(mode):
+            peaks[mode] = peak_of(model, ids, args.device)
         print(
             f"  [{i}/{len(modes)}] {getattr(mode, 'label', mode):<20} peak {format_bytes(peaks[mode]):>12}", flush=True
         )
     for r in range(args.repeat):  # rotated: each round times every mode once, so drift hits all alike
         for mode in modes:
             set_mode(model, handles, mode)
-            took = times_of(model, ids, args.steps, args.device)
+            with run_as(mode):
+                took = times_of(model, ids, args.steps, args.device)
             times[mode] += took
             rounds[mode].append(statistics.median(took))
         print(f"  round {r + 1}/{args.repeat} timed", flush=True)
@@ -269,11 +334,14 @@ def main(argv=None) -> int:
             f"{r['mode']:<20} {format_bytes(r['peak_bytes']):>12} {r['peak_ratio']:>10.1%} "
             f"{r['step_s'] * 1e3:>8.1f}ms {r['time_ratio']:>9.2f}x [{low:.2f}, {high:.2f}]"
         )
-    verdicts = selective_verdicts(rows, args.batch)
-    if verdicts:
-        print("\nSELECTIVE's targets:")
-        for v in verdicts:
-            print(f"  {v.state:<9} {v.what}" + (f" [{v.low:.2f}, {v.high:.2f}]" if v.low is not None else ""))
+    for title, verdicts in (
+        ("SELECTIVE's targets", selective_verdicts(rows, args.batch)),
+        ("adaptmem's checkpoint against PyTorch's", checkpoint_verdicts(rows)),
+    ):
+        if verdicts:
+            print(f"\n{title}:")
+            for v in verdicts:
+                print(f"  {v.state:<9} {v.what}" + (f" [{v.low:.2f}, {v.high:.2f}]" if v.low is not None else ""))
     if args.json:
         args.json.write_text(
             json.dumps(

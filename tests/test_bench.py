@@ -472,6 +472,35 @@ def test_selective_targets_read_round_by_round_against_none_and_checkpoint():
     assert selective_verdicts(rows[:2], batch=4) == []  # CHECKPOINT did not run beside it
 
 
+def test_a_torch_checkpoint_row_runs_pytorchs_checkpoint_and_is_read_against_adaptmems():
+    """`--torch-checkpoint` rows run the same mode with `torch.utils.checkpoint` installed for the
+    row only, and each is read against adaptmem's own round by round."""
+    import torch
+    import torch.utils.checkpoint as tc
+
+    from adaptmem import Mode
+    from adaptmem.strategies import rerun
+    from stress.bench_modes import OnTorchCheckpoint, checkpoint_verdicts, run_as
+
+    own, called = rerun.checkpoint, []
+    row = OnTorchCheckpoint(Mode.CHECKPOINT)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tc, "checkpoint", lambda fn, *a, **k: called.append(k) or fn(*a))
+        with run_as(row):
+            rerun.checkpoint(lambda x: x, torch.ones(1))
+    assert called == [{"use_reentrant": False, "preserve_rng_state": True}] and rerun.checkpoint is own
+    with run_as(Mode.CHECKPOINT):
+        assert rerun.checkpoint is own
+
+    rows = [
+        {"mode": "CHECKPOINT", "round_s": [1.0, 1.01, 0.99]},
+        {"mode": "CHECKPOINT on torch", "round_s": [1.1, 1.12, 1.09]},
+        {"mode": "SELECTIVE", "round_s": [1.2, 1.21, 1.19]},
+    ]
+    got = {v.what.split(":")[0]: v.state for v in checkpoint_verdicts(rows)}
+    assert got == {"CHECKPOINT": "met"}  # SELECTIVE had no row on PyTorch's beside it
+
+
 def test_the_launch_bound_proxy_reports_host_time_by_stretch_for_its_interval():
     """The proxy's host time per steady step is the mean of its stretches' (one per `HOST_CHUNKS`),
     and each managed/unmanaged ratio is kept per round for the verdicts."""
