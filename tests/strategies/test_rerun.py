@@ -177,3 +177,22 @@ def test_a_rerun_that_saves_fewer_tensors_is_refused():
     x = torch.randn(8, requires_grad=True)
     with pytest.raises(CheckpointError, match="fewer tensors for backward in its recompute than in forward"):
         rerun.checkpoint(shrinking, x).sum().backward()
+
+
+def test_a_block_that_checkpoints_part_of_itself_with_pytorchs_checkpoint_is_exact(blocks):
+    """User code inside a block may run `torch.utils.checkpoint` itself: the inner checkpoint's
+    inputs are saved through the outer's holders, and both reruns give the plain gradients."""
+
+    class Outer(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, mask, p):
+            h = x.tanh()
+            h = torch_checkpoint(self.inner, h, mask, p, use_reentrant=False)
+            return h.sigmoid() * x
+
+    outer = [Outer(b) for b in blocks]
+    x = torch.randn(2, 8, 32)
+    assert all(torch.equal(a, b) for a, b in zip(grads(outer, x, "rerun"), grads(outer, x, "plain")))
