@@ -217,6 +217,9 @@ def _shortened(text: str, limit: int = 300) -> str:
     return cut[: limit - 4].rsplit(" ", 1)[0] + " ..."
 
 
+BEFORE_BLOCKS = "before the first managed block"  # a failed attempt's phase where no block ran
+
+
 def failure_record(
     err: BaseException,
     sample: Any,
@@ -232,7 +235,7 @@ def failure_record(
     text = str(err).strip()
     message = text.splitlines()[0] if text else type(err).__name__
     return {
-        "phase": "backward" if backward else "forward" if ran else "before the first managed block",
+        "phase": "backward" if backward else "forward" if ran else BEFORE_BLOCKS,
         "message": _shortened(message),
         "plan_counts": dict(Counter(m.label for m in executed)) if ran else {},
         "predicted_peak_bytes": predicted,
@@ -273,10 +276,17 @@ def oom_report(attempts: list[dict], max_retries: int) -> str:
             f"{format_bytes(a['predicted_peak_bytes'])} against budget {format_bytes(a['budget_bytes'])} "
             f"(headroom {a['headroom']:.2f}); out of memory in {a['phase']}: {a['message']}"
         )
-    lines.append(
-        "Lower the batch size or sequence length, allow more modes (policy 'max-savings' adds "
-        "compression), or give adaptmem a larger budget."
-    )
+    if attempts and all(a["phase"] == BEFORE_BLOCKS for a in attempts):  # no mode saves anything there
+        lines.append(
+            "Every attempt ran out before the first managed block ran, where no mode saves memory: lower the "
+            "batch size or sequence length, or give adaptmem a larger budget (what the step holds before its "
+            "blocks, the weights, gradients and optimizer state on the device among it, counts against it)."
+        )
+    else:
+        lines.append(
+            "Lower the batch size or sequence length, allow more modes (policy 'max-savings' adds "
+            "compression), or give adaptmem a larger budget."
+        )
     return "\n".join(lines)
 
 

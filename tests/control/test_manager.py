@@ -205,6 +205,8 @@ def test_retries_are_bounded_and_report_every_plan_tried():
     peaks = [a["predicted_peak_bytes"] for a in attempts]
     assert all(later < min(peaks[:i]) for i, later in enumerate(peaks[1:], 1)), peaks
     assert {a["phase"] for a in before_blocks.value.attempts} == {"before the first managed block"}
+    advice = str(before_blocks.value)  # no mode saves memory before the blocks: none is advised
+    assert "ran out before the first managed block ran" in advice and "allow more modes" not in advice
     text = str(err.value)
     assert f"attempt {len(attempts)}:" in text and "lower the batch size" in text.lower()
     if len(attempts) <= mem.policy.max_retries:  # given up before the retries ran out: nothing lower
