@@ -19,7 +19,7 @@ class RunStats:
     steps: int = 0  # steps completed
     ooms: int = 0  # out-of-memory errors met (each attempt's)
     ooms_recovered: int = 0  # of those, the ones a retry got past
-    plan_changes: int = 0  # times the applied plan changed
+    plan_changes: int = 0  # times the applied plan changed: a block's mode or the loss head's choice
     pressure_events: int = 0  # times others took memory and the budget shrank
     peak_bytes: int = 0  # the highest step peak seen
     errors: list[float] = field(default_factory=list)  # per predicted step: (predicted - observed) / observed
