@@ -89,13 +89,15 @@ class AdaptMemCallback(pl.Callback):
         self._build(trainer, pl_module)  # FSDP, DeepSpeed: restored after on_fit_start, before this
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The manager, from the saved state when the fit resumed one. Built no earlier: Lightning
+        """The manager, from the saved state when the fit resumed one, or from the last fit's closed
+        manager when this callback fits again (a second stage): the run goes on. Built no earlier: Lightning
         restores callbacks after `setup`, and a manager built before its state was known would
         log its `start` under a fresh run id; and `trainer.ckpt_path` (the checkpoint this fit
         restored) is known only now, so a resume without adaptmem's state can be told apart."""
-        if self.manager is not None:
+        if self.manager is not None and not self.manager.closed:
             return
-        if trainer.ckpt_path and self._pending_state is None:
+        state = self._pending_state
+        if trainer.ckpt_path and state is None:
             log.warning(
                 "adaptmem: the fit resumed from %s, which holds no adaptmem state (no %r entry among "
                 "its callbacks' states: saved without AdaptMemCallback, or empty); the controller starts "
@@ -103,7 +105,9 @@ class AdaptMemCallback(pl.Callback):
                 trainer.ckpt_path,
                 self.state_key,
             )
-        self.manager = MemoryManager(pl_module, **self.options, state=self._pending_state)
+        elif state is None and self.manager is not None:  # a second fit with this callback: the run goes on
+            state = self._final_state
+        self.manager = MemoryManager(pl_module, **self.options, state=state)
         self._pending_state = None
         if pl_module.automatic_optimization:
             self._wrap_closures(trainer)

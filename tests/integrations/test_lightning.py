@@ -192,3 +192,22 @@ def test_each_micro_batch_and_its_closure_are_freed_when_it_ends_not_at_the_next
         assert sum(r() is not None for r in alive) <= 1  # the last one, which the loop may still hold
     finally:
         gc.enable()
+
+
+def test_a_second_fit_with_the_same_callback_is_managed_and_goes_on_with_the_run(tmp_path):
+    """`trainer.fit` twice (a second stage, say) with one callback: the second fit builds a new
+    manager from where the first one closed (its run id, counters and learned costs), not none."""
+    log = tmp_path / "run.jsonl"
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    callback = AdaptMemCallback(budget="1GiB", device=dev, log=str(log))
+    module = LitTiny()
+    with dev:
+        fit(tmp_path / "a", callback=callback, steps=2, module=module)
+        first = callback.manager
+        run = first.summary()["run"]
+        fit(tmp_path / "b", callback=callback, steps=2, module=module)
+    second = callback.manager
+    assert second is not first and first.closed and second.closed
+    assert second.summary()["run"] == run and second.summary()["steps"] == 8  # 4 micro-steps a fit
+    steps = [r["step"] for r in read_log(log, run=run) if r["type"] == "step"]
+    assert steps == list(range(1, 9))
