@@ -253,6 +253,7 @@ class Controller:
                 if now.open and start >= budget:  # every rank sees it here, and raises
                     raise ValueError(below_floor(start, budget))
                 now.plan_point_passed = True
+            self.plans.width = shape.width
             record = self.plans.choose(batch, extent, start, budget)
             if agree:  # and runs rank 0's plan
                 modes, head = self.ranks.agree.plan(record.modes, record.head)

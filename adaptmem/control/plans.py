@@ -106,6 +106,7 @@ class PlanBook:
         self.pinned: dict[int, Mode] = {}  # blocks whose mode is not the planner's to choose
         self.cache: OrderedDict[Key, PlanRecord] = OrderedDict()
         self.failed: tuple[Mode, ...] | None = None  # the plan that just ran out of memory
+        self.width = 0  # a token model's elements per position (`InputShape.width`): sizes told in tokens
         self.failed_head: HeadChoice | None = None  # and its head
         # (plan, head) pairs that ran out of memory in this step
         self.tried: set[tuple[tuple[Mode, ...], HeadChoice | None]] = set()
@@ -352,14 +353,16 @@ class PlanBook:
         self._warned.add((key[:2], measured))
         target = self.decider.headroom * budget
         predicted = self.predict(modes, batch, extent, start, head)
+        width = self.width
+        size = f"{extent // width:,} tokens" if width and extent % width == 0 else f"{extent:,} input elements"
         log.warning(
             "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
-            "%d input elements each. Running %s%s, predicted at %s (%s over)%s; %s",
+            "%s each. Running %s%s, predicted at %s (%s over)%s; %s",
             format_bytes(target),
             100 * self.decider.headroom,
             format_bytes(budget),
             batch,
-            extent,
+            size,
             "a retry's plan, " if self.failed is not None else "" if bound and measured else "the tightest plan, ",
             plan_text(modes, head),
             format_bytes(predicted),

@@ -609,6 +609,7 @@ def test_a_budget_no_micro_step_fits_is_warned_of_once_not_once_per_kind_of_micr
         assert {key[2] for key in mem._controller.plans.cache} == {False, True}  # a plan for each kind
     warned = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
     assert len([w for w in warned if "lower the batch or input size" in w]) == 1
+    assert warned and all("for batch 2 x up to 64 tokens each" in w for w in warned)  # a token model's size
 
 
 def test_a_stand_in_never_entered_during_a_step_is_warned_of_once(caplog):
