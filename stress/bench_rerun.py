@@ -1,7 +1,8 @@
 """The host work of a checkpoint per saved tensor: adaptmem's (`adaptmem.strategies.rerun`)
 against `torch.utils.checkpoint(use_reentrant=False)`, side by side in one run.
 
-    python -m stress.bench_rerun            # 8 checkpointed functions of 40 tiny ops each, 15 rounds
+    python -m stress.bench_rerun                  # 8 checkpointed functions of 40 tiny ops each, 15 rounds
+    python -m stress.bench_rerun --device cuda    # the same ops launched on a GPU (synchronized per round)
 
 Each function saves one tensor per op, and its tensors are tiny, so a step is the host's
 work: the plain run's time is the ops', and what a checkpoint adds over it, less the
@@ -54,19 +55,23 @@ def step(run, x0: torch.Tensor) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=20, help="steps per way and round")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    x0 = torch.randn(4, requires_grad=True)
+    x0 = torch.randn(4, device=args.device, requires_grad=True)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     rounds: dict[str, list[float]] = {name: [] for name in WAYS}
     for r in range(args.rounds):
         names = list(WAYS)[r % len(WAYS) :] + list(WAYS)[: r % len(WAYS)]
         for name in names:
             step(WAYS[name], x0)  # warm
+            sync()
             t = time.perf_counter()
             for _ in range(args.steps):
                 step(WAYS[name], x0)
+            sync()
             rounds[name].append((time.perf_counter() - t) / args.steps)
     saved = OPS * FUNCTIONS
     plain = rounds["plain"]
@@ -74,7 +79,8 @@ def main(argv=None) -> int:
     work = {
         name: [(t - p - p / 2) / saved * 1e6 for t, p in zip(rounds[name], plain)] for name in WAYS if name != "plain"
     }
-    print(f"{FUNCTIONS} checkpointed functions of {OPS} tiny ops; plain step {1e3 * statistics.median(plain):.2f} ms")
+    plain_ms = 1e3 * statistics.median(plain)
+    print(f"{FUNCTIONS} checkpointed functions of {OPS} tiny ops on {args.device}; plain step {plain_ms:.2f} ms")
     for name, us in work.items():
         low, high = interval(us)
         print(f"  {name:<24} {statistics.median(us):5.1f} us of host work per saved tensor [{low:.1f}, {high:.1f}]")
