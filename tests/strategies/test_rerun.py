@@ -196,3 +196,21 @@ def test_a_block_that_checkpoints_part_of_itself_with_pytorchs_checkpoint_is_exa
     outer = [Outer(b) for b in blocks]
     x = torch.randn(2, 8, 32)
     assert all(torch.equal(a, b) for a, b in zip(grads(outer, x, "rerun"), grads(outer, x, "plain")))
+
+
+def test_a_gradient_taken_inside_the_checkpointed_forward_is_exact():
+    """A block that differentiates inside its forward (a penalty on its own input gradient) reads
+    holders before forward ends: they are filled from a rerun up to there, and backward reruns it whole."""
+
+    def f(x):
+        y = x.sin() * x
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return (g * y).exp()
+
+    def grad_of(how):
+        x = torch.randn(5, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        out = f(x) if how == "plain" else rerun.checkpoint(f, x)
+        out.sum().backward()
+        return x.grad
+
+    assert torch.equal(grad_of("rerun"), grad_of("plain"))
