@@ -90,25 +90,35 @@ class Scaled(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("mode", [m for m in LOSSLESS_MODES if m.recomputes], ids=lambda m: m.label)
-def test_a_buffer_saved_for_backward_survives_the_recompute_putting_buffers_back(mode):
-    """The recompute's buffers are put back without a new version: a buffer that autograd
-    saved elsewhere is not refused as modified in place, and gradients and statistics are exact."""
+def scaled_pair(mode):
+    """An input, and two `Scaled` models alike: one plain, one with its blocks in `mode`."""
 
     def make():
         torch.manual_seed(0)
         return Scaled()
 
-    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
     plain, managed = make(), make()
     adaptmem.instrument(managed, blocks=list(managed.blocks), mode=mode)
+    return torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), plain, managed
+
+
+def assert_same_buffers(plain, managed):
+    for (name, a), b in zip(plain.named_buffers(), managed.buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("mode", [m for m in LOSSLESS_MODES if m.recomputes], ids=lambda m: m.label)
+def test_a_buffer_saved_for_backward_survives_the_recompute_putting_buffers_back(mode):
+    """The recompute's buffers are put back without a new version: a buffer that autograd
+    saved elsewhere is not refused as modified in place, and gradients and statistics are exact."""
+
+    x, plain, managed = scaled_pair(mode)
     for model in (plain, managed):
         for _ in range(2):
             model(x.clone().requires_grad_()).square().sum().backward()
     for (name, a), b in zip(plain.named_parameters(), managed.parameters()):
         assert torch.equal(a.grad, b.grad), name
-    for (name, a), b in zip(plain.named_buffers(), managed.buffers()):
-        assert torch.equal(a, b), name
+    assert_same_buffers(plain, managed)
 
 
 @pytest.mark.parametrize("mode", [m for m in LOSSLESS_MODES if m.recomputes], ids=lambda m: m.label)
@@ -116,17 +126,10 @@ def test_a_buffer_registered_into_a_block_after_its_first_recompute_is_put_back_
     """The recompute reads a block's buffers from a list of its modules made once: a module
     registered later (its running statistics) is in it, or the recompute would update them twice."""
 
-    def make():
-        torch.manual_seed(0)
-        return Scaled()
-
-    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
-    plain, managed = make(), make()
-    adaptmem.instrument(managed, blocks=list(managed.blocks), mode=mode)
+    x, plain, managed = scaled_pair(mode)
     for model in (plain, managed):
         model(x.clone().requires_grad_()).square().sum().backward()
         block = model.blocks[1]
         block.norm = torch.nn.Sequential(block.norm, torch.nn.BatchNorm1d(8))  # a new module, new buffers
         model(x.clone().requires_grad_()).square().sum().backward()
-    for (name, a), b in zip(plain.named_buffers(), managed.buffers()):
-        assert torch.equal(a, b), name
+    assert_same_buffers(plain, managed)
