@@ -389,6 +389,8 @@ class Controller:
         running = self.blocks.running()
         changed = sum(1 for i, mode in enumerate(running) if i not in done and mode is not record.modes[i])
         self.apply(record)
+        if changed and self.now.open:  # the step is predicted as it runs: the blocks run so far, the rest replanned
+            self.now.predicted = self.plans.predict(record.modes, batch, extent, self.now.start, record.head)
         return changed
 
     # ------------------------------------------------ learn and decide

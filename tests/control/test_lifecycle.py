@@ -251,11 +251,14 @@ def test_set_budget_replans_the_blocks_not_yet_run():
         with mem.step():
             model(**batch).loss.backward()
         hook.remove()
+        replanned = mem.last_step
         event = mem.events.last("budget")
         assert mem.set_budget("50%") == int(0.5 * dev.capacity_bytes)
     assert seen["bytes"] == int(unmanaged * 0.6) and event["budget_bytes"] == seen["bytes"]
     assert seen["modes"][:2] == [Mode.NONE, Mode.NONE]  # already ran
     assert any(m is not Mode.NONE for m in seen["modes"][2:]) and event["replanned_blocks"] > 0
+    # the step is predicted as it ran, under the plan changed halfway, not the one it began with
+    assert abs(replanned["prediction_error"]) < 0.10, replanned["prediction_error"]
 
 
 def test_a_manager_whose_steps_are_never_marked_warns_once(caplog):
