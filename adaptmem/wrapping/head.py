@@ -203,6 +203,13 @@ def find_head(model: nn.Module, head: HeadSelection = "auto") -> tuple[str, nn.L
         )
     if head == "auto":
         return _hugging_face_head(model, named)
+    if head.lower() in ("kept", "chunked"):  # the policy's choice for the head, not a head
+        raise ValueError(
+            f'head={head!r}: head= names the module that is the loss head (head="lm_head"; "auto" finds a '
+            "Hugging Face model's); whether it is kept whole or chunked is the policy's `head`: pass "
+            f"policy=adaptmem.load_policy().model_copy(update={{'head': {head.lower()!r}}}), or set "
+            f'head = "{head.lower()}" in a policy file'
+        )
     if head not in named:
         linears = [n for n, m in named.items() if isinstance(m, nn.Linear)]
         raise ValueError(
@@ -216,10 +223,15 @@ def find_head(model: nn.Module, head: HeadSelection = "auto") -> tuple[str, nn.L
 def _linear(module: nn.Module, name: str) -> nn.Linear:
     if not isinstance(module, nn.Linear):
         raise ValueError(
-            f"head {name!r} is a {type(module).__name__}, not an nn.Linear: the loss head is the output "
-            "projection whose logits go to the loss (nanoGPT's lm_head); pass that, or head=None"
+            f"head {name!r} is {_article(type(module).__name__)} {type(module).__name__}, not an nn.Linear: the "
+            "loss head is the output projection whose logits go to the loss (nanoGPT's lm_head); pass that, "
+            "or head=None"
         )
     return module
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
 
 
 def _hugging_face_head(model: nn.Module, named: dict[str, nn.Module]):

@@ -244,8 +244,12 @@ def test_bad_input_is_named_and_changes_nothing():
     model = hf_model("llama")
     with pytest.raises(ValueError, match="no submodule of that name.*lm_head"):
         adaptmem.instrument(model, head="output")
-    with pytest.raises(ValueError, match="not an nn.Linear"):
+    with pytest.raises(ValueError, match="is a LlamaRMSNorm, not an nn.Linear"):
         adaptmem.instrument(model, head="model.norm")
+    with pytest.raises(ValueError, match=r"policy's `head`.*update=\{'head': 'kept'\}"):  # a policy value, not a name
+        adaptmem.instrument(model, head="kept")
+    with pytest.raises(ValueError, match="is an Embedding, not"):
+        adaptmem.instrument(model, head="model.embed_tokens")
     assert adaptmem.get_handles(model) == [] and "forward" not in model.lm_head.__dict__
     chunked(model)
     batch = labels_for()
