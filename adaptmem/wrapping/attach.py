@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +22,10 @@ from torch import nn
 from adaptmem.modes import Mode
 from adaptmem.strategies import STRATEGIES, CompressOptions, OffloadOptions
 from adaptmem.wrapping.handles import BlockHandle, BlockRuntime, Instrumentation, checkpoints_itself
-from adaptmem.wrapping.head import HeadHandle, HeadSelection, attach_head, detach_head, find_head
+from adaptmem.wrapping.head import HeadHandle, HeadSelection, attach_head, detach_head, find_head, likely_head
 from adaptmem.wrapping.selection import BlockSelection, find_blocks
+
+log = logging.getLogger("adaptmem")
 
 _ATTR = "_adaptmem_instrumentation"
 
@@ -157,6 +160,16 @@ def instrument(
     chosen = find_blocks(model, blocks)
     found_head = find_head(model, head)
     existing: Instrumentation | None = model.__dict__.get(_ATTR)
+    if found_head is None and head == "auto" and existing is None and (likely := likely_head(model)) is not None:
+        log.warning(
+            'adaptmem: head="auto" finds a Hugging Face language model\'s loss head, and %s has none; its '
+            "%r (as many outputs as %r has rows) looks like one: pass head=%r to have its logits managed "
+            "(at long sequences the largest tensor of a step), or head=None to say there is none",
+            type(model).__name__,
+            likely[0],
+            likely[1],
+            likely[0],
+        )
     if existing is not None:
         if [id(m) for _, m in chosen] == [id(m) for m in existing.modules]:
             return list(existing.handles)

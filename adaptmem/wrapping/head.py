@@ -220,6 +220,18 @@ def find_head(model: nn.Module, head: HeadSelection = "auto") -> tuple[str, nn.L
     return head, _linear(named[head], head), None
 
 
+def likely_head(model: nn.Module) -> tuple[str, str] | None:
+    """Where `find_head` found none under "auto": ``(name, embedding's name)`` of the last linear
+    layer with as many outputs as an embedding has rows (a language model's output projection
+    of one's own, nanoGPT's lm_head), or None."""
+    named = list(model.named_modules())
+    rows = {m.num_embeddings: n for n, m in named if isinstance(m, nn.Embedding) and m.num_embeddings >= 256}
+    for name, module in reversed(named):
+        if isinstance(module, nn.Linear) and module.out_features in rows:
+            return name, rows[module.out_features]
+    return None
+
+
 def _linear(module: nn.Module, name: str) -> nn.Linear:
     if not isinstance(module, nn.Linear):
         raise ValueError(

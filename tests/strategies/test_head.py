@@ -284,3 +284,27 @@ def test_a_chunk_of_ones_own_larger_than_the_batch_warns_with_the_fix_and_the_pl
         with pytest.raises(ValueError, match="chunk_tokens must be a positive number of tokens"):
             head.chunk_tokens = bad
     assert head.chunk_tokens == 2048 and head.mode is HeadMode.CHUNKED  # a bad value changes nothing
+
+
+def test_a_model_of_ones_own_with_a_vocabulary_sized_projection_is_told_to_name_its_head(caplog):
+    """head="auto" finds only a Hugging Face language model's head: where a model of one's own has
+    a linear layer with as many outputs as an embedding has rows, a warning names it; head=None
+    (no head, said so) and a found head say nothing."""
+
+    class GPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = torch.nn.Embedding(1024, 32)
+            self.h = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))
+            self.lm_head = torch.nn.Linear(32, 1024, bias=False)
+
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        adaptmem.instrument(gpt := GPT(), blocks=list(gpt.h))
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert "pass head='lm_head'" in warned and "'wte' has rows" in warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        adaptmem.instrument(gpt := GPT(), blocks=list(gpt.h), head=None)
+        adaptmem.instrument(gpt := GPT(), blocks=list(gpt.h), head="lm_head")
+        adaptmem.instrument(hf_model("llama"))
+    assert not caplog.records
