@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import weakref
 from typing import Any
 
@@ -74,7 +75,7 @@ _outside_backward = itertools.count(-2, -1)  # a graph task id for an unpack out
 class _Frame:
     """One forward of one checkpointed block: what its rerun needs, and the holders it fills."""
 
-    __slots__ = ("fn", "args", "positions", "saver", "holders", "task", "count", "state", "__weakref__")
+    __slots__ = ("fn", "args", "positions", "saver", "holders", "task", "count", "state", "recording", "__weakref__")
 
     def __init__(self, fn: Any, args: tuple) -> None:
         self.fn = fn
@@ -84,11 +85,23 @@ class _Frame:
         self.task: int | None = None  # the graph task whose rerun filled the holders
         self.count = 0
         self.state = _State(args)
+        self.recording: list | None = None  # forward's saved tensors, while a caller listens (SELECTIVE)
 
     def pack(self, x: torch.Tensor) -> _Holder:
         holder = _Holder(x)
         self.holders.append(weakref.ref(holder))
+        if self.recording is not None:
+            self.recording.append(x)
         return holder
+
+    def innermost(self) -> bool:
+        """This frame's hooks are the ones autograd saves through now (no hook inside it, such as
+        a checkpoint of PyTorch's that the block runs): what the block saves comes to this frame."""
+        try:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        except (AttributeError, RuntimeError):  # pragma: no cover - an older torch
+            return False
+        return top is not None and getattr(top[0], "__self__", None) is self
 
     def unpack(self, holder: _Holder) -> torch.Tensor:
         task = torch._C._current_graph_task_id()
@@ -115,11 +128,20 @@ class _Frame:
         args = list(self.args)
         for i, t in zip(self.positions, self.saver.grad_fn.saved_tensors):
             args[i] = t
+        outer = running()
+        _running.frame = self
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._refill, _same), torch.enable_grad():
                 self.state.rerun(self.fn, args)
         except _Stop:
             pass
+        finally:
+            _running.frame = outer
+
+    def refill(self, x: torch.Tensor) -> None:
+        """In a rerun, the next saved tensor given as it is instead of by an op saving it (SELECTIVE
+        answering a layer); raises `_Stop` after the last, as the hook does."""
+        self._refill(x)
 
     def _refill(self, x: torch.Tensor) -> torch.Tensor:
         # Detached: a saved output packed as itself would hold the node that saved it (a cycle
@@ -145,6 +167,15 @@ class _Frame:
 
 def _same(x: Any) -> Any:
     return x
+
+
+#: The frame whose block runs in this thread (its forward, or its rerun), for SELECTIVE's layers.
+_running = threading.local()
+
+
+def running() -> _Frame | None:
+    """The checkpoint frame of the block running in this thread, or None."""
+    return getattr(_running, "frame", None)
 
 
 class _State:
@@ -211,5 +242,10 @@ def checkpoint(fn: Any, *args: Any) -> Any:
     frame = _Frame(fn, args)
     tensors = [args[i] for i in frame.positions]
     frame.saver = _Inputs.apply(torch.empty((0,), requires_grad=True), *tensors)
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
-        return fn(*args)
+    outer = running()
+    _running.frame = frame
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+            return fn(*args)
+    finally:
+        _running.frame = outer

@@ -17,12 +17,18 @@ holding its output would need a look at every op.
 It is done by structure, not op by op. The block runs under the same
 non-reentrant checkpoint as CHECKPOINT. In forward, each weight layer
 (`nn.Linear`, `nn.Conv1d/2d/3d` and the transposed kinds, or a subclass with
-their forward; Hugging Face's `Conv1D`) has its output held. In the recompute,
-each runs its own forward under a dispatch mode that answers its one weight op
-(``mm``, ``addmm``, ``convolution``) with the held output instead of running
-it: autograd records the same node over the same recomputed input, so backward
-is the one NONE runs, bit for bit. The only Python per op is for the two to
-four ops inside each weight layer in the recompute. PyTorch's selective
+their forward; Hugging Face's `Conv1D`) has its output held, and what it saves
+for backward is noted (`Recipe`): views of its input (flattened, or as it is)
+and of its weights. In the recompute the layer does not run: the checkpoint
+(adaptmem's own, `rerun`) is handed those views, rebuilt on the recomputed
+input with forward's sizes, strides and offsets, and the held output stands for
+the layer's, so backward is the one NONE runs, bit for bit, and no Python runs
+per op. Where a layer saved anything else (its weight cast under autocast), has
+a forward set on the instance, or saves through hooks of its own, it runs its
+forward under a dispatch mode that answers its one weight op (``mm``,
+``addmm``, ``convolution``) with the held output instead: autograd records the
+same node over the same recomputed input. Fused attention is answered that way
+too (one op per block). PyTorch's selective
 checkpointing ran a dispatch mode over every op of the block, forward and
 recompute, and cost more than a full checkpoint at batch 1 on a GPU; it is
 still what runs under `torch.compile`, where the compiler applies the op policy
@@ -49,6 +55,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptmem.registrations import listed, registrations
+from adaptmem.strategies import rerun
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default: 0, _aten.addmm.default: 1}  # op -> index of its first matrix argument
@@ -130,18 +137,65 @@ ATTENTION = "attention"  # the owner of fused attention calls in a block's keys
 class Held:
     """What a weight layer or a fused attention returned in forward, held for the recompute."""
 
-    __slots__ = ("values", "version", "nbytes", "flops")
+    __slots__ = ("values", "version", "nbytes", "flops", "recipe")
 
-    def __init__(self, values: tuple, flops: int) -> None:
+    def __init__(self, values: tuple, flops: int, recipe: Recipe | None = None) -> None:
         self.values = values  # a layer: (output,); an attention: its op's outputs
         self.version = values[0]._version
         self.nbytes = sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
         self.flops = flops
+        self.recipe = recipe
 
     @property
     def spoiled(self) -> bool:
         """Changed in place after forward: not what the recompute needs."""
         return self.values[0]._version != self.version
+
+
+class Recipe:
+    """How to give the checkpoint what a weight layer saved in forward without running the layer:
+    each saved tensor is a view of one of the layer's tensor arguments (its input, flattened or
+    as it is: rebuilt on the recomputed input with forward's size, strides and offset) or of one
+    of its weights (kept, detached: it costs no memory). `start` is the count of tensors the block
+    had saved before the layer, which the recompute must have refilled when it comes to it, and
+    `inputs` each argument's layout, which the recomputed ones must have."""
+
+    __slots__ = ("start", "inputs", "parts")
+
+    def __init__(self, start: int, inputs: list[tuple], parts: list) -> None:
+        self.start, self.inputs, self.parts = start, inputs, parts
+
+    @staticmethod
+    def of(start: int, saved: list[torch.Tensor], args: tuple, layer: nn.Module) -> Recipe | None:
+        """The recipe for `saved` (what the layer's call saved, in order), or None where a saved
+        tensor is neither (a weight cast under autocast, a product of the layer's own)."""
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        storages = [a.untyped_storage().data_ptr() for a in inputs]
+        weights = {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False)}
+        parts: list = []
+        for t in saved:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in storages and t.dtype == inputs[storages.index(ptr)].dtype:
+                parts.append((storages.index(ptr), t.size(), t.stride(), t.storage_offset()))
+            elif ptr in weights:
+                parts.append(t.detach())
+            else:
+                return None
+        return Recipe(start, [_layout(a) for a in inputs], parts)
+
+    def give(self, frame: Any, args: tuple) -> bool:
+        """In the recompute: hand the checkpoint the layer's saved tensors, rebuilt on `args`;
+        False (nothing given) where the recompute is not where forward was."""
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        if frame.count != self.start or [_layout(a) for a in inputs] != self.inputs:
+            return False
+        for part in self.parts:  # the last one may end the recompute (`rerun._Stop`)
+            frame.refill(part if isinstance(part, torch.Tensor) else inputs[part[0]].as_strided(*part[1:]))
+        return True
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.size(), t.stride(), t.storage_offset(), t.dtype
 
 
 class BlockLayers:
@@ -258,11 +312,23 @@ class SelectiveRun:
         return owner, n
 
     def _holding(self, layer: nn.Module, forward: Any) -> Any:
+        own = "forward" in layer.__dict__  # a forward set on the instance runs in the recompute too
+
         def held_forward(*args: Any, **kwargs: Any) -> Any:
-            out = forward(*args, **kwargs)
+            frame = rerun.running()
+            listen = frame is not None and not own and frame.recording is None and frame.innermost()
+            if listen:
+                start, frame.recording = len(frame.holders), []
+            try:
+                out = forward(*args, **kwargs)
+            finally:
+                saved = frame.recording if listen else None
+                if listen:
+                    frame.recording = None
             key = self._key(layer)
             if isinstance(out, torch.Tensor) and out.requires_grad and self.known.holds(key):
-                self.outputs[key] = Held((out.detach(),), flops_per_element(layer) * out.numel())
+                recipe = Recipe.of(start, saved, args, layer) if saved is not None and not kwargs else None
+                self.outputs[key] = Held((out.detach(),), flops_per_element(layer) * out.numel(), recipe)
             return out
 
         return held_forward
@@ -277,6 +343,10 @@ class SelectiveRun:
                 self.known.spoiled.add(layer)
                 out = forward(*args, **kwargs)
             else:
+                self.finished.add(key)
+                frame = rerun.running()
+                if held.recipe is not None and frame is not None and held.recipe.give(frame, args):
+                    return held.values[0].requires_grad_()  # what later ops save, as forward's output
                 with _AnswerLayer(held.values[0], getattr(layer, "bias", None) is not None):
                     out = forward(*args, **kwargs)
             self.finished.add(key)

@@ -271,3 +271,76 @@ def test_blocks_in_two_threads_at_once_each_hold_their_own_attention():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", _THREADS], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "exact", done.stderr[-2000:]
+
+
+class Counted:
+    """Counts SELECTIVE's two ways of answering a held layer in the recompute."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.dispatched = self.given = 0
+        answer, give = selective._AnswerLayer.__init__, selective.Recipe.give
+
+        def counted_answer(mode, *args):
+            self.dispatched += 1
+            answer(mode, *args)
+
+        def counted_give(recipe, frame, args):
+            given = give(recipe, frame, args)
+            self.given += given
+            return given
+
+        monkeypatch.setattr(selective._AnswerLayer, "__init__", counted_answer)
+        monkeypatch.setattr(selective.Recipe, "give", counted_give)
+
+
+def test_a_held_linear_layer_is_answered_without_running_it_or_any_op_in_python(monkeypatch):
+    """Its saved tensors (views of its input and weight) are handed to the checkpoint as forward
+    laid them out, and its output is the held one: no dispatch mode, no op of the layer, in the
+    recompute; gradients are NONE's."""
+    counted = Counted(monkeypatch)
+    model, batch = llama(layers=2, hidden=256), hf_batch(seq=64)
+    reference = step(model, batch)
+    adaptmem.instrument(model, mode=Mode.SELECTIVE)
+    for _ in range(2):
+        assert_same(step(model, batch), reference)
+    assert counted.given >= 2 * 2 * 4 and counted.dispatched == 0  # 2 steps x 2 blocks x q, k, v, o at least
+
+
+def test_a_layer_whose_saves_are_not_views_of_its_input_and_weights_is_answered_by_dispatch(monkeypatch):
+    """Under autocast a linear layer saves its weight cast to bf16, a tensor of its own: the layer
+    runs in the recompute with its matmul answered, and gradients stay NONE's."""
+    counted = Counted(monkeypatch)
+    model, x = MLPNet(depth=2), torch.randn(2, 16, 256)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = grads()
+    adaptmem.instrument(model, mode=Mode.SELECTIVE)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(grads(), expected))
+    assert counted.given == 0 and counted.dispatched >= 2
+
+
+def test_a_layer_inside_a_checkpoint_of_pytorchs_within_the_block_is_answered_by_dispatch(monkeypatch):
+    """A block that checkpoints part of itself with `torch.utils.checkpoint`: the layers inside save
+    to PyTorch's holders, not SELECTIVE's checkpoint, so no recipe is taken from them."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Inner(MLPBlock):
+        def forward(self, x):
+            return checkpoint(super().forward, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Inner(256), Inner(256)), torch.randn(2, 16, 256, requires_grad=True)
+    expected = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    counted = Counted(monkeypatch)
+    adaptmem.instrument(model, blocks=list(model), mode=Mode.SELECTIVE)
+    for _ in range(2):
+        got = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert counted.given == 0
