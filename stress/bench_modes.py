@@ -282,6 +282,8 @@ def main(argv=None) -> int:
     vocab = args.vocab or (256 if launch else 32000 if cuda else 4096)
     args.batch = args.batch or (1 if cuda or launch else 4)
     dtype = torch.bfloat16 if cuda else torch.float32
+    if launch and not cuda:  # one thread issuing small ops, as a GPU's host does
+        torch.set_num_threads(1)
     modes = [Mode.parse(m) for m in args.modes.split(",")]
     if args.torch_checkpoint:
         modes += [OnTorchCheckpoint(m) for m in modes if m.recomputes and not m & Mode.OFFLOAD]
