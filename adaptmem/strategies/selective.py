@@ -11,8 +11,7 @@ convolution, a LoRA up-projection), which is bound by memory traffic as the
 pointwise ops are. In a Llama block that frees the norms' outputs, the MLP's
 activation and product, and the attention's rotated inputs, output and scores:
 about half of what the block saves, for a recompute of its pointwise work and
-attention core. Fused attention is recomputed too: it is not a module, and
-holding its output would need a look at every op.
+attention core.
 
 It is done by structure, not op by op. The block runs under the same
 non-reentrant checkpoint as CHECKPOINT. In forward, each weight layer
@@ -23,12 +22,15 @@ and of its weights. In the recompute the layer does not run: the checkpoint
 (adaptmem's own, `rerun`) is handed those views, rebuilt on the recomputed
 input with forward's sizes, strides and offsets, and the held output stands for
 the layer's, so backward is the one NONE runs, bit for bit, and no Python runs
-per op. Where a layer saved anything else (its weight cast under autocast), has
-a forward set on the instance, or saves through hooks of its own, it runs its
-forward under a dispatch mode that answers its one weight op (``mm``,
-``addmm``, ``convolution``) with the held output instead: autograd records the
-same node over the same recomputed input. Fused attention is answered that way
-too (one op per block). PyTorch's selective
+per op. Fused attention is held the same way: its queries, keys and values are
+views of its arguments, its output and log-sum-exp its own (held). Where a
+layer saved anything else (its weight cast under autocast), has a forward set
+on the instance, or saves through hooks of its own, it runs its forward under a
+dispatch mode that answers its one weight op (``mm``, ``addmm``,
+``convolution``) with the held output instead: autograd records the same node
+over the same recomputed input. An attention that saved anything else (keys
+repeated for grouped heads) is held through a dispatch mode from the block's
+next forward on. PyTorch's selective
 checkpointing ran a dispatch mode over every op of the block, forward and
 recompute, and cost more than a full checkpoint at batch 1 on a GPU; it is
 still what runs under `torch.compile`, where the compiler applies the op policy
@@ -153,45 +155,75 @@ class Held:
 
 
 class Recipe:
-    """How to give the checkpoint what a weight layer saved in forward without running the layer:
-    each saved tensor is a view of one of the layer's tensor arguments (its input, flattened or
-    as it is: rebuilt on the recomputed input with forward's size, strides and offset) or of one
-    of its weights (kept, detached: it costs no memory). `start` is the count of tensors the block
-    had saved before the layer, which the recompute must have refilled when it comes to it, and
-    `inputs` each argument's layout, which the recomputed ones must have."""
+    """How to give the checkpoint what a held call saved in forward without running it again.
+    Each saved tensor is one of:
 
-    __slots__ = ("start", "inputs", "parts")
+    - a view of one of the call's tensor arguments (a layer's input, flattened or as it is;
+      attention's queries, keys and values): rebuilt on the recomputed argument with forward's
+      size, strides and offset;
+    - a view of the call's output (fused attention saves its own): rebuilt on the held output;
+    - a view of one of a layer's weights, or a small tensor of the call's own (attention's
+      log-sum-exp, its random seeds): kept as it is, detached.
+
+    `start` is the count of tensors the block had saved before the call, which the recompute
+    must have refilled when it comes to it, and `inputs` the arguments' layouts, which the
+    recomputed ones must have."""
+
+    __slots__ = ("start", "inputs", "parts", "nbytes")
 
     def __init__(self, start: int, inputs: list[tuple], parts: list) -> None:
         self.start, self.inputs, self.parts = start, inputs, parts
+        self.nbytes = sum(p.nbytes for p in parts if isinstance(p, torch.Tensor) and p._base is None)
 
     @staticmethod
-    def of(start: int, saved: list[torch.Tensor], args: tuple, layer: nn.Module) -> Recipe | None:
-        """The recipe for `saved` (what the layer's call saved, in order), or None where a saved
-        tensor is neither (a weight cast under autocast, a product of the layer's own)."""
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    def of(
+        start: int,
+        saved: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        *,
+        weights: frozenset = frozenset(),
+        out: torch.Tensor | None = None,
+        spare: int = 0,
+    ) -> Recipe | None:
+        """The recipe for `saved` (what the call saved, in order), or None where a saved tensor is
+        none of those (a weight cast under autocast, keys repeated for grouped heads): `weights`,
+        the storages whose views are kept; `spare`, the bytes of other tensors that may be kept."""
         storages = [a.untyped_storage().data_ptr() for a in inputs]
-        weights = {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False)}
+        output = out.untyped_storage().data_ptr() if out is not None else None
         parts: list = []
         for t in saved:
             ptr = t.untyped_storage().data_ptr()
             if ptr in storages and t.dtype == inputs[storages.index(ptr)].dtype:
                 parts.append((storages.index(ptr), t.size(), t.stride(), t.storage_offset()))
+            elif ptr == output and t.dtype == out.dtype:
+                parts.append((None, t.size(), t.stride(), t.storage_offset()))
             elif ptr in weights:
+                parts.append(t.detach())
+            elif t.nbytes <= spare:
+                spare -= t.nbytes
                 parts.append(t.detach())
             else:
                 return None
         return Recipe(start, [_layout(a) for a in inputs], parts)
 
-    def give(self, frame: Any, args: tuple) -> bool:
-        """In the recompute: hand the checkpoint the layer's saved tensors, rebuilt on `args`;
-        False (nothing given) where the recompute is not where forward was."""
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    def give(self, frame: Any, inputs: list[torch.Tensor], out: torch.Tensor | None = None) -> bool:
+        """In the recompute: hand the checkpoint the call's saved tensors, rebuilt on `inputs` and
+        the held `out`; False (nothing given) where the recompute is not where forward was."""
         if frame.count != self.start or [_layout(a) for a in inputs] != self.inputs:
             return False
         for part in self.parts:  # the last one may end the recompute (`rerun._Stop`)
-            frame.refill(part if isinstance(part, torch.Tensor) else inputs[part[0]].as_strided(*part[1:]))
+            if isinstance(part, torch.Tensor):
+                frame.refill(part)
+            else:
+                base = out if part[0] is None else inputs[part[0]]
+                frame.refill(base.as_strided(*part[1:]))
         return True
+
+
+def _tensors(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """A call's tensor arguments, positional then keyword, in order."""
+    found = [a for a in args if isinstance(a, torch.Tensor)]
+    return found + [v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)]
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -207,9 +239,10 @@ class BlockLayers:
     (not held either: a Llama block's MLP down projection). The block's last held call is
     presumed such a call until a recompute runs through it."""
 
-    __slots__ = ("layers", "registrations", "spoiled", "unneeded", "dropped")
+    __slots__ = ("layers", "registrations", "spoiled", "unneeded", "dropped", "attention_by_dispatch")
 
     def __init__(self) -> None:
+        self.attention_by_dispatch = False  # its fused attention saved what no `Recipe` rebuilds
         self.layers: list[nn.Module] = []
         self.registrations = -1
         self.spoiled: set[nn.Module] = set()
@@ -327,7 +360,10 @@ class SelectiveRun:
                     frame.recording = None
             key = self._key(layer)
             if isinstance(out, torch.Tensor) and out.requires_grad and self.known.holds(key):
-                recipe = Recipe.of(start, saved, args, layer) if saved is not None and not kwargs else None
+                weights = frozenset(p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False))
+                recipe = None
+                if saved is not None and not kwargs:
+                    recipe = Recipe.of(start, saved, _tensors(args), weights=weights)
                 self.outputs[key] = Held((out.detach(),), flops_per_element(layer) * out.numel(), recipe)
             return out
 
@@ -343,9 +379,9 @@ class SelectiveRun:
                 self.known.spoiled.add(layer)
                 out = forward(*args, **kwargs)
             else:
-                self.finished.add(key)
                 frame = rerun.running()
-                if held.recipe is not None and frame is not None and held.recipe.give(frame, args):
+                if held.recipe is not None and frame is not None and held.recipe.give(frame, _tensors(args)):
+                    self.finished.add(key)  # not where the recompute stopped inside it (`rerun._Stop`)
                     return held.values[0].requires_grad_()  # what later ops save, as forward's output
                 with _AnswerLayer(held.values[0], getattr(layer, "bias", None) is not None):
                     out = forward(*args, **kwargs)
@@ -359,21 +395,56 @@ class SelectiveRun:
         dropout = kwargs.get("dropout_p", args[_SDPA_DROPOUT] if len(args) > _SDPA_DROPOUT else 0.0)
         if dropout or not self.known.holds(key) or not torch.is_grad_enabled():
             return attention(*args, **kwargs)
+        frame = rerun.running()
+        if not self.known.attention_by_dispatch and frame is not None and frame.recording is None:
+            return self._noted_attention(attention, frame, key, args, kwargs)
         with _Capture() as capture:
             out = attention(*args, **kwargs)
         if capture.values is not None and out.requires_grad:
             self.outputs[key] = Held(capture.values, capture.flops)
         return out
 
+    def _noted_attention(self, attention: Any, frame: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
+        """Fused attention with what it saves noted (`Recipe`), no dispatch mode: its output held,
+        and its log-sum-exp and seeds, small, kept. Where it saved anything else (keys repeated
+        for grouped heads, the written-out math's scores), this call is left to the recompute,
+        and the block's later calls are held through a dispatch mode (`_Capture`)."""
+        listen = frame.innermost()
+        if listen:
+            start, frame.recording = len(frame.holders), []
+        try:
+            out = attention(*args, **kwargs)
+        finally:
+            saved = frame.recording if listen else None
+            if listen:
+                frame.recording = None
+        inputs = _tensors(args, kwargs)
+        recipe = None
+        if saved and isinstance(out, torch.Tensor) and out.requires_grad and len(inputs) >= 2:
+            recipe = Recipe.of(start, saved, inputs, out=out, spare=out.nbytes // 4)
+        if recipe is None:
+            self.known.attention_by_dispatch = True
+            return out
+        q, k = inputs[0], inputs[1]
+        held = Held((out.detach(),), 4 * q.numel() * k.size(-2), recipe)  # q @ k^T and p @ v, per head
+        held.nbytes += recipe.nbytes
+        self.outputs[key] = held
+        return out
+
     def _answered_attention(self, attention: Any, *args: Any, **kwargs: Any) -> Any:
         key = self._key(ATTENTION)
         held = self.outputs.pop(key, None)
+        frame = rerun.running()
         if held is None or held.spoiled:
             out = attention(*args, **kwargs)
-        else:
+        elif held.recipe is None:
             with _AnswerAttention(held.values):
                 out = attention(*args, **kwargs)
-        self.finished.add(key)
+        elif frame is not None and held.recipe.give(frame, _tensors(args, kwargs), held.values[0]):
+            out = held.values[0].requires_grad_()
+        else:
+            out = attention(*args, **kwargs)
+        self.finished.add(key)  # not where the recompute stopped inside it (`rerun._Stop`)
         return out
 
 

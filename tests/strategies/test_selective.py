@@ -344,3 +344,71 @@ def test_a_layer_inside_a_checkpoint_of_pytorchs_within_the_block_is_answered_by
         got = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert counted.given == 0
+
+
+@pytest.mark.usefixtures("every_layer_held")
+def test_fused_attention_is_held_and_answered_with_no_dispatch_mode(monkeypatch):
+    """What fused attention saves (its queries, keys and values, its output, its log-sum-exp) is
+    noted in forward and handed to the checkpoint in the recompute: no dispatch mode runs, either
+    way, and backward's FLOPs and gradients are NONE's."""
+    monkeypatch.setattr(selective, "RECOMPUTE_SHARE", 0.0)
+    modes = []
+    for name in ("_Capture", "_AnswerAttention", "_AnswerLayer"):
+        cls = getattr(selective, name)
+        monkeypatch.setattr(cls, "__enter__", lambda self, cls=cls: modes.append(cls) or cls.__mro__[1].__enter__(self))
+    model = tiny(attention="sdpa", dropout=0.0)
+    batch = tiny_batch(model, seq=48)
+    reference = step(model, batch)
+    none = flops_of_backward(model, batch)
+    adaptmem.instrument(model, mode=Mode.SELECTIVE)
+    for _ in range(2):
+        assert_same(step(model, batch), reference)
+    assert flops_of_backward(model, batch) == none and modes == []
+
+
+@pytest.mark.usefixtures("every_layer_held")
+def test_attention_whose_saves_no_recipe_rebuilds_is_held_through_a_dispatch_mode(monkeypatch):
+    """Written-out math (a backend chosen around forward and backward) saves seq x seq scores, no
+    view of its inputs or output: the block's attention goes to the dispatch mode for good, which
+    holds nothing of the math, and gradients stay NONE's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.setattr(selective, "RECOMPUTE_SHARE", 0.0)
+    model = tiny(attention="sdpa", dropout=0.0)
+    batch = tiny_batch(model, seq=48)
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = step(model, batch)
+        adaptmem.instrument(model, mode=Mode.SELECTIVE)
+        for _ in range(2):
+            assert_same(step(model, batch), reference)
+    assert all(selective.block_layers(b).attention_by_dispatch for b in model.blocks)
+
+
+class GatedAttention(nn.Module):
+    """Attention whose output is multiplied by a gate before its projection: that product saves
+    the gate only if the attention output needs a gradient, so the recompute's answered output
+    must need one too, as forward's did."""
+
+    def __init__(self, width: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.gate, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = a.transpose(1, 2).reshape(b, s, w)
+        return x + self.out(a * torch.sigmoid(self.gate(x)))
+
+
+def test_an_answered_attention_output_needs_a_gradient_as_forwards_did(monkeypatch):
+    monkeypatch.setattr(selective, "RECOMPUTE_SHARE", 0.0)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(GatedAttention(), GatedAttention()), torch.randn(2, 32, 256, requires_grad=True)
+    expected = torch.autograd.grad(model(x).square().mean(), [x, *model.parameters()])
+    adaptmem.instrument(model, blocks=list(model), mode=Mode.SELECTIVE)
+    for _ in range(2):
+        got = torch.autograd.grad(model(x).square().mean(), [x, *model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(not selective.block_layers(b).attention_by_dispatch for b in model)
