@@ -171,9 +171,9 @@ class Recipe:
 
     __slots__ = ("start", "inputs", "parts", "nbytes")
 
-    def __init__(self, start: int, inputs: list[tuple], parts: list) -> None:
+    def __init__(self, start: int, inputs: list[tuple], parts: list, nbytes: int = 0) -> None:
         self.start, self.inputs, self.parts = start, inputs, parts
-        self.nbytes = sum(p.nbytes for p in parts if isinstance(p, torch.Tensor) and p._base is None)
+        self.nbytes = nbytes  # what the kept tensors of the call's own hold (weights' views hold nothing)
 
     @staticmethod
     def of(
@@ -191,20 +191,22 @@ class Recipe:
         storages = [a.untyped_storage().data_ptr() for a in inputs]
         output = out.untyped_storage().data_ptr() if out is not None else None
         parts: list = []
+        kept = 0
         for t in saved:
-            ptr = t.untyped_storage().data_ptr()
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
             if ptr in storages and t.dtype == inputs[storages.index(ptr)].dtype:
                 parts.append((storages.index(ptr), t.size(), t.stride(), t.storage_offset()))
             elif ptr == output and t.dtype == out.dtype:
                 parts.append((None, t.size(), t.stride(), t.storage_offset()))
             elif ptr in weights:
                 parts.append(t.detach())
-            elif t.nbytes <= spare:
-                spare -= t.nbytes
+            elif kept + storage.nbytes() <= spare:  # its whole storage stays: what counts
+                kept += storage.nbytes()
                 parts.append(t.detach())
             else:
                 return None
-        return Recipe(start, [_layout(a) for a in inputs], parts)
+        return Recipe(start, [_layout(a) for a in inputs], parts, kept)
 
     def give(self, frame: Any, inputs: list[torch.Tensor], out: torch.Tensor | None = None) -> bool:
         """In the recompute: hand the checkpoint the call's saved tensors, rebuilt on `inputs` and
