@@ -116,15 +116,16 @@ def held_bytes(before, saved):
 
 
 def _both_counts(phase, step, dev, before, saved):
-    """(phase, step, the stand-in's count, the bytes torch holds), read when no storage was freed
-    between them: gloo's worker thread lets go of a collective's buffers a moment after the
-    collective returns, and one freed between the two readings made them differ by its size."""
+    """(phase, step, the stand-in's count, the bytes torch holds), read when both stand still:
+    gloo's worker thread lets go of a collective's buffers a moment after the collective returns
+    (later on a loaded machine), and a buffer it made, which the stand-in (counting in this
+    thread) never saw, or one freed between the two readings, made them differ by its size."""
     for _ in range(100):
         counted = dev.allocated_bytes
         held = held_bytes(before, saved)  # collects first: garbage in cycles is freed before it is read
-        if dev.allocated_bytes == counted:
+        time.sleep(0.02)
+        if dev.allocated_bytes == counted and held_bytes(before, saved) == held:
             break
-        time.sleep(0.01)
     return phase, step, dev.allocated_bytes, held
 
 
