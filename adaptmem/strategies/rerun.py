@@ -94,6 +94,20 @@ class _Frame:
             self.recording.append(x)
         return holder
 
+    def noting(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int, list | None]:
+        """``fn(*args, **kwargs)`` in forward, with the tensors it saves through this frame listed:
+        (its result, the count saved before it, the list), the list None where another hook is
+        the innermost or a call outside is listing already."""
+        start = len(self.holders)
+        if self.recording is not None or not self.innermost():
+            return fn(*args, **kwargs), start, None
+        self.recording = []
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            saved, self.recording = self.recording, None
+        return out, start, saved
+
     def innermost(self) -> bool:
         """This frame's hooks are the ones autograd saves through now (no hook inside it, such as
         a checkpoint of PyTorch's that the block runs): what the block saves comes to this frame."""

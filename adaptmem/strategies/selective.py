@@ -351,15 +351,10 @@ class SelectiveRun:
 
         def held_forward(*args: Any, **kwargs: Any) -> Any:
             frame = rerun.running()
-            listen = frame is not None and not own and frame.recording is None and frame.innermost()
-            if listen:
-                start, frame.recording = len(frame.holders), []
-            try:
-                out = forward(*args, **kwargs)
-            finally:
-                saved = frame.recording if listen else None
-                if listen:
-                    frame.recording = None
+            if frame is not None and not own:
+                out, start, saved = frame.noting(forward, *args, **kwargs)
+            else:
+                out, saved = forward(*args, **kwargs), None
             key = self._key(layer)
             if isinstance(out, torch.Tensor) and out.requires_grad and self.known.holds(key):
                 weights = frozenset(p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False))
@@ -411,15 +406,7 @@ class SelectiveRun:
         and its log-sum-exp and seeds, small, kept. Where it saved anything else (keys repeated
         for grouped heads, the written-out math's scores), this call is left to the recompute,
         and the block's later calls are held through a dispatch mode (`_Capture`)."""
-        listen = frame.innermost()
-        if listen:
-            start, frame.recording = len(frame.holders), []
-        try:
-            out = attention(*args, **kwargs)
-        finally:
-            saved = frame.recording if listen else None
-            if listen:
-                frame.recording = None
+        out, start, saved = frame.noting(attention, *args, **kwargs)
         inputs = _tensors(args, kwargs)
         recipe = None
         if saved and isinstance(out, torch.Tensor) and out.requires_grad and len(inputs) >= 2:
