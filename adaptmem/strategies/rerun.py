@@ -145,19 +145,16 @@ class _Frame:
         outer = running()
         _running.frame = self
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._refill, _same), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(self.refill, _same), torch.enable_grad():
                 self.state.rerun(self.fn, args)
         except _Stop:
             pass
         finally:
             _running.frame = outer
 
-    def refill(self, x: torch.Tensor) -> None:
-        """In a rerun, the next saved tensor given as it is instead of by an op saving it (SELECTIVE
-        answering a layer); raises `_Stop` after the last, as the hook does."""
-        self._refill(x)
-
-    def _refill(self, x: torch.Tensor) -> torch.Tensor:
+    def refill(self, x: torch.Tensor) -> torch.Tensor:
+        """The rerun's pack hook: `x` fills the next holder still alive; `_Stop` after the last.
+        SELECTIVE calls it too, handing over what a layer it does not run saved in forward."""
         # Detached: a saved output packed as itself would hold the node that saved it (a cycle
         # through C++ that no collector frees, and the rerun's graph with it).
         x = x.detach() if x.requires_grad else x

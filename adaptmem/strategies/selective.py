@@ -145,6 +145,7 @@ class Held:
         self.values = values  # a layer: (output,); an attention: its op's outputs
         self.version = values[0]._version
         self.nbytes = sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+        self.nbytes += recipe.nbytes if recipe is not None else 0  # what its recipe keeps of the call's own
         self.flops = flops
         self.recipe = recipe
 
@@ -357,9 +358,9 @@ class SelectiveRun:
                 out, saved = forward(*args, **kwargs), None
             key = self._key(layer)
             if isinstance(out, torch.Tensor) and out.requires_grad and self.known.holds(key):
-                weights = frozenset(p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False))
                 recipe = None
                 if saved is not None and not kwargs:
+                    weights = frozenset(p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False))
                     recipe = Recipe.of(start, saved, _tensors(args), weights=weights)
                 self.outputs[key] = Held((out.detach(),), flops_per_element(layer) * out.numel(), recipe)
             return out
@@ -415,9 +416,7 @@ class SelectiveRun:
             self.known.attention_by_dispatch = True
             return out
         q, k = inputs[0], inputs[1]
-        held = Held((out.detach(),), 4 * q.numel() * k.size(-2), recipe)  # q @ k^T and p @ v, per head
-        held.nbytes += recipe.nbytes
-        self.outputs[key] = held
+        self.outputs[key] = Held((out.detach(),), 4 * q.numel() * k.size(-2), recipe)  # q @ k^T and p @ v
         return out
 
     def _answered_attention(self, attention: Any, *args: Any, **kwargs: Any) -> Any:
