@@ -69,24 +69,30 @@ class ListedModules:
         if self._generation != registrations():
             modules, self._generation = listed(model)
             self._dicts = {k: [d for d in (getattr(m, k) for m in modules) if d] for k in ("_parameters", "_buffers")}
-        seen: set[int] = set()
-        out = []
-        for held in self._dicts[kind]:
-            for t in held.values():
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    out.append(t)
+        out = [t for held in self._dicts[kind] for t in held.values() if t is not None]
+        if len(set(map(id, out))) < len(out):  # one tensor in two places (tied weights): the first only
+            seen: set[int] = set()
+            out = [t for t in out if not (id(t) in seen or seen.add(id(t)))]
         return out
 
 
-#: Each block's `ListedModules`: its buffers are read at every recompute, and walking its modules
-#: anew cost more than copying them.
+#: Each block's `ListedModules`: its buffers are read at every recompute (and the last block's
+#: parameters at every step's start), and walking its modules anew cost more than copying them.
 _LISTS: weakref.WeakKeyDictionary[torch.nn.Module, ListedModules] = weakref.WeakKeyDictionary()
 
 
 def buffers_of(module: torch.nn.Module) -> list[torch.Tensor]:
     """`module.buffers()`, each once, in order, read as they stand (`ListedModules`)."""
+    return _listed(module).tensors("_buffers")
+
+
+def parameters_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    """`module.parameters()`, each once, in order, read as they stand (`ListedModules`)."""
+    return _listed(module).tensors("_parameters")
+
+
+def _listed(module: torch.nn.Module) -> ListedModules:
     known = _LISTS.get(module)
     if known is None:
         known = _LISTS[module] = ListedModules(module)
-    return known.tensors("_buffers")
+    return known

@@ -32,7 +32,8 @@ class ManagedBlocks:
         """Run `modes` (and the head's `head`, where it has one) from the next block on; True when
         that changes the plan in force. Also puts back a plan as it was (a resume, a batch given up)."""
         for handle, mode in zip(self.handles, modes):
-            handle.mode = mode
+            if handle.mode is not mode:
+                handle.mode = mode
         if self.head is not None and head is not None:
             self.head.planned(head.mode, head.chunk)
         if modes == self.modes and head == self.head_choice:

@@ -20,6 +20,7 @@ class BudgetKeeper:
         self.probe = probe
         self.policy = policy
         self.calm = 0
+        self.external: int | None = None  # others' bytes at the last reading (`available`), None before one
         try:
             self.capacity: int | None = probe.capacity()
         except ValueError:  # a stand-in without capacity: no outside pressure to watch
@@ -30,7 +31,8 @@ class BudgetKeeper:
         if self.capacity is None:
             return None
         self.capacity = self.probe.capacity()  # a partition can shrink (MIG, a stand-in's set_capacity)
-        return int(self.capacity * (1 - self.policy.emergency_margin)) - self.probe.external()
+        self.external = self.probe.external()
+        return int(self.capacity * (1 - self.policy.emergency_margin)) - self.external
 
     def squeeze(self, available: int | None) -> tuple[int, int] | None:
         """Shrink `current` to `available` when it no longer fits: (before, after), or None."""

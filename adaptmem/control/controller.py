@@ -65,6 +65,7 @@ from adaptmem.control.unfit import Trace, below_floor, refusal, unfittable
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.host import HostProbe
 from adaptmem.modes import Mode
+from adaptmem.registrations import parameters_of
 from adaptmem.wrapping import BlockHandle, HeadHandle
 from adaptmem.wrapping.selection import class_name
 
@@ -94,7 +95,8 @@ class Controller:
         self.model, self.policy, self.probe = model, policy, probe
         self.budgets, self.events = budgets, events
         self.blocks = ManagedBlocks(handles, head)
-        self.recorder = StepRecorder(probe, in_flight, last_index=len(handles) - 1)
+        runtime = handles[0].runtime if handles else None
+        self.recorder = StepRecorder(probe, in_flight, last_index=len(handles) - 1, runtime=runtime)
         cuda = isinstance(probe, CudaProbe)
         self.costs = CostModel(
             [class_name(h.module) for h in handles],
@@ -139,7 +141,7 @@ class Controller:
             self.ranks.begin_attempt(self.model, [(h.name, h.module) for h in self.blocks.handles], self.policy)
             if self.ranks.sharded is not None:
                 self.costs.pin_seen_bytes()  # its blocks' bytes hold their gathered parameters
-            resident = any(w.grad is not None for w in self.blocks.handles[-1].module.parameters())
+            resident = any(w.grad is not None for w in parameters_of(self.blocks.handles[-1].module))
             self.costs.expect_gradients(resident)  # planned for as it is
             self.recorder.begin(grads_resident=resident)
 
@@ -212,14 +214,15 @@ class Controller:
         now = self.now
         if now.open and self.recorder.ran(handle.index):
             self._second_forward()
+        shape = None
         if now.open and not self.recorder.forward_started:
-            self._plan_forward(shape_of(args, kwargs))
+            self._plan_forward(shape := shape_of(args, kwargs))
         elif not now.open and handle.index == 0:
             self.notices.unmarked(self.user_modes is not None)
             self._plan_forward(shape_of(args, kwargs))
         elif now.open and now.overlapping and handle.index == 0:
             self._plan_second_forward(shape_of(args, kwargs))
-        self.recorder.block_start(handle, args, kwargs)
+        self.recorder.block_start(handle, args, kwargs, shape)
 
     def block_end(self, handle: BlockHandle, call: Any, output: Any) -> None:
         self.recorder.block_end(handle, call, output)
@@ -427,8 +430,8 @@ class Controller:
             observed_peak_bytes=observed,
             budget_bytes=self.budget,
             capacity_bytes=self.budgets.capacity,
-            external_bytes=self.reading(self.probe.external, None),
-            host_bytes=sum(b.host for b in sample.blocks),
+            external_bytes=self.budgets.external,
+            host_bytes=sample.host_bytes,
             prediction_error=error,
             decision=decision,
             headroom=round(self.decider.headroom, 4),

@@ -81,6 +81,7 @@ class Decider:
     relaxed_from: float | None = field(default=None, init=False)
     bias: float = field(default=1.0, init=False)
     misses: deque = field(default_factory=lambda: deque(maxlen=SPREAD_WINDOW), init=False)
+    _margin: float | None = field(default=None, init=False, repr=False)  # `margin`, made when misses change
     agreed_fill: float | None = field(default=None, init=False)  # with other ranks: the smallest fill of all
 
     def __post_init__(self) -> None:
@@ -96,6 +97,7 @@ class Decider:
             return False
         before = self.fill
         self.misses.append((observed - predicted * self.bias) / budget)
+        self._margin = self._spread_margin()
         return abs(self.fill - before) > FILL_MOVE
 
     @property
@@ -103,7 +105,11 @@ class Decider:
         """How far from their aim plans may land, as a share of the budget: `SPREAD_Z` times the misses'
         spread over the window (their median size scaled to a standard deviation, so that one stray
         miss, a first plan made on priors, does not set it for the window's length), and never under
-        the `RECENT` latest misses. None before `SPREAD_MIN` misses."""
+        the `RECENT` latest misses. None before `SPREAD_MIN` misses. Made as a miss is noted: every
+        step reads it a few times."""
+        return self._margin
+
+    def _spread_margin(self) -> float | None:
         misses = self.misses
         if len(misses) < SPREAD_MIN:
             return None
@@ -236,3 +242,4 @@ class Decider:
         self.relaxed_from = None if relaxed is None else float(relaxed)
         self.bias = float(state.get("bias", 1.0))
         self.misses = deque((float(m) for m in state.get("misses", ())), maxlen=SPREAD_WINDOW)
+        self._margin = self._spread_margin()

@@ -20,6 +20,12 @@ A step recorded without `detail` (the manager's steady state: shapes seen, plan
 held, predictions on target) reads the probe only at its start, at the first
 block and at its end: it yields the step's peak, not per-block figures, and is
 not learned from. The hooks still run, so overlap and double backward are seen.
+Its blocks other than the first and the last do not call the recorder at all: each
+appends its index, mode and stats to a list on the blocks' runtime
+(`BlockRuntime.quiet`), which the recorder reads into the step's `plan`, in the
+order they ran, where it needs them (a watched block, a replan, the step's end);
+such a step's `blocks` hold the watched ones only. A forward that ran a block
+twice goes back to calling the recorder at every block from the next step on.
 On a device that runs asynchronously (CUDA) such a step is not waited for: only a
 step measured block by block synchronizes, to read its events' times, and a
 light step's `seconds` are the host's, from its start to its end. A wait at
@@ -37,13 +43,13 @@ from typing import Any
 import torch
 
 from adaptmem.control.readings import SafeReadings
-from adaptmem.control.samples import BlockSample, StepSample, shape_of
+from adaptmem.control.samples import BlockSample, InputShape, StepSample, shape_of
 from adaptmem.devices.probe import MemoryProbe
 from adaptmem.modes import Mode
 from adaptmem.pytree import tensors_in
 from adaptmem.strategies import BlockCall
 from adaptmem.strategies.call import main_input
-from adaptmem.wrapping import BlockHandle
+from adaptmem.wrapping import BlockHandle, BlockRuntime
 
 
 class Segment(enum.Enum):
@@ -62,7 +68,11 @@ class StepRecorder:
     """A `BlockObserver` that records one step at a time through a probe (whose failures it survives)."""
 
     def __init__(
-        self, probe: MemoryProbe, in_flight: Callable[[], int] | None = None, last_index: int | None = None
+        self,
+        probe: MemoryProbe,
+        in_flight: Callable[[], int] | None = None,
+        last_index: int | None = None,
+        runtime: BlockRuntime | None = None,
     ) -> None:
         self.probe = SafeReadings(probe)
         # the index of the block a forward runs last (the last managed one, until a step shows which
@@ -78,6 +88,11 @@ class StepRecorder:
         self._step_mark: Any = None
         self._step_host = 0.0
         self.detail = True  # measure the step block by block (`measure_blocks`, at the first block)
+        self._runtime = runtime  # the blocks' runtime, where a light step's quiet blocks list themselves
+        self._quiet: list | None = None  # that list, while a light step runs
+        self._folded = 0  # how much of it is in the sample
+        self._quiet_stats: list[dict] = []  # their calls' stats, read at the step's end
+        self._may_quiet = False  # the last step ran each block once, in one forward
 
     # ---------------------------------------------------------------- steps
     def begin(self, *, grads_resident: bool = False) -> StepSample:
@@ -94,6 +109,7 @@ class StepRecorder:
             self._bwd_current = None
             self._step_mark = self.probe.mark()
             self._step_host = time.perf_counter()
+            self._stop_quiet()
             return self.sample
 
     def end(self) -> StepSample | None:
@@ -101,6 +117,10 @@ class StepRecorder:
             sample = self.sample
             if sample is None:
                 return None
+            self._fold()
+            sample.quiet_host = sum(stats.get("host", 0) for stats in self._quiet_stats)
+            self._stop_quiet()
+            self._may_quiet = not sample.overlapped
             self._close_segment()
             waited = sample.detailed or not getattr(self.probe.inner, "asynchronous", False)
             end_mark = None
@@ -108,8 +128,8 @@ class StepRecorder:
                 end_mark = self.probe.mark()
                 self.probe.synchronize()
             self._finish(sample, end_mark, waited)
-            if sample.blocks and not sample.overlapped:  # the block forward ran last, for the next light step
-                self.last_index = sample.blocks[-1].index
+            if sample.plan and not sample.overlapped:  # the block forward ran last, for the next light step
+                self.last_index = next(reversed(sample.plan))
             sample.unmeasured = self.probe.failures > self._failures_at_begin
             self.sample = None
             self._open = Segment.IDLE
@@ -132,10 +152,11 @@ class StepRecorder:
         """(batch, extent, allocation at the first block, {index: mode} of blocks run) while a
         forward is under way and no backward has begun; None otherwise."""
         with self._lock:
+            self._fold()
             sample = self.sample
             if sample is None or not sample.blocks or sample.backward_reached:
                 return None
-            return sample.batch, sample.extent, sample.blocks[0].start, {b.index: b.mode for b in sample.blocks}
+            return sample.batch, sample.extent, sample.blocks[0].start, dict(sample.plan)
 
     # ---------------------------------------------------------- observer API
     def ran(self, index: int) -> bool:
@@ -160,16 +181,19 @@ class StepRecorder:
         only watched for its peak; its per-block figures are not learned."""
         with self._lock:
             if self.sample is not None:
+                self._fold()
                 self._close_segment()
                 self.sample.overlapped = True
                 self._open = Segment.OVERLAP
 
-    def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
+    def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict, shape: InputShape | None = None) -> None:
+        """`shape`: the step's input shape, where the caller has read it (`shape_of`) already."""
         with self._lock:
             sample = self.sample
             if sample is None or sample.overlapped:
                 return
             if sample.blocks and not sample.detailed:
+                self._fold()
                 sample.blocks.append(BlockSample(index=handle.index, mode=handle.mode, input_bytes=0, start=0))
                 sample.plan[handle.index] = handle.mode
                 return
@@ -178,7 +202,7 @@ class StepRecorder:
             now = self._close_segment() if sample.detailed else self._allocated()
             grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
             if not sample.blocks:
-                sample.batch, sample.extent, sample.seq, sample.width = shape_of(args, kwargs)
+                sample.batch, sample.extent, sample.seq, sample.width = shape or shape_of(args, kwargs)
                 if grad_inputs:  # its gradient marks the end of the last block backward
                     grad_inputs[0].register_hook(self._make_bwd_hook(None))
                     sample.tail_hooked = True
@@ -195,6 +219,8 @@ class StepRecorder:
             sample.blocks.append(block)
             sample.plan[handle.index] = handle.mode
             self._open = Segment.BLOCK
+            if not sample.detailed:
+                self._go_quiet(handle.index)
 
     def block_end(self, handle: BlockHandle, call: BlockCall, output: Any) -> None:
         with self._lock:
@@ -240,6 +266,40 @@ class StepRecorder:
                 block._marks["rc1"] = self.probe.mark()
 
     # ---------------------------------------------------------------- inner
+    def _go_quiet(self, first: int) -> None:
+        """A light step: from here the blocks other than the first and the last run without
+        calling the recorder (where the last step ran each block once)."""
+        runtime = self._runtime
+        if runtime is None or not self._may_quiet or self.last_index is None:
+            return
+        self._quiet, self._folded = [], 0
+        runtime.watched = frozenset((first, self.last_index))
+        runtime.quiet = self._quiet
+
+    def _stop_quiet(self) -> None:
+        if self._runtime is not None:
+            self._runtime.quiet = None
+        self._quiet, self._folded, self._quiet_stats = None, 0, []
+
+    def _fold(self) -> None:
+        """Put the blocks that ran quietly since the last call into the sample, in the order they ran."""
+        quiet = self._quiet
+        if quiet is None or len(quiet) == self._folded:
+            return
+        with self._lock:
+            ran = quiet[self._folded :]  # a copy: the training thread may append as we read
+            self._folded += len(ran)
+            sample = self.sample
+            if sample is None or sample.overlapped:
+                return
+            plan = sample.plan
+            for index, mode, stats in ran:
+                if index in plan:  # a block run twice in one forward: only the peak counts
+                    sample.overlapped = True
+                    return
+                plan[index] = mode
+                self._quiet_stats.append(stats)
+
     def _make_bwd_hook(self, block: BlockSample | None):
         def hook(grad: torch.Tensor) -> None:
             self._bwd_boundary(block)

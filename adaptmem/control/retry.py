@@ -74,6 +74,9 @@ class BufferCopies:
         self._pinned: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
     def take(self, buffers: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not buffers:
+            self._pinned.clear()
+            return []
         with torch.no_grad(), host_allocations():
             copies = [(b, self._pinned_copy(b) if b.is_cuda else b.detach().to("cpu", copy=True)) for b in buffers]
         if len(self._pinned) > len(buffers):  # buffers replaced or gone: their copies go too
@@ -125,9 +128,9 @@ class StepGuard:
         self.buffer_copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if self.buffer_bytes <= buffer_limit:
             self.buffer_copies = (copies or BufferCopies()).take(buffers)
-        params = model.parameters() if modules is None else modules.tensors("_parameters")
-        self.params = [p for p in params if p.requires_grad]
-        self.existing = {p: g for p in self.params if (g := p.grad) is not None}
+        # every parameter; those needing no gradient are left out where read (a restore is rare, a step is not)
+        self.params = list(model.parameters()) if modules is None else modules.tensors("_parameters")
+        self.existing = {p: g for p in self.params if (g := p.grad) is not None and p.requires_grad}
         self.versions = {p: g._version for p, g in self.existing.items()}
         self.saved: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._hooks = []
@@ -153,7 +156,7 @@ class StepGuard:
         set_rng_state(self.rng)
         self._restore_buffers()
         for p in self.params:
-            if p not in self.existing:
+            if p.requires_grad and p not in self.existing:
                 p.grad = None
         for p, grad in self.existing.items():
             if p in self.saved:

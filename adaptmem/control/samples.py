@@ -75,10 +75,16 @@ class StepSample:
     grads_resident: bool = False  # the weights' gradients were allocated before the step (accumulation)
     head: Any = None  # the loss head's HeadChoice in this step (None: no managed head)
     seconds: float = 0.0
+    quiet_host: int = 0  # bytes sent to the host by blocks run without a BlockSample (a light step's)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the step's blocks sent to the host."""
+        return sum(b.host for b in self.blocks) + self.quiet_host
 
     @property
     def backward_reached(self) -> bool:

@@ -74,12 +74,19 @@ class _BlockForward:
         # traced by torch.compile, the observer is called through `runtime.tell`, which the compiler
         # never traces; run eagerly, directly (the untraced wrapper costs microseconds a call)
         compiling = torch.compiler.is_compiling()
+        quiet = None if compiling else runtime.quiet
+        if quiet is not None and handle.index not in runtime.watched:
+            observer = None  # a step read for its peak only: the observer reads this call from `quiet`
+        else:
+            quiet = None
         if observer is not None:
             if compiling:
                 runtime.tell(observer, "block_start", handle, args, kwargs)
             else:
                 observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
         call = handle.make_call(forward, args, kwargs, compiled=self.compiled is not None)
+        if quiet is not None:
+            quiet.append((handle.index, call.mode, call.stats))  # before it runs: one that runs out of memory ran
         output = STRATEGIES[call.mode](call)
         if not call.mode.offloads:
             call.offload_runtime.prefetch_when_reached(output)

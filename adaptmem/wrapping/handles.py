@@ -48,6 +48,11 @@ class BlockRuntime:
         self._observer: Callable[[], BlockObserver | None] = _nobody
         self.tell: Callable[..., None] = tell_observer
         self._warned: set[str] = set()
+        # a step read for its peak only: the blocks not in `watched` append (index, mode, stats) of
+        # each call to `quiet` in place of calling the observer, which reads the list when it needs
+        # to (None: every block calls it)
+        self.quiet: list[tuple[int, Mode, dict]] | None = None
+        self.watched: frozenset[int] = frozenset()
 
     @property
     def observer(self) -> BlockObserver | None:

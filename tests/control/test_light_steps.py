@@ -1,0 +1,149 @@
+"""A light step's blocks other than the first and the last never call the controller; what the step
+records, decides and retries is what it would have been had every block called it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import budget_between, tiny, tiny_batch
+
+import adaptmem
+from adaptmem.config.policy import load_policy
+from adaptmem.control.recorder import StepRecorder
+from adaptmem.devices.simulated import SimulatedProbe
+from adaptmem.testing import SimulatedDevice
+
+
+class TickingProbe(SimulatedProbe):
+    """The stand-in's probe on a clock that moves one tick a reading: the same steps time alike in
+    every run, so two runs plan alike."""
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        super().__init__(device)
+        self.ticks = 0.0
+
+    def mark(self) -> float:
+        self.ticks += 1e-3
+        return self.ticks
+
+
+class _Once:
+    """A forward hook on one submodule that does `act` the first time it is armed and runs."""
+
+    def __init__(self, module: torch.nn.Module, act) -> None:
+        self.armed, self.act = False, act
+        module.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if self.armed:
+            self.armed = False
+            self.act()
+
+
+def _run(quiet: bool, monkeypatch) -> tuple[list[dict], list[int]]:
+    """A managed run whose plans mix NONE and OFFLOAD, with an out-of-memory error raised
+    inside block 3 in one steady step and the budget raised inside block 2 in another: every step's
+    records, and the controller calls each step's blocks made."""
+    if not quiet:
+        monkeypatch.setattr(StepRecorder, "_go_quiet", lambda self, first: None)
+    make = lambda: tiny(dim=128, n_layers=6, vocab_size=512)
+    model = make()
+    budget, _ = budget_between(make, tiny_batch(model, 4, 128), 0.5)
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    policy = load_policy("balanced").model_copy(
+        update={"modes": ("NONE", "OFFLOAD"), "measure_every": 4, "sample_interval_s": 30.0}
+    )
+    oom = _Once(model.blocks[3].mlp, lambda: (_ for _ in ()).throw(torch.OutOfMemoryError("injected")))
+    moved = _Once(model.blocks[2].mlp, lambda: mem.set_budget(2 * budget))
+    calls, records = [], []
+    with dev, adaptmem.manage(model, budget=budget, device=TickingProbe(dev), policy=policy, head=None) as mem:
+        ctl = mem._controller
+        start = ctl.block_start
+        counted = [0]
+
+        def counting(*args):
+            counted[0] += 1
+            return start(*args)
+
+        ctl.block_start = counting
+        for step, seq in enumerate([128] * 14 + [96] * 6 + [128] * 6):
+            oom.armed, moved.armed = step == 12, step == 22
+            counted[0] = 0
+            mem.run_step(lambda batch=tiny_batch(model, 4, seq): model(**batch).loss.backward())
+            model.zero_grad(set_to_none=True)
+            calls.append(counted[0])
+        records = [{k: v for k, v in r.items() if k not in ("time", "run")} for r in mem.events.records]
+    return records, calls
+
+
+def test_light_steps_record_decide_and_retry_as_if_every_block_called(monkeypatch):
+    quiet, quiet_calls = _run(True, monkeypatch)
+    monkeypatch.undo()
+    loud, loud_calls = _run(False, monkeypatch)
+    steps = [r for r in quiet if r["type"] == "step"]
+    light = [r for r in steps if r["measured"] == "peak"]
+    # what the comparison covers: light steps with offloaded blocks, a retried failure, a mid-forward replan
+    assert len(light) >= 10 and any(r["host_bytes"] > 0 for r in light)
+    assert any(r["type"] == "oom" and r["phase"] == "forward" for r in quiet)
+    moved = next(r["step"] for r in quiet if r["type"] == "budget")
+    assert next(r for r in steps if r["step"] == moved)["measured"] == "peak"  # set inside a light step
+    assert 2 in quiet_calls and 2 not in loud_calls  # the first and the last block only, in light steps
+    assert quiet == loud
+
+
+def test_a_block_run_twice_in_a_light_step_is_seen_and_the_next_step_watches_every_block():
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(5))
+            self.again: int | None = None
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                x = torch.tanh(layer(x))
+                if i == self.again:
+                    x = torch.tanh(layer(x))
+            return x.square().mean()
+
+    model = Blocks()
+    dev = SimulatedDevice(capacity_bytes=2**30)
+    dev.track(model)
+    policy = load_policy("balanced").model_copy(update={"measure_every": 1000, "sample_interval_s": 30.0})
+    with dev, adaptmem.manage(model, budget=2**29, device=TickingProbe(dev), policy=policy) as mem:
+        ctl = mem._controller
+        start, counted = ctl.block_start, [0]
+        ctl.block_start = lambda *a: counted.__setitem__(0, counted[0] + 1) or start(*a)
+        x = torch.randn(4, 8, 16)
+        seen = []
+        for step in range(12):
+            model.again = 2 if step == 8 else None
+            counted[0] = 0
+            mem.run_step(lambda: model(x).backward())
+            model.zero_grad(set_to_none=True)
+            seen.append((counted[0], mem.last_step["measured"], mem.last_step["prediction_error"]))
+    assert seen[7][:2] == (2, "peak")  # light, and quiet
+    assert seen[8][0] == 2 and seen[8][2] is None  # the block run twice: the step taught only its peak
+    assert seen[9][0] == 5 and seen[10][0] == 2  # every block watched once, then quiet again
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_a_light_step_leaves_no_list_behind(quiet, monkeypatch):
+    """Closing the step stops the blocks listing themselves, also after an error inside it."""
+    if not quiet:
+        monkeypatch.setattr(StepRecorder, "_go_quiet", lambda self, first: None)
+    model = tiny(n_layers=3)
+    dev = SimulatedDevice(capacity_bytes=2**30)
+    dev.track(model)
+    batch = tiny_batch(model)
+    with dev, adaptmem.manage(model, budget=2**29, device=TickingProbe(dev), head=None) as mem:
+        for _ in range(8):
+            mem.run_step(lambda: model(**batch).loss.backward())
+        runtime = mem._runtime
+        assert runtime.quiet is None
+        with pytest.raises(ValueError, match="inside"):
+            with mem.step():
+                model(**batch)
+                raise ValueError("inside")
+        assert runtime.quiet is None
