@@ -115,6 +115,8 @@ class CostModel:
         self.offloaded: set[tuple[int, Mode]] = set()  # (block, mode) with OFFLOAD that has run in this process
         self.cold: set[tuple[int, Mode]] = set()  # (block, mode) whose only time reading is its first offload's
         self.times = ModeTimes(self)  # the seconds each mode adds (adaptmem.control.timings)
+        self._latents: dict[tuple[int, int, int], Latents] = {}  # `latents` asked for since `_latents_learned`
+        self._latents_learned = 0
 
     def pin_seen_bytes(self) -> None:
         """From now on, a block's own bytes at a shape seen are predicted as what was seen there, not
@@ -309,13 +311,21 @@ class CostModel:
         return 0.0 if self.grads_resident else float(self._weights[index])
 
     def latents(self, index: int, batch: int, extent: int) -> Latents:
-        q = self.policy.quadratic_prior
-        return Latents(
-            **{
-                k: self._carried(index, k, batch, extent) if _extents(f) == 1 else f.predict(batch, extent, q)
-                for k, f in self.latent[index].items()
-            }
-        )
+        """Block `index`'s latents at a shape; kept until the cost model learns or is loaded (a plan
+        asks for each block's at one shape once per mode, and at the shapes they were measured at)."""
+        key = (index, batch, extent)
+        if self._latents_learned != self.steps_learned or len(self._latents) > 4096:
+            self._latents, self._latents_learned = {}, self.steps_learned
+        got = self._latents.get(key)
+        if got is None:
+            q = self.policy.quadratic_prior
+            got = self._latents[key] = Latents(
+                **{
+                    k: self._carried(index, k, batch, extent) if _extents(f) == 1 else f.predict(batch, extent, q)
+                    for k, f in self.latent[index].items()
+                }
+            )
+        return got
 
     def _carried(self, index: int, name: str, batch: int, extent: int) -> float:
         """A latent seen at one length, carried to another as a guide grows that was seen at two or
@@ -470,6 +480,7 @@ class CostModel:
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
         self.times.forget()  # its pools are kept per steps learned, which may have gone back
+        self._latents = {}
 
 
 def _extents(fit: Fit) -> int:

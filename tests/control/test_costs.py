@@ -752,3 +752,27 @@ def test_a_step_that_failed_before_the_backward_does_not_teach_the_head():
     assert costs.head_bytes(1, 1000) == pytest.approx(5000)
     costs.learn(replace(whole, head_top=whole.blocks[-1].end + 6000))  # a whole step learns it again
     assert costs.head_bytes(1, 1000) > 5000
+
+
+def test_a_cost_model_put_back_predicts_from_what_it_learns_next_not_from_what_it_knew_before():
+    """Each block's latents are kept per shape until the model learns or is put back. A batch given up
+    puts it back (`restore`) to as many steps learned as before the batch, and the next step it learns
+    is another: its predictions are that step's, as a model that never saw the batch given up makes them."""
+    model = tiny(dim=128, n_layers=4, vocab_size=256)
+    harness = Harness(model, lambda s: tiny_batch(model, batch=4, seq=s))
+    harness.run([Mode.NONE] * 4, 64)
+    given_up, next_one = (harness.run([Mode.NONE] * 4, seq, learn=False) for seq in (128, 320))
+    per_token = given_up.extent // 128
+
+    def figures(costs):
+        return [costs.figures(i, mode, 4, 192 * per_token) for i in range(4) for mode in (Mode.NONE, Mode.CHECKPOINT)]
+
+    costs, before = harness.costs, harness.costs.snapshot()
+    costs.learn(given_up)
+    taught_by_given_up = figures(costs)
+    costs.restore(before)
+    costs.learn(next_one)
+    fresh = CostModel(costs.classes, costs.policy, cuda=False)
+    fresh.restore(before)
+    fresh.learn(next_one)
+    assert figures(costs) == figures(fresh) != taught_by_given_up
