@@ -2,6 +2,7 @@
 
     python -m stress.bench_controller            # the benchmark's Llama at 2 x 512; also with every step measured
     python -m stress.bench_controller --proxy    # launch-bound: 24 small blocks, where host time is the step
+    python -m stress.bench_controller --replan   # the host time of one replan of those 24 blocks
 
 Two figures, over the same steady-state steps (shapes seen, plan held; one step in
 `measure_every` is measured block by block, as in training):
@@ -167,6 +168,34 @@ def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
     }
 
 
+def replan_ms(blocks: int = 24, repeats: int = 20) -> dict:
+    """How long one replan (`PlanBook.make`) of the proxy's steady shape takes on the host (ms, the
+    fastest of `repeats`): as the first after the cost model learned (nothing kept from the plans
+    before) and as one made again with nothing learned in between."""
+    import adaptmem
+
+    torch.manual_seed(0)
+    model, x = LaunchBound(blocks), torch.randn(2, 8, 32)
+    mem = adaptmem.manage(model, device="cpu", budget="95%")
+    try:
+        for _ in range(30):
+            mem.run_step(lambda: model(x).backward())
+            model.zero_grad(set_to_none=True)
+        ctl = mem._controller
+        key, start = ctl.plans.bucket(2, 8 * 32), ctl.probe.allocated()
+        took = {"after learning": [], "again": []}
+        for _ in range(repeats):
+            for name in took:
+                if name == "after learning":  # what a step learned from drops: the kept latents, the pools
+                    ctl.costs.load_state_dict(ctl.costs.state_dict())
+                t = time.thread_time()
+                ctl.plans.make(key, start, ctl.budget, fixed={}, reason="replan")
+                took[name].append(1e3 * (time.thread_time() - t))
+    finally:
+        mem.close()
+    return {name: min(times) for name, times in took.items()}
+
+
 def _marked(mem, work) -> None:
     with mem.step():
         work()
@@ -267,6 +296,10 @@ def main() -> int:
             ),
         ]
         print("\n".join(v.line() for v in verdicts))
+        return 0
+    if "--replan" in sys.argv:
+        got = replan_ms()
+        print("a replan of 24 small blocks: " + ", ".join(f"{k} {v:.2f} ms" for k, v in got.items()))
         return 0
     every = controller_fraction(measure_every=1)
     print(f"measuring every step block by block: {every['direct']:.3%} of a step in the controller's code")
