@@ -513,6 +513,31 @@ def test_the_launch_bound_proxy_reports_host_time_by_stretch_for_its_interval():
     assert {name: len(r) for name, r in got["ratios"].items()} == {"run_step": 2, "step()": 2}
 
 
+def test_the_replan_timing_makes_every_latent_anew_after_learning_and_none_again(monkeypatch):
+    """`--replan` times a plan made first after the cost model learned (every block's latents made
+    anew) and one made again (all kept), alternately."""
+    import adaptmem.control.costs as costs
+    from adaptmem.control.plans import PlanBook
+    from stress.bench_controller import replan_ms
+
+    made, latents, make = [], costs.Latents, PlanBook.make
+    monkeypatch.setattr(costs, "Latents", lambda **kw: made.append(1) or latents(**kw))
+    per_make = []
+
+    def counted(self, *args, **kwargs):
+        before = len(made)
+        try:
+            return make(self, *args, **kwargs)
+        finally:
+            per_make.append(len(made) - before)
+
+    monkeypatch.setattr(PlanBook, "make", counted)
+    got = replan_ms(blocks=4, repeats=3)
+    assert set(got) == {"after learning", "again"} and all(v > 0 for v in got.values())
+    timed = per_make[-6:]
+    assert all(n >= 4 for n in timed[0::2]) and timed[1::2] == [0, 0, 0]
+
+
 def test_the_headroom_search_finds_the_longest_length_to_within_its_precision():
     """`stress.headroom.search` doubles from its start, then bisects back to a multiple of GRAIN
     within PRECISION of the first length that fails; a limit caps the lengths it tries."""
