@@ -168,20 +168,27 @@ def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
     }
 
 
-def replan_ms(blocks: int = 24, repeats: int = 20) -> dict:
+def replan_ms(blocks: int = 24, repeats: int = 20, steady: int = 1000) -> dict:
     """How long one replan (`PlanBook.make`) of the proxy's steady shape takes on the host (ms, the
     fastest of `repeats`): as the first after the cost model learned (nothing kept from the plans
-    before) and as one made again with nothing learned in between."""
+    before) and as one made again with nothing learned in between; and how many replans `steady`
+    steps of it made ("replans")."""
     import adaptmem
 
     torch.manual_seed(0)
     model, x = LaunchBound(blocks), torch.randn(2, 8, 32)
     mem = adaptmem.manage(model, device="cpu", budget="95%")
     try:
+        ctl = mem._controller
         for _ in range(30):
             mem.run_step(lambda: model(x).backward())
             model.zero_grad(set_to_none=True)
-        ctl = mem._controller
+        made, make = [], ctl.plans.make
+        ctl.plans.make = lambda *args, **kwargs: made.append(1) or make(*args, **kwargs)
+        for _ in range(steady):
+            mem.run_step(lambda: model(x).backward())
+            model.zero_grad(set_to_none=True)
+        del ctl.plans.make
         key, start = ctl.plans.bucket(2, 8 * 32), ctl.probe.allocated()
         took = {"after learning": [], "again": []}
         for _ in range(repeats):
@@ -193,7 +200,7 @@ def replan_ms(blocks: int = 24, repeats: int = 20) -> dict:
                 took[name].append(1e3 * (time.thread_time() - t))
     finally:
         mem.close()
-    return {name: min(times) for name, times in took.items()}
+    return {**{name: min(times) for name, times in took.items()}, "replans": len(made), "steady": steady}
 
 
 def _marked(mem, work) -> None:
@@ -299,7 +306,10 @@ def main() -> int:
         return 0
     if "--replan" in sys.argv:
         got = replan_ms()
-        print("a replan of 24 small blocks: " + ", ".join(f"{k} {v:.2f} ms" for k, v in got.items()))
+        print(
+            f"a replan of 24 small blocks: after learning {got['after learning']:.2f} ms, again "
+            f"{got['again']:.2f} ms; {got['replans']} replans in {got['steady']} steady steps"
+        )
         return 0
     every = controller_fraction(measure_every=1)
     print(f"measuring every step block by block: {every['direct']:.3%} of a step in the controller's code")

@@ -532,8 +532,9 @@ def test_the_replan_timing_makes_every_latent_anew_after_learning_and_none_again
             per_make.append(len(made) - before)
 
     monkeypatch.setattr(PlanBook, "make", counted)
-    got = replan_ms(blocks=4, repeats=3)
-    assert set(got) == {"after learning", "again"} and all(v > 0 for v in got.values())
+    got = replan_ms(blocks=4, repeats=3, steady=5)
+    assert set(got) == {"after learning", "again", "replans", "steady"} and got["steady"] == 5
+    assert got["after learning"] > 0 and got["again"] > 0 and 0 <= got["replans"] <= 5
     timed = per_make[-6:]
     assert all(n >= 4 for n in timed[0::2]) and timed[1::2] == [0, 0, 0]
 

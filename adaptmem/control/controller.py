@@ -487,11 +487,14 @@ class Controller:
             and (decision != HOLD or missed or rebias)
         ):
             self._replan_when_warm = True
-        elif decision != HOLD or calibrating or rebias or self._replan_when_warm:
+        elif decision != HOLD or calibrating or self._replan_when_warm:
             self.plans.forget()
             self._replan_when_warm = False
-        elif missed:
-            self.plans.forget(now.key)
+        else:
+            if rebias:
+                self.plans.rebiased(self.budget)
+            if missed:
+                self.plans.forget(now.key)
 
     def _beyond_any_plan(self, observed: float) -> bool:
         """The step ran the tightest plan there is, as none was predicted to fit, and its peak

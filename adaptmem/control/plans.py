@@ -72,6 +72,7 @@ class PlanRecord:
     seen: int = 0  # the largest input elements per sample seen in the bucket
     head: HeadChoice | None = None  # the loss head's mode and chunk (None: the model has no managed head)
     exhausted: bool = False  # a retry with no plan predicted lower than one that failed: give the step up
+    free: bool = False  # every block (and the head) in its fastest option: a higher aim makes it again
 
 
 class PlanBook:
@@ -172,6 +173,22 @@ class PlanBook:
         self.cache[record.key] = replace(record, learned=self.costs.steps_learned)
         return False
 
+    def rebiased(self, budget: int) -> None:
+        """The decider's bias moved: drop the cached plans it may change. A plan with every block (and
+        the head) in its fastest option, predicted under the new aim, is the one the planner would
+        make again (on a step far under its budget the bias moves with noise, and each replan of
+        24 blocks took a step's host time)."""
+        for key, record in list(self.cache.items()):
+            kept = record.free and record.predicted is not None
+            if not (kept and record.predicted - record.start <= self._aim(record.start, budget)):
+                del self.cache[key]
+
+    def _aim(self, start: int, budget: int) -> float:
+        """The most a plan's peak may rise above `start`: the decider's headroom of the budget, aimed
+        higher by the predictions' bias, never past its fill of the budget."""
+        target = self.decider.headroom * budget
+        return min((target - start) / self.decider.bias, self.decider.fill * budget - start)
+
     def forget(self, key: Key | None = None) -> None:
         """Drop the plan cached for `key`, or every cached plan: they are made again when next asked for."""
         if key is None:
@@ -210,7 +227,7 @@ class PlanBook:
         extent = seen if known(self.costs, key[0], seen) else max(seen, key[1])
         shape = (key[0], extent)
         fixed = {**self.pinned, **fixed}
-        predicted, feasible, shortfall, head, bound = None, True, 0.0, None, False
+        predicted, feasible, shortfall, head, bound, free = None, True, 0.0, None, False, False
         warn = False
         if p.static_plan != "none":
             modes, reason = self._static(), "static"
@@ -221,11 +238,11 @@ class PlanBook:
             modes = tuple(Mode.CHECKPOINT if Mode.CHECKPOINT in self.allowed else top for _ in range(self.n))
             reason = "calibrate"
         else:
-            modes, head, predicted, feasible, shortfall, bound = self._solve(shape, start, budget, fixed)
+            modes, head, predicted, feasible, shortfall, bound, free = self._solve(shape, start, budget, fixed)
             warn = extent <= seen
             if not feasible and extent > seen:  # no plan fits the bucket's top: plan for the input itself
                 extent, shape, warn = seen, (key[0], seen), True
-                modes, head, predicted, feasible, shortfall, bound = self._solve(shape, start, budget, fixed)
+                modes, head, predicted, feasible, shortfall, bound, free = self._solve(shape, start, budget, fixed)
         if head is None and self.costs.head_costs is not None:
             head = self._head_alone(shape, start, budget)
         exhausted = False
@@ -249,6 +266,7 @@ class PlanBook:
             seen,
             head,
             exhausted,
+            free and not exhausted and self.failed is None and not fixed,
         )
 
     def predict(
@@ -299,17 +317,16 @@ class PlanBook:
 
     # ------------------------------------------------------------------ inner
     def _solve(self, shape: Shape, start: int, budget: int, fixed: dict[int, Mode]):
-        """The planner's plan for `shape`: (modes, head, predicted peak, feasible, shortfall, and whether
-        the peak after the blocks' backward is what no plan brings under the aim)."""
+        """The planner's plan for `shape`: (modes, head, predicted peak, feasible, shortfall, whether
+        the peak after the blocks' backward is what no plan brings under the aim, and whether every
+        row took its fastest option)."""
         batch, extent = shape
         p = self.policy
-        target = self.decider.headroom * budget
         options = self.costs.options(batch, extent, self.allowed, fixed)
         head_row = self.head_row(shape)
         final = 0.0 if head_row else self.costs.head_bytes(batch, extent)
         host_limit = p.host_fraction * self.probe.host_available()
-        # the bias aims the predictions higher, never past the decider's fill of the budget as predicted
-        aim = min((target - start) / self.decider.bias, self.decider.fill * budget - start)
+        aim = self._aim(start, budget)
         # after the blocks' backward the step peaks whatever the plan (the weights' gradients all
         # there): where that is over the aim, no block need be held under it, as it cuts no byte of
         # the step's peak (a layer-heavy model on a tight device checkpointed a block for nothing).
@@ -331,8 +348,10 @@ class PlanBook:
                 bound = tail > result.peak
             peak = max(result.peak, tail)
             result = replace(result, peak=peak, feasible=False, shortfall=peak - aim)
+        rows = options + ([head_row] if head_row else [])
+        free = not bound and all(m is min(row, key=lambda o: o.seconds).mode for row, m in zip(rows, result.modes))
         modes, head = (result.modes[:-1], result.modes[-1]) if head_row else (result.modes, None)
-        return modes, head, start + result.peak, result.feasible, result.shortfall, bound
+        return modes, head, start + result.peak, result.feasible, result.shortfall, bound, free
 
     def _warn_unfit(
         self,

@@ -1,5 +1,6 @@
-"""A light step's blocks other than the first and the last never call the controller; what the step
-records, decides and retries is what it would have been had every block called it."""
+"""What a steady step costs the controller, with nothing it decides changed: a light step's blocks
+other than the first and the last never call it (what the step records, decides and retries is what
+it would have been had every block called it), and a moved bias remakes only the plans it may change."""
 
 from __future__ import annotations
 
@@ -147,3 +148,33 @@ def test_a_light_step_leaves_no_list_behind(quiet, monkeypatch):
                 model(**batch)
                 raise ValueError("inside")
         assert runtime.quiet is None
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_a_moved_bias_remakes_only_the_plans_it_may_change(fraction):
+    """Far under its budget (every block in its fastest mode) a plan is kept when the predictions'
+    bias moves: made again, it is the same plan. One the budget shaped is made again."""
+    make = lambda: tiny(dim=128, n_layers=6, vocab_size=512)
+    model = make()
+    batch = tiny_batch(model, 4, 128)
+    budget = 2**30 if fraction is None else budget_between(make, batch, fraction)[0]
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    policy = load_policy("balanced").model_copy(update={"sample_interval_s": 30.0})
+    with dev, adaptmem.manage(model, budget=budget, device=TickingProbe(dev), policy=policy, head=None) as mem:
+        ctl = mem._controller
+        for _ in range(20):  # until the step's plan is held from one step to the next
+            mem.run_step(lambda: model(**batch).loss.backward())
+            model.zero_grad(set_to_none=True)
+            if mem.steps > 3 and ctl.now.key in ctl.plans.cache:
+                break
+        key = ctl.now.key
+        record = ctl.plans.cache[key]
+        assert record.free == (fraction is None)
+        assert set(record.modes) == {adaptmem.Mode.NONE} or fraction is not None
+        ctl.decider.bias *= 0.85
+        ctl.plans.rebiased(ctl.budget)
+        assert (key in ctl.plans.cache) == (fraction is None)
+        if fraction is None:  # kept: what the planner makes now is that plan
+            again = ctl.plans.make(key, record.start, ctl.budget, fixed={}, reason="replan", extent=record.seen)
+            assert (again.modes, again.head, again.free) == (record.modes, record.head, True)
