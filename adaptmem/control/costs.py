@@ -115,8 +115,7 @@ class CostModel:
         self.offloaded: set[tuple[int, Mode]] = set()  # (block, mode) with OFFLOAD that has run in this process
         self.cold: set[tuple[int, Mode]] = set()  # (block, mode) whose only time reading is its first offload's
         self.times = ModeTimes(self)  # the seconds each mode adds (adaptmem.control.timings)
-        self._latents: dict[tuple[int, int, int], Latents] = {}  # `latents` asked for since `_latents_learned`
-        self._latents_learned = 0
+        self._latents: dict[tuple[int, int, int], Latents] = {}  # `latents` asked for since the fits last changed
 
     def pin_seen_bytes(self) -> None:
         """From now on, a block's own bytes at a shape seen are predicted as what was seen there, not
@@ -198,6 +197,7 @@ class CostModel:
             tail = self.tail_resident if sample.grads_resident else self.tail
             tail.add(b, s, max(sample.tail_top, start0) - start0)
         self.steps_learned += 1
+        self._latents = {}  # the fits changed
 
     def _learn_block(self, blk: BlockSample, b: int, s: int) -> None:
         mode, lat = blk.mode, self.latent[blk.index]
@@ -314,8 +314,8 @@ class CostModel:
         """Block `index`'s latents at a shape; kept until the cost model learns or is loaded (a plan
         asks for each block's at one shape once per mode, and at the shapes they were measured at)."""
         key = (index, batch, extent)
-        if self._latents_learned != self.steps_learned or len(self._latents) > 4096:
-            self._latents, self._latents_learned = {}, self.steps_learned
+        if len(self._latents) > 4096:
+            self._latents = {}
         got = self._latents.get(key)
         if got is None:
             q = self.policy.quadratic_prior
@@ -480,7 +480,7 @@ class CostModel:
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
         self.times.forget()  # its pools are kept per steps learned, which may have gone back
-        self._latents = {}
+        self._latents = {}  # the fits changed
 
 
 def _extents(fit: Fit) -> int:

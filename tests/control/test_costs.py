@@ -768,11 +768,20 @@ def test_a_cost_model_put_back_predicts_from_what_it_learns_next_not_from_what_i
         return [costs.figures(i, mode, 4, 192 * per_token) for i in range(4) for mode in (Mode.NONE, Mode.CHECKPOINT)]
 
     costs, before = harness.costs, harness.costs.snapshot()
+
+    def anew(*samples):
+        """The figures of a cost model that never asked for any: at `before`, then taught `samples`."""
+        other = CostModel(costs.classes, costs.policy, cuda=False)
+        other.restore(before)
+        for sample in samples:
+            other.learn(sample)
+        return figures(other)
+
+    figures(costs)  # kept, at the steps learned before the batch
     costs.learn(given_up)
     taught_by_given_up = figures(costs)
+    assert taught_by_given_up == anew(given_up)  # what a step teaches is predicted from at once
     costs.restore(before)
+    assert figures(costs) == anew()  # the next plan, made before the next step is learned
     costs.learn(next_one)
-    fresh = CostModel(costs.classes, costs.policy, cuda=False)
-    fresh.restore(before)
-    fresh.learn(next_one)
-    assert figures(costs) == figures(fresh) != taught_by_given_up
+    assert figures(costs) == anew(next_one) != taught_by_given_up
