@@ -41,6 +41,23 @@ class _Once:
             self.act()
 
 
+def _calls_in_step(mem, step) -> int:
+    """Run `step` through `mem.run_step`; how many times the blocks called the controller's `block_start`."""
+    ctl = mem._controller
+    start, counted = ctl.block_start, [0]
+
+    def counting(*args):
+        counted[0] += 1
+        return start(*args)
+
+    ctl.block_start = counting
+    try:
+        mem.run_step(step)
+    finally:
+        del ctl.block_start
+    return counted[0]
+
+
 def _run(quiet: bool, monkeypatch) -> tuple[list[dict], list[int]]:
     """A managed run whose plans mix NONE and OFFLOAD, with an out-of-memory error raised
     inside block 3 in one steady step and the budget raised inside block 2 in another: every step's
@@ -59,21 +76,10 @@ def _run(quiet: bool, monkeypatch) -> tuple[list[dict], list[int]]:
     moved = _Once(model.blocks[2].mlp, lambda: mem.set_budget(2 * budget))
     calls, records = [], []
     with dev, adaptmem.manage(model, budget=budget, device=TickingProbe(dev), policy=policy, head=None) as mem:
-        ctl = mem._controller
-        start = ctl.block_start
-        counted = [0]
-
-        def counting(*args):
-            counted[0] += 1
-            return start(*args)
-
-        ctl.block_start = counting
         for step, seq in enumerate([128] * 14 + [96] * 6 + [128] * 6):
             oom.armed, moved.armed = step == 12, step == 22
-            counted[0] = 0
-            mem.run_step(lambda batch=tiny_batch(model, 4, seq): model(**batch).loss.backward())
+            calls.append(_calls_in_step(mem, lambda batch=tiny_batch(model, 4, seq): model(**batch).loss.backward()))
             model.zero_grad(set_to_none=True)
-            calls.append(counted[0])
         records = [{k: v for k, v in r.items() if k not in ("time", "run")} for r in mem.events.records]
     return records, calls
 
@@ -113,17 +119,13 @@ def test_a_block_run_twice_in_a_light_step_is_seen_and_the_next_step_watches_eve
     dev.track(model)
     policy = load_policy("balanced").model_copy(update={"measure_every": 1000, "sample_interval_s": 30.0})
     with dev, adaptmem.manage(model, budget=2**29, device=TickingProbe(dev), policy=policy) as mem:
-        ctl = mem._controller
-        start, counted = ctl.block_start, [0]
-        ctl.block_start = lambda *a: counted.__setitem__(0, counted[0] + 1) or start(*a)
         x = torch.randn(4, 8, 16)
         seen = []
         for step in range(12):
             model.again = 2 if step == 8 else None
-            counted[0] = 0
-            mem.run_step(lambda: model(x).backward())
+            calls = _calls_in_step(mem, lambda: model(x).backward())
             model.zero_grad(set_to_none=True)
-            seen.append((counted[0], mem.last_step["measured"], mem.last_step["prediction_error"]))
+            seen.append((calls, mem.last_step["measured"], mem.last_step["prediction_error"]))
     assert seen[7][:2] == (2, "peak")  # light, and quiet
     assert seen[8][0] == 2 and seen[8][2] is None  # the block run twice: the step taught only its peak
     assert seen[9][0] == 5 and seen[10][0] == 2  # every block watched once, then quiet again
