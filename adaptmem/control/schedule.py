@@ -22,10 +22,13 @@ prediction. A step is measured when it has something to teach:
   - the bucket's schedule: every `measure_every`-th of its own steps (twice that
     where its steps alternate with those that find the gradients resident). Each
     time a whole period passes with the plan held and every light step's peak where
-    predicted, the next period doubles, up to `MAX_STRETCH` times: a measured step
-    costs the host a reading per block boundary and a fit per block (on 24 small
-    blocks about 3 ms, against under 1 ms for a light one), and in steady state it
-    teaches little. A miss, an escalation or an out-of-memory error starts the
+    predicted, the next period doubles, up to `MAX_STRETCH` times (320 steps at the
+    default 10): a measured step costs the host a reading per block boundary and a
+    fit per block (on 24 small blocks about 3 ms, and the next step's check of the
+    cached plan against what was learned about 1 ms more, against about 0.3 ms for a
+    light step; on a GPU it also waits for the device at every boundary), and in
+    steady state it teaches little: a light step's peak is still compared with the
+    prediction every step. A miss, an escalation or an out-of-memory error starts the
     bucket's period again from `measure_every`.
 """
 
@@ -37,7 +40,7 @@ from adaptmem.control.coverage import generalises, needs_warm
 from adaptmem.control.plans import MAX_CACHED_PLANS, Key, PlanRecord
 
 #: The most a bucket's measuring period stretches in steady state, in periods of `measure_every`.
-MAX_STRETCH = 4
+MAX_STRETCH = 32
 
 
 class MeasureSchedule:

@@ -78,11 +78,14 @@ def test_a_replan_after_a_first_offload_waits_for_its_warm_reading():
     assert step + 1 not in made and step + 2 in made  # held one step, then remade
 
 
-def test_steady_steps_read_only_their_peak_and_measure_every_nth_stretching_while_on_target():
+def test_steady_steps_read_only_their_peak_and_measure_every_nth_stretching_while_on_target(monkeypatch):
     """In steady state a bucket is measured every `measure_every` steps, the period doubling after
-    each one held on target, up to `MAX_STRETCH` times; a miss starts it again from the first."""
-    from adaptmem.control.schedule import MAX_STRETCH
+    each one held on target, up to `MAX_STRETCH` times (4 here, for a short run); a miss starts it
+    again from the first."""
+    from adaptmem.control import schedule
 
+    monkeypatch.setattr(schedule, "MAX_STRETCH", 4)
+    MAX_STRETCH = schedule.MAX_STRETCH
     model, dev, probe, budget, policy = managed(every=3)
     with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
         steps = run(mem, model, probe, [128] * 44)
