@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from adaptmem.control.headcosts import HeadChoice
 from adaptmem.modes import Mode
 from adaptmem.wrapping import BlockHandle, HeadHandle, checkpoints_itself
@@ -16,6 +18,9 @@ class ManagedBlocks:
         self.modes: tuple[Mode, ...] = tuple(h.mode for h in handles)
         self.head_choice: HeadChoice | None = None
         self._own_checkpointing: frozenset[int] = frozenset()
+        self._modules = [h.module for h in handles]
+        self._flags: list[bool] | None = None  # `checkpoints_itself` of each block at the last look
+        self._described: tuple = ((), [], {})  # the last plan `described`, as (modes, labels, counts)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -27,6 +32,20 @@ class ManagedBlocks:
     def running(self) -> tuple[Mode, ...]:
         """The mode each block's wrapper runs in now (a plan made for part of a forward included)."""
         return tuple(h.mode for h in self.handles)
+
+    def described(self, ran: dict[int, Mode]) -> tuple[list[str], dict[str, int]]:
+        """A step's plan as its record writes it: each block's mode's label (the blocks that did
+        not run: the mode they run in now), and the modes of the blocks that ran, counted. A step
+        that ran every block under the plan of the step before is written from that step's."""
+        n = len(self.handles)
+        if len(ran) != n:
+            running = self.running()
+            return [ran.get(i, mode).label for i, mode in enumerate(running)], _counted(ran.values())
+        modes = tuple(map(ran.get, range(n)))
+        if modes != self._described[0]:
+            self._described = (modes, [m.label for m in modes], _counted(modes))
+        _, labels, counts = self._described
+        return list(labels), dict(counts)
 
     def apply(self, modes: tuple[Mode, ...], head: HeadChoice | None) -> bool:
         """Run `modes` (and the head's `head`, where it has one) from the next block on; True when
@@ -44,8 +63,16 @@ class ManagedBlocks:
     def own_checkpointing(self) -> tuple[frozenset[int], frozenset[int]] | None:
         """The blocks whose model checkpoints them itself (Hugging Face's `gradient_checkpointing`),
         with those added since the last call; None when that has not changed."""
-        own = frozenset(h.index for h in self.handles if checkpoints_itself(h.module))
+        flags = [checkpoints_itself(m) for m in self._modules]  # read at every step's start
+        if flags == self._flags:
+            return None
+        self._flags = flags
+        own = frozenset(i for i, flag in enumerate(flags) if flag)
         if own == self._own_checkpointing:
             return None
         added, self._own_checkpointing = own - self._own_checkpointing, own
         return own, added
+
+
+def _counted(modes) -> dict[str, int]:
+    return dict(Counter(m.label for m in modes))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -138,7 +137,8 @@ class Controller:
             if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
                 self.retries.new_batch(self.trace())
             self.now = StepState(open=True, label=label, rng=rng_state())
-            self.ranks.begin_attempt(self.model, [(h.name, h.module) for h in self.blocks.handles], self.policy)
+            if not self.ranks.alone:
+                self.ranks.begin_attempt(self.model, [(h.name, h.module) for h in self.blocks.handles], self.policy)
             if self.ranks.sharded is not None:
                 self.costs.pin_seen_bytes()  # its blocks' bytes hold their gathered parameters
             resident = any(w.grad is not None for w in parameters_of(self.blocks.handles[-1].module))
@@ -416,6 +416,7 @@ class Controller:
         if relief is not None:
             self.plans.forget()
             self.events.emit("relief", step=self.stats.steps, budget_bytes_before=relief[0], budget_bytes=relief[1])
+        plan, counts = self.blocks.described(sample.plan)
         return self.events.emit(
             "step",
             step=self.stats.steps,
@@ -436,9 +437,9 @@ class Controller:
             decision=decision,
             headroom=round(self.decider.headroom, 4),
             alloc_retries=retries,
-            plan=[sample.plan.get(i, mode).label for i, mode in enumerate(self.blocks.running())],
+            plan=plan,
             head=sample.head.label if sample.head is not None else None,
-            plan_counts=dict(Counter(m.label for m in sample.plan.values())),
+            plan_counts=counts,
             seconds=round(sample.seconds, 6),
             measured="blocks" if sample.detailed else "peak",
         )

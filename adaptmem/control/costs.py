@@ -113,6 +113,7 @@ class CostModel:
         self.pinned = False  # a block's bytes at a shape seen are what was seen there (`pin_seen_bytes`)
         self.provisional = False  # the last step run held a first offload, whose time stands only until the next
         self.offloaded: set[tuple[int, Mode]] = set()  # (block, mode) with OFFLOAD that has run in this process
+        self._ran: tuple[Mode, ...] | None = None  # the plan `ran` last added to `offloaded` (a light step's)
         self.cold: set[tuple[int, Mode]] = set()  # (block, mode) whose only time reading is its first offload's
         self.times = ModeTimes(self)  # the seconds each mode adds (adaptmem.control.timings)
         self._latents: dict[tuple[int, int, int], Latents] = {}  # `latents` asked for since the fits last changed
@@ -150,6 +151,7 @@ class CostModel:
         state, self.provisional, offloaded, cold = snapshot
         self.load_state_dict(state)
         self.offloaded, self.cold = set(offloaded), set(cold)
+        self._ran = None
 
     @property
     def known(self) -> bool:
@@ -162,7 +164,9 @@ class CostModel:
     def ran(self, modes: tuple[Mode, ...]) -> None:
         """A step not measured block by block runs `modes`: its offloads allocate their host memory,
         and it is the last step run, so none of its offloads is a first one learned (`provisional`)."""
-        self.offloaded.update((i, m) for i, m in enumerate(modes) if m.offloads)
+        if modes is not self._ran:  # steady steps run the one cached plan: added once
+            self.offloaded.update((i, m) for i, m in enumerate(modes) if m.offloads)
+            self._ran = modes
         self.provisional = False
 
     # ---------------------------------------------------------------- learn

@@ -75,6 +75,7 @@ class StepRecorder:
         runtime: BlockRuntime | None = None,
     ) -> None:
         self.probe = SafeReadings(probe)
+        self._step_started = getattr(probe, "step_started", None)
         # the index of the block a forward runs last (the last managed one, until a step shows which
         # ran last): in a step not measured block by block, only the first block run and this one get
         # a backward hook (backward began; backward went through every block)
@@ -98,9 +99,8 @@ class StepRecorder:
     def begin(self, *, grads_resident: bool = False) -> StepSample:
         """Open a step; `grads_resident`: it starts with the weights' gradients allocated."""
         with self._lock:
-            started = getattr(self.probe, "step_started", None)
-            if started is not None:  # scripted probes follow the step count
-                started()
+            if self._step_started is not None:  # scripted probes follow the step count
+                self._step_started()
             self._failures_at_begin = self.probe.failures
             self.probe.reset_peak()
             self.sample = StepSample(start=self._allocated(), grads_resident=grads_resident)

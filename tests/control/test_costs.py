@@ -785,3 +785,18 @@ def test_a_cost_model_put_back_predicts_from_what_it_learns_next_not_from_what_i
     assert figures(costs) == anew()  # the next plan, made before the next step is learned
     costs.learn(next_one)
     assert figures(costs) == anew(next_one) != taught_by_given_up
+
+
+def test_the_offloads_a_light_step_ran_are_known_again_after_a_batch_given_up_is_put_back():
+    """`ran` adds a plan's offloads once while the same plan runs; a put-back (`restore`) forgets the
+    ones added since, and the same plan run again adds them back."""
+    costs = CostModel(["Layer"] * 3, load_policy("balanced"), cuda=False)
+    before = costs.snapshot()
+    plan = (Mode.NONE, Mode.OFFLOAD, Mode.CHECKPOINT | Mode.OFFLOAD)
+    costs.ran(plan)
+    costs.ran(plan)
+    assert costs.offloaded == {(1, Mode.OFFLOAD), (2, Mode.CHECKPOINT | Mode.OFFLOAD)}
+    costs.restore(before)
+    assert costs.offloaded == set()
+    costs.ran(plan)
+    assert costs.offloaded == {(1, Mode.OFFLOAD), (2, Mode.CHECKPOINT | Mode.OFFLOAD)}

@@ -180,3 +180,32 @@ def test_a_moved_bias_remakes_only_the_plans_it_may_change(fraction):
         if fraction is None:  # kept: what the planner makes now is that plan
             again = ctl.plans.make(key, record.start, ctl.budget, fixed={}, reason="replan", extent=record.seen)
             assert (again.modes, again.head, again.free) == (record.modes, record.head, True)
+
+
+def test_a_steps_plan_is_written_from_the_last_one_only_where_every_block_ran_it():
+    """The step record's `plan` and `plan_counts`, kept from the step before where every block ran the
+    same modes, are what they would be written afresh, as new lists each step; a block that did not run
+    is written in the mode it runs in now."""
+    from collections import Counter
+
+    from adaptmem.control.blocks import ManagedBlocks
+    from adaptmem.modes import Mode
+    from adaptmem.wrapping import instrument
+
+    blocks = ManagedBlocks(instrument(tiny(dim=32, n_layers=4, vocab_size=64), head=None), None)
+    none, ck, off = Mode.NONE, Mode.CHECKPOINT, Mode.OFFLOAD
+
+    def afresh(ran):
+        labels = [ran.get(i, m).label for i, m in enumerate(blocks.running())]
+        return labels, dict(Counter(m.label for m in ran.values()))
+
+    for ran in (
+        {0: none, 1: ck, 2: ck, 3: off},
+        {0: none, 1: ck, 2: ck, 3: off},  # the same plan again
+        {0: none, 1: ck, 2: none, 3: off},  # one block changed
+        {0: ck, 1: ck},  # two blocks ran
+        {0: none, 1: ck, 2: none, 3: off},
+    ):
+        got = blocks.described(dict(ran))
+        assert got == afresh(ran), ran
+        got[0].append("written over"), got[1].clear()  # a record changed by its reader changes no other
