@@ -5,7 +5,7 @@
     python -m stress.bench_controller --replan   # the host time of one replan of those 24 blocks
 
 Two figures, over the same steady-state steps (shapes seen, plan held; one step in
-`measure_every` is measured block by block, as in training):
+`measure_every` to 32 times that is measured block by block, as in training):
 
   direct  the training thread's CPU time spent in the manager's own code, over the step's:
           every call the blocks make into it (block starts and ends, recompute marks, with
@@ -101,9 +101,11 @@ class LaunchBound(torch.nn.Module):
         return x.square().mean()
 
 
-def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
-    """The manager's host time per steady step (ms) and a managed step against the same plan with no
-    manager watching (paired medians over rotated rounds), through `run_step` and through `step()`."""
+def launch_bound(blocks: int = 24, steps: int = 2000, rounds: int = 7, round_steps: int = 50) -> dict:
+    """The manager's host time per steady step (ms), over `steps` steps (long enough for the measuring
+    period to stretch as it does in training: one step in 10 to 320 is measured block by block), then
+    a managed step against the same plan with no manager watching (paired medians over `rounds` rotated
+    rounds of `round_steps` each), through `run_step` and through `step()`."""
     import statistics
 
     import adaptmem
@@ -150,7 +152,7 @@ def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
                 order = (managed, unmanaged) if r % 2 == 0 else (unmanaged, managed)
                 for fn in order:
                     t = time.perf_counter()
-                    for _ in range(steps // 4):
+                    for _ in range(round_steps):
                         fn()
                         model.zero_grad(set_to_none=True)
                     times[fn] = time.perf_counter() - t
@@ -159,6 +161,7 @@ def launch_bound(blocks: int = 24, steps: int = 200, rounds: int = 7) -> dict:
         mem.close()
     return {
         "blocks": blocks,
+        "steps": steps,
         "host_ms": host_ms,
         "host_ms_chunks": per_chunk,
         "ratios": ratios,
@@ -288,8 +291,9 @@ def main() -> int:
     if "--proxy" in sys.argv:
         got = launch_bound()
         print(
-            f"launch-bound proxy, {got['blocks']} blocks: the manager's host time {got['host_ms']:.2f} ms of a "
-            f"{got['step_ms']:.2f} ms step; managed against the same plan unmanaged: run_step "
+            f"launch-bound proxy, {got['blocks']} blocks, {got['steps']} steady steps: the manager's host time "
+            f"{got['host_ms']:.2f} ms of a {got['step_ms']:.2f} ms step; managed against the same plan unmanaged: "
+            f"run_step "
             f"{got['run_step']:.3f}x ({got['spread']['run_step'][0]:.3f}..{got['spread']['run_step'][1]:.3f}), "
             f"step() {got['step()']:.3f}x ({got['spread']['step()'][0]:.3f}..{got['spread']['step()'][1]:.3f})"
         )

@@ -506,7 +506,7 @@ def test_the_launch_bound_proxy_reports_host_time_by_stretch_for_its_interval():
     and each managed/unmanaged ratio is kept per round for the verdicts."""
     from stress.bench_controller import HOST_CHUNKS, launch_bound
 
-    got = launch_bound(blocks=4, steps=16, rounds=2)
+    got = launch_bound(blocks=4, steps=16, rounds=2, round_steps=4)
     chunks = got["host_ms_chunks"]
     assert len(chunks) == HOST_CHUNKS and all(c > 0 for c in chunks)
     assert abs(sum(chunks) / len(chunks) - got["host_ms"]) < 1e-9 * max(1.0, got["host_ms"])
