@@ -1,7 +1,9 @@
 """Wrapping is invisible, restore is its exact inverse, bad input is explained."""
 
 import copy
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -189,6 +191,50 @@ def test_plain_path_without_grad_or_in_eval(monkeypatch, context):
     model.train()
     with pytest.raises(AssertionError, match="strategy ran"):
         model(**batch)
+
+
+def test_a_block_in_none_runs_its_class_forward_as_it_stands_counted_and_bit_equal():
+    """A NONE block nobody watches runs its own forward directly (no strategy), and is counted; its
+    class's forward replaced after instrumenting is the one that runs next."""
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.sum()
+
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(4, 8)
+    plain = copy.deepcopy(model)
+    handles = adaptmem.instrument(model, r"layers\.\d+", head=None)
+    model(x).backward()
+    plain(x).backward()
+    assert all(h.calls == 1 for h in handles)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    Layer.forward = lambda self, x: torch.relu(self.lin(x))  # replaced on the class
+    with torch.no_grad():
+        expected = plain(x)
+    assert torch.equal(model(x), expected) and all(h.calls == 2 for h in handles)
+    block = weakref.ref(model.layers[0])
+    gc.collect()
+    gc.disable()  # what a cycle holds stays held: the block must go with its last reference
+    try:
+        del model, handles
+        assert block() is None
+    finally:
+        gc.enable()
 
 
 def test_instrument_again_is_idempotent_and_a_new_selection_is_refused():
