@@ -105,7 +105,10 @@ def launch_bound(blocks: int = 24, steps: int = 2000, rounds: int = 7, round_ste
     """The manager's host time per steady step (ms), over `steps` steps (long enough for the measuring
     period to stretch as it does in training: one step in 10 to 320 is measured block by block), then
     a managed step against the same plan with no manager watching (paired medians over `rounds` rotated
-    rounds of `round_steps` each), through `run_step` and through `step()`."""
+    rounds of `round_steps` each), through `run_step` and through `step()`. Beside those, what a user
+    sees: the same wrappers with no manager against the model without adaptmem ("wrappers"), and a
+    managed `run_step` against it ("adaptmem"), on a twin of the model made before it was managed."""
+    import copy
     import statistics
 
     import adaptmem
@@ -113,9 +116,14 @@ def launch_bound(blocks: int = 24, steps: int = 2000, rounds: int = 7, round_ste
 
     torch.manual_seed(0)
     model, x = LaunchBound(blocks), torch.randn(2, 8, 32)
+    twin = copy.deepcopy(model)
 
     def work():
         model(x).backward()
+
+    def plain():
+        twin(x).backward()
+        twin.zero_grad(set_to_none=True)
 
     mem = adaptmem.manage(model, device="cpu", budget="95%")
     try:
@@ -145,18 +153,24 @@ def launch_bound(blocks: int = 24, steps: int = 2000, rounds: int = 7, round_ste
         def unmanaged():
             _unwatched(runtime, work)
 
-        ratios = {"run_step": [], "step()": []}
+        managed = lambda: mem.run_step(work)
+        pairs = {
+            "run_step": (managed, unmanaged),
+            "step()": (lambda: _marked(mem, work), unmanaged),
+            "wrappers": (unmanaged, plain),
+            "adaptmem": (managed, plain),
+        }
+        ratios = {name: [] for name in pairs}
         for r in range(rounds):
-            for name, managed in (("run_step", lambda: mem.run_step(work)), ("step()", lambda: _marked(mem, work))):
+            for name, pair in pairs.items():
                 times = {}
-                order = (managed, unmanaged) if r % 2 == 0 else (unmanaged, managed)
-                for fn in order:
+                for fn in pair if r % 2 == 0 else pair[::-1]:
                     t = time.perf_counter()
                     for _ in range(round_steps):
                         fn()
                         model.zero_grad(set_to_none=True)
                     times[fn] = time.perf_counter() - t
-                ratios[name].append(times[managed] / times[unmanaged])
+                ratios[name].append(times[pair[0]] / times[pair[1]])
     finally:
         mem.close()
     return {
@@ -307,6 +321,11 @@ def main() -> int:
             ),
         ]
         print("\n".join(v.line() for v in verdicts))
+        print(
+            f"against the model without adaptmem: its wrappers alone {got['wrappers']:.3f}x "
+            f"({got['spread']['wrappers'][0]:.3f}..{got['spread']['wrappers'][1]:.3f}), managed run_step "
+            f"{got['adaptmem']:.3f}x ({got['spread']['adaptmem'][0]:.3f}..{got['spread']['adaptmem'][1]:.3f})"
+        )
         return 0
     if "--replan" in sys.argv:
         got = replan_ms()
