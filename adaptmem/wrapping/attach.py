@@ -107,10 +107,7 @@ class _BlockForward:
         call = handle.make_call(self.original(module), args, kwargs, compiled=self.compiled is not None)
         if quiet is not None:
             quiet.append((handle.index, call.mode, call.stats))  # before it runs: one that runs out of memory ran
-        output = STRATEGIES[call.mode](call)
-        if not call.mode.offloads:
-            call.offload_runtime.prefetch_when_reached(output)
-        handle.finished(call)
+        output = _run(handle, call)
         if observer is not None:
             observer.block_end(handle, call, output)
         return output
@@ -128,10 +125,7 @@ class _BlockForward:
         if observer is not None:
             runtime.tell(observer, "block_start", handle, args, kwargs)
         call = handle.make_call(forward, args, kwargs, compiled=self.compiled is not None)
-        output = STRATEGIES[call.mode](call)
-        if not call.mode.offloads:
-            call.offload_runtime.prefetch_when_reached(output)
-        handle.finished(call)
+        output = _run(handle, call)
         if observer is not None:
             runtime.tell(observer, "block_end", handle, call, output)
         return output
@@ -153,6 +147,16 @@ class _BlockForward:
 
     def __reduce__(self) -> tuple:
         return (_rebuild_forward, (self._module(), self._handle(), self.previous))
+
+
+def _run(handle: BlockHandle, call: Any) -> Any:
+    """Run `call` in its mode's strategy; a block that offloads nothing starts the copies back of the
+    offloaded block before it when backward reaches it."""
+    output = STRATEGIES[call.mode](call)
+    if not call.mode.offloads:
+        call.offload_runtime.prefetch_when_reached(output)
+    handle.finished(call)
+    return output
 
 
 #: A call's stats where the block ran as it is (NONE): nothing was packed or sent
