@@ -6,8 +6,9 @@
 
 At 40% the first 224 px batch is a size not measured: no plan is predicted to fit, the tightest
 by prediction runs, and where the extrapolated figures rank CHECKPOINT under OFFLOAD (they do in
-most runs; plans weigh measured times) it runs out of memory in backward and the batch is
-refused, while every block in OFFLOAD fits. Exit status 1 when a batch was refused or failed.
+most runs; plans weigh measured times) it runs out of memory, and the retry, with no plan predicted
+lower, runs one tighter in every block: every block in OFFLOAD, which fits. Exit status 1 when a
+batch was refused or failed.
 """
 
 from __future__ import annotations

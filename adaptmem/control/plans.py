@@ -440,6 +440,13 @@ class PlanBook:
                 return b, h, False
         if self.failed_unforeseen:  # predicted to fit and failed: the figures, not the batch, are wrong
             return (*untried[0], False)
+        # nothing predicted lower, but a size not run yet is predicted from others with margins, which
+        # may rank the plans wrongly (a mixed plan under the uniform ones): a plan no looser in any block
+        # than every plan that failed, and tighter in some, holds less whatever the figures say
+        rank = {m: i for i, m in enumerate(ladder(self.allowed))}
+        for b, h in untried:
+            if all(b != f and all(rank.get(m, 0) >= rank.get(g, 0) for m, g in zip(b, f)) for f, _ in self.tried):
+                return b, h, False
         return (*min(candidates, key=lambda c: self.predict(c[0], *at, 0, c[1])), True)
 
     def _tighter_head(self, head: HeadChoice | None) -> HeadChoice | None:

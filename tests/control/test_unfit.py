@@ -172,3 +172,38 @@ def test_a_refusal_never_names_a_longest_length_at_or_above_the_one_it_refused()
 
     assert "The longest sequence predicted to fit at batch 2: 240 tokens." in text(240)
     assert "longest sequence" not in text(389) and "Split or truncate this batch" in text(389)
+
+
+def test_with_no_plan_predicted_lower_a_retry_runs_one_tighter_in_every_block_before_giving_up(monkeypatch):
+    """At a size not run yet the predictions carry margins and may rank plans wrongly. After an
+    out-of-memory error with nothing predicted lower, a retry still runs a plan no looser in any block
+    than every plan that failed and tighter in some; the batch is given up only when there is none."""
+    from helpers import tiny, tiny_batch
+
+    from adaptmem import Mode
+    from adaptmem.modes import LADDER
+
+    model = tiny(n_layers=4)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
+        for _ in range(3):
+            mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
+            model.zero_grad(set_to_none=True)
+        plans = mem._controller.plans
+        monkeypatch.setattr(plans, "predict", lambda *args, **kwargs: 900.0 * MiB)  # every plan alike
+        rank = {m: i for i, m in enumerate(mode for mode in LADDER if mode in plans.allowed)}
+        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
+        tried = [(Mode.NONE, Mode.CHECKPOINT, Mode.NONE, Mode.OFFLOAD)]
+        for attempt in range(1, 20):
+            plans.start_attempt(attempt)
+            plans.failure(tried[-1], None, shape, foreseen=True)
+            record = plans.make(key, 0, mem.budget, fixed={}, reason="retry")
+            if record.exhausted:
+                break
+            for failed in tried:  # no looser anywhere than any plan that failed, tighter somewhere
+                assert all(rank[m] >= rank[f] for m, f in zip(record.modes, failed)) and record.modes != failed
+            tried.append(record.modes)
+        top = max(rank, key=rank.get)
+        assert record.exhausted and tried[-1] == (top,) * 4, tried  # given up once every block is at the top
+        assert len(tried) > 2
