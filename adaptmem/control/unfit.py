@@ -4,9 +4,10 @@ A step is refused with `StepOutOfMemoryError` at its plan point (the first
 managed block's forward, before that block runs) when
 
   - it is a retry and no plan is predicted lower, by `RETRY_STEP` of its bytes,
-    than every plan that already ran out of memory in the step
-    (`PlanRecord.exhausted`): the tightest plan was seen not to fit, and running
-    another at the same predicted peak would only fail again; or
+    than every plan that already ran out of memory in the step, nor tighter in
+    every block than each of them (`PlanRecord.exhausted`): the tightest plan was
+    seen not to fit, and running another at the same predicted peak would only
+    fail again; or
   - its very shape has been measured, no plan is predicted to fit, and the
     tightest plan is predicted over the device's usable memory even with
     `REFUSE_MARGIN` of its bytes above the step's start taken off (predictions at
@@ -105,7 +106,10 @@ def refusal(
     if elsewhere:
         why = "another rank found no plan predicted lower than those that ran out of memory there"
     elif record.exhausted:
-        why = f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step"
+        why = (
+            f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step, "
+            "nor tighter in every block"
+        )
     else:
         why = "the tightest plan is predicted over the device's usable memory"
     counts = counts_text(Counter(m.label for m in record.modes))

@@ -209,8 +209,9 @@ def test_retries_are_bounded_and_report_every_plan_tried():
     assert "ran out before the first managed block ran" in advice and "allow more modes" not in advice
     text = str(err.value)
     assert f"attempt {len(attempts)}:" in text and "lower the batch size" in text.lower()
-    if len(attempts) <= mem.policy.max_retries:  # given up before the retries ran out: nothing lower
-        assert "no plan was predicted lower" in text and "floor" in text
+    if len(attempts) <= mem.policy.max_retries:  # given up before the retries ran out: it says why
+        why = ("no plan was predicted lower", "the tightest plan is predicted over the device")
+        assert any(w in text for w in why) and "floor" in text
     assert isinstance(err.value, torch.OutOfMemoryError)
     assert all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters())  # as before the step
 
