@@ -374,9 +374,19 @@ class PlanBook:
         predicted = self.predict(modes, batch, extent, start, head)
         width = self.width
         size = f"{extent // width:,} tokens" if width and extent % width == 0 else f"{extent:,} input elements"
+        within = predicted <= budget  # over the aim only: an out-of-memory error lowers the aim for a while
+        if not measured:
+            advice = (
+                "this size has not run yet, so its figures are extrapolated from other sizes (with a margin); "
+                "if it runs out of memory, run_step retries it tighter."
+            )
+        elif within:
+            advice = "it is within the budget; plans aim higher again as steps run calm."
+        else:
+            advice = "lower the batch or input size, or raise the budget."
         log.warning(
             "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
-            "%s each. Running %s%s, predicted at %s (%s over)%s; %s",
+            "%s each. Running %s%s, predicted at %s (%s over that%s)%s; %s",
             format_bytes(target),
             100 * self.decider.headroom,
             format_bytes(budget),
@@ -386,11 +396,9 @@ class PlanBook:
             plan_text(modes, head),
             format_bytes(predicted),
             format_bytes(max(0.0, predicted - target)),
+            "" if within else f", {format_bytes(predicted - budget)} over the budget",
             ": the peak after the blocks' backward, which no plan lowers" if bound else "",
-            "lower the batch or input size, or raise the budget."
-            if measured
-            else "this size has not run yet, so its figures are extrapolated from other sizes (with a margin); "
-            "if it runs out of memory, run_step retries it tighter.",
+            advice,
         )
 
     def head_row(self, shape: Shape) -> list[Option]:
