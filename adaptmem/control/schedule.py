@@ -20,7 +20,8 @@ prediction. A step is measured when it has something to teach:
     prediction, a miss measures the bucket's next step, and an out-of-memory
     error retries the step measured;
   - the bucket's schedule: every `measure_every`-th of its own steps (twice that
-    where its steps alternate with those that find the gradients resident). Each
+    where its steps alternate with those that find the gradients resident), also
+    where the fits generalise to it (which spares only its first steps). Each
     time a whole period passes with the plan held and every light step's peak where
     predicted, the next period doubles, up to `MAX_STRETCH` times (320 steps at the
     default 10): a measured step costs the host a reading per block boundary and a
@@ -61,14 +62,19 @@ class MeasureSchedule:
         self.next = False
         if len(self.buckets) >= MAX_CACHED_PLANS:
             self.buckets.clear()
-        stretch = 1
+        stretch, due = 1, False
         if not young and last is not None and last[0] == record.modes and last[2] == record.seen:
             if last[1] + 1 < period * last[3]:
                 self.buckets[key] = (last[0], last[1] + 1, last[2], last[3])
                 self.costs.ran(record.modes)
                 return False
-            stretch = min(2 * last[3], MAX_STRETCH)  # a whole period held, on target: the next is longer
-        if not young and (last is not None or key not in self.buckets) and generalises(self.costs, batch, record.seen):
+            stretch, due = min(2 * last[3], MAX_STRETCH), True  # a whole period held, on target: the next is longer
+        if (
+            not young
+            and not due
+            and (last is not None or key not in self.buckets)
+            and generalises(self.costs, batch, record.seen)
+        ):
             self.buckets[key] = (record.modes, 1, record.seen, 1)
             self.costs.ran(record.modes)
             return False

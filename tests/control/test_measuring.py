@@ -314,3 +314,22 @@ def test_new_lengths_are_predicted_not_measured_once_two_sizes_are():
         mem._controller.measuring.missed(key)
         assert run(mem, model, probe, [96])[0][0]["measured"] == "blocks"
         assert run(mem, model, probe, [96])[0][0]["measured"] == "peak"
+
+
+def test_a_bucket_whose_fits_generalise_is_still_measured_on_its_schedule():
+    """Once two sizes are measured the fits predict other lengths, and a new bucket is not measured
+    for its own sake; but a bucket held on target is still measured every `measure_every` of its own
+    steps, the period doubling, as any other is."""
+    model, dev, probe, budget, policy = managed(every=3)
+    with dev, adaptmem.manage(model, budget=budget, device=probe, policy=policy) as mem:
+        run(mem, model, probe, [64, 128, 64, 128, 64, 128])
+        from adaptmem.control.coverage import generalises
+
+        assert generalises(mem._controller.costs, 4, 96 * 128)  # a length between: predicted
+        steps = run(mem, model, probe, [96] * 30)
+    measured = [r["measured"] for r, _, _ in steps]
+    plans = [tuple(r["plan"]) for r, _, _ in steps]
+    held = max((i for i in range(1, len(plans)) if plans[i] != plans[i - 1]), default=0)
+    at = [i for i, m in enumerate(measured) if m == "blocks" and i >= held]
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert len(at) >= 3 and gaps[:2] == [6, 12], (held, measured)
