@@ -134,10 +134,11 @@ class Ranks:
         self.deferring = False  # inside run_step: a failed rank catches up once the attempt is freed
         self._pending: tuple[Callable[[], tuple[Mode, ...]], bool] | str | None = None
 
-    def begin_attempt(self, model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]], policy: Policy) -> None:
+    def begin_attempt(self, model: torch.nn.Module, blocks: Iterable, policy: Policy) -> None:
         """A step's attempt starts: its FSDP2 collectives are logged from here. At the first, every
-        rank checks that all run one policy, and that no block spans two FSDP2 units; a rank that
-        finds either raises, and so does every other, at the same point."""
+        rank checks that all run one policy, and that no block (`blocks`: their handles, with `name`
+        and `module`) spans two FSDP2 units; a rank that finds either raises, and so does every other,
+        at the same point. Alone, it does nothing."""
         if self.agree is None:
             return
         if not self._looked:
@@ -145,7 +146,7 @@ class Ranks:
             self.agree.same_policy(policy)
             modules = fsdp_modules(model)
             if modules:
-                split_blocks(blocks, modules)
+                split_blocks([(h.name, h.module) for h in blocks], modules)
                 self.sharded = ShardedSteps(modules, self.agree.check)
         if self.sharded is not None:
             self.sharded.begin_attempt()

@@ -137,8 +137,7 @@ class Controller:
             if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
                 self.retries.new_batch(self.trace())
             self.now = StepState(open=True, label=label, rng=rng_state())
-            if not self.ranks.alone:
-                self.ranks.begin_attempt(self.model, [(h.name, h.module) for h in self.blocks.handles], self.policy)
+            self.ranks.begin_attempt(self.model, self.blocks.handles, self.policy)
             if self.ranks.sharded is not None:
                 self.costs.pin_seen_bytes()  # its blocks' bytes hold their gathered parameters
             resident = any(w.grad is not None for w in parameters_of(self.blocks.handles[-1].module))
