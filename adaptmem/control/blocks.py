@@ -17,9 +17,8 @@ class ManagedBlocks:
         self.head = head
         self.modes: tuple[Mode, ...] = tuple(h.mode for h in handles)
         self.head_choice: HeadChoice | None = None
-        self._own_checkpointing: frozenset[int] = frozenset()
         self._modules = [h.module for h in handles]
-        self._flags: list[bool] | None = None  # `checkpoints_itself` of each block at the last look
+        self._own: list[bool] = [False] * len(handles)  # `checkpoints_itself` of each block at the last look
         self._described: tuple = ((), [], {})  # the last plan `described`, as (modes, labels, counts)
 
     def __len__(self) -> int:
@@ -63,15 +62,12 @@ class ManagedBlocks:
     def own_checkpointing(self) -> tuple[frozenset[int], frozenset[int]] | None:
         """The blocks whose model checkpoints them itself (Hugging Face's `gradient_checkpointing`),
         with those added since the last call; None when that has not changed."""
-        flags = [checkpoints_itself(m) for m in self._modules]  # read at every step's start
-        if flags == self._flags:
+        own = [checkpoints_itself(m) for m in self._modules]  # read at every step's start
+        if own == self._own:
             return None
-        self._flags = flags
-        own = frozenset(i for i, flag in enumerate(flags) if flag)
-        if own == self._own_checkpointing:
-            return None
-        added, self._own_checkpointing = own - self._own_checkpointing, own
-        return own, added
+        before, self._own = self._own, own
+        now = frozenset(i for i, o in enumerate(own) if o)
+        return now, frozenset(i for i in now if not before[i])
 
 
 def _counted(modes) -> dict[str, int]:
