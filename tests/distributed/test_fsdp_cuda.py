@@ -30,10 +30,15 @@ def nccl(tmp_path):
 
 
 def sharded(reshard=True):
+    """Each block its own FSDP2 unit, resharded after forward or kept gathered; the root (the
+    embeddings, the final norm and the head) kept gathered, as torchtitan shards a model: before
+    torch 2.13 FSDP2 looked for the tensors to hook for backward's re-gather with
+    ``tree_flatten``, which does not open the model's dataclass output, so a root resharded after
+    forward met backward with its head's weight freed."""
     model = tiny(dim=256, vocab_size=4096).cuda()
     for block in model.blocks:
         fsdp.fully_shard(block, reshard_after_forward=reshard)
-    fsdp.fully_shard(model, reshard_after_forward=reshard)
+    fsdp.fully_shard(model, reshard_after_forward=False)
     return model
 
 
@@ -51,6 +56,9 @@ def cuda_storages():
 def test_the_allocator_holds_what_fsdp2_keeps_after_each_phase(nccl):
     """After backward and after AdamW's step, the bytes the allocator reports (what the manager's
     probe reads) are the bytes of the storages torch holds: FSDP2's freed gathers are freed."""
+    warm = tiny(dim=256, vocab_size=4096).cuda()  # cuBLAS's workspaces, forward's and backward's thread's,
+    warm(**batch(warm, 64)).loss.backward()  # come from the allocator and stay: held before `base`
+    del warm
     torch.cuda.synchronize()
     gc.collect()
     base, before = torch.cuda.memory_allocated(), set(cuda_storages())
