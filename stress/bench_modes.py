@@ -205,13 +205,20 @@ def _range(run: dict, i: int) -> str:
 
 
 def render(paths: list[Path]) -> str:
-    """A Markdown table of runs saved with --json, side by side: peak and step time against NONE."""
+    """A Markdown table of runs saved with --json, side by side: peak and step time against NONE.
+    Rows are matched by mode, in the order the modes first appear; a run that did not time a mode
+    shows a dash there."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
     head = "| mode | " + " | ".join(f"peak / NONE, step / NONE (batch {r['batch']} x {r['seq']})" for r in runs) + " |"
     lines = [head, "|---|" + "---|" * len(runs)]
-    for i, row in enumerate(runs[0]["rows"]):
-        cells = [f"{r['rows'][i]['peak_ratio']:.1%}, {r['rows'][i]['time_ratio']:.2f}x{_range(r, i)}" for r in runs]
-        lines.append(f"| {row['mode']} | " + " | ".join(cells) + " |")
+    where_in = [{row["mode"]: i for i, row in enumerate(r["rows"])} for r in runs]
+    for mode in dict.fromkeys(row["mode"] for r in runs for row in r["rows"]):
+        cells = []
+        for run, index in zip(runs, where_in):
+            i = index.get(mode)
+            row = run["rows"][i] if i is not None else None
+            cells.append("-" if row is None else f"{row['peak_ratio']:.1%}, {row['time_ratio']:.2f}x{_range(run, i)}")
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     first = runs[0]
     where = f"{first['device']}, Llama preset {first['preset']!r}, vocab {first['vocab']}"
     if first.get("link_gbps"):

@@ -1,5 +1,6 @@
 """The benchmark's own logic (not its timings): the oracle's candidate plans and the rendering."""
 
+import json
 import statistics
 from math import comb
 
@@ -563,3 +564,21 @@ def test_the_headroom_search_finds_the_longest_length_to_within_its_precision():
     tried.clear()
     assert search(trial(5000), "probe", limit=2048, say=lambda message: None) == 2048
     assert max(tried) == 2048
+
+
+def test_the_per_mode_table_matches_runs_by_mode_not_by_position(tmp_path):
+    """Two runs of different modes side by side: each cell is its own run's row of that mode, and
+    a mode one run did not time is a dash there."""
+    from stress.bench_modes import render
+
+    def run(batch, rows):
+        rows = [{"mode": m, "peak_ratio": p, "time_ratio": t, "peak_bytes": 2**30, "step_s": 0.1} for m, p, t in rows]
+        return {"batch": batch, "seq": 8, "device": "cpu", "preset": "small", "vocab": 16, "rows": rows}
+
+    paths = [tmp_path / "b1.json", tmp_path / "b4.json"]
+    paths[0].write_text(json.dumps(run(1, [("NONE", 1, 1), ("COMPRESS", 0.61, 2.66)])))
+    paths[1].write_text(json.dumps(run(4, [("NONE", 1, 1), ("OFFLOAD", 0.21, 3.73), ("COMPRESS", 0.59, 2.23)])))
+    rows = {line.split(" | ")[0].strip("| "): line for line in render(paths).splitlines()[2:] if line.startswith("|")}
+    assert rows["COMPRESS"] == "| COMPRESS | 61.0%, 2.66x | 59.0%, 2.23x |"
+    assert rows["OFFLOAD"] == "| OFFLOAD | - | 21.0%, 3.73x |"
+    assert list(rows) == ["NONE", "COMPRESS", "OFFLOAD"]
