@@ -29,6 +29,7 @@ class CudaProbe:
         self._total = torch.cuda.get_device_properties(self.device).total_memory
         self._nvml = _nvml_handle(nvml_index(self.device.index))
         self._hinted = False
+        self._retries: int | None = None  # the allocator's retry count at the last reading
 
     def capacity(self) -> int:
         """The device's memory, or the share `torch.cuda.set_per_process_memory_fraction` leaves
@@ -115,21 +116,33 @@ class CudaProbe:
         stats = torch.cuda.memory_stats_as_nested_dict(self.device)
         reserved = _family(stats, "reserved_bytes").get("current", 0)
         allocated = _family(stats, "allocated_bytes").get("current", 0)
-        fragmented = reserved - allocated
-        if not self._hinted and reserved > 0 and fragmented > 0.3 * reserved and fragmented > 2**30:
-            self._hinted = True
-            log.warning(
-                "adaptmem: %s is reserved by PyTorch but not allocated (%s); that is fragmentation, "
-                "which no plan of modes fixes. Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-                format_bytes(fragmented),
-                self.name,
-            )
+        retries = stats.get("num_alloc_retries", 0)
+        self._hint_fragmentation(retries, reserved - allocated)
         return {
-            "alloc_retries": stats.get("num_alloc_retries", 0),
+            "alloc_retries": retries,
             "device_ooms": stats.get("num_ooms", 0),
             "reserved": reserved,
-            "fragmented": fragmented,
+            "fragmented": reserved - allocated,
         }
+
+    def _hint_fragmentation(self, retries: int, cached: int) -> None:
+        """One warning the first time the allocator had to free its cache and retry since the last
+        reading: a request that none of the blocks it held fitted, memory split into pieces of the
+        wrong sizes. Bytes reserved and not allocated at the end of a step are no such sign: they
+        are the blocks the step's activations freed, kept for the next step."""
+        before, self._retries = self._retries, retries
+        if self._hinted or before is None or retries <= before or _expandable_segments():
+            return
+        self._hinted = True
+        log.warning(
+            "adaptmem: PyTorch's caching allocator on %s freed its cache to retry an allocation (%d time%s "
+            "since the last step; %s reserved and not allocated now): memory split into blocks of the wrong "
+            "sizes, which no plan of modes fixes. Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            self.name,
+            retries - before,
+            "" if retries - before == 1 else "s",
+            format_bytes(cached),
+        )
 
     def mark(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
@@ -181,3 +194,9 @@ def _nvml_handle(index: int) -> Any:
             err,
         )
         return None
+
+
+def _expandable_segments() -> bool:
+    """Whether the allocator is set to grow its segments in place (set before CUDA starts)."""
+    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower()
+    return "expandable_segments:true" in conf.replace(" ", "")

@@ -208,3 +208,47 @@ def test_a_per_process_memory_fraction_is_the_capacity_and_others_take_from_it_p
     # 10 GiB of this process's 20 are gone.
     assert probe.external() == 0
     assert probe.external() == 10 * GiB
+
+
+def test_the_fragmentation_hint_follows_the_allocators_retries_not_its_cache(monkeypatch, caplog):
+    """Blocks a step's activations freed stay reserved for the next step: no hint for them, however
+    large. The hint comes once, the first time the allocator freed its cache to retry an
+    allocation between two readings, and not where segments already expand in place."""
+    from adaptmem.devices.cuda import CudaProbe
+
+    def probe_over(readings):
+        readings = iter(readings)
+
+        def stats(device=None):
+            reserved, allocated, retries = next(readings)
+            return {
+                "reserved_bytes": {"all": {"current": reserved}},
+                "allocated_bytes": {"all": {"current": allocated}},
+                "num_alloc_retries": retries,
+            }
+
+        monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", stats)
+        probe = CudaProbe.__new__(CudaProbe)
+        probe.name, probe.device, probe._hinted, probe._retries = "cuda:0", torch.device("cuda", 0), False, None
+        return probe
+
+    cache = [(40 * GiB, 10 * GiB, 3)] * 3  # three steps' ends: 30 GiB cached, retries from before it started
+    probe = probe_over([*cache, (40 * GiB, 30 * GiB, 5), (40 * GiB, 30 * GiB, 9)])
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        for _ in cache:
+            assert probe.signals()["fragmented"] == 30 * GiB
+        assert not caplog.records
+        assert probe.signals()["alloc_retries"] == 5
+        probe.signals()
+    (hint,) = caplog.records
+    assert "retry an allocation (2 times since the last step; 10.00 GiB reserved" in hint.getMessage()
+    assert "expandable_segments:True" in hint.getMessage()
+
+    caplog.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
+    probe = probe_over([(40 * GiB, 30 * GiB, 1), (40 * GiB, 30 * GiB, 4)])
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        probe.signals(), probe.signals()
+    assert not caplog.records
