@@ -54,6 +54,7 @@ class BlockCall:
     #: what the strategy did, for the cost model: bytes handed to the pack hook
     #: ("packed"), left on the device ("on_device"), sent to the host ("host").
     stats: dict = field(default_factory=dict)
-    #: `forward` is compiled code (`adaptmem.compile_blocks`): SELECTIVE leaves the layers inside
-    #: it as they are and hands its op policy to the checkpoint instead
-    compiled: bool = False
+    #: where `forward` is compiled code (`adaptmem.compile_blocks`): given a checkpoint's
+    #: ``context_fn`` (SELECTIVE's op policy, or None), the block's own forward under that
+    #: checkpoint, compiled as one function, so the compiler partitions forward and recompute
+    compiled_checkpoint: Callable[[Any], Callable[..., Any]] | None = None

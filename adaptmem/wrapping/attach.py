@@ -22,6 +22,7 @@ from torch import nn
 
 from adaptmem.modes import Mode
 from adaptmem.strategies import STRATEGIES, CompressOptions, OffloadOptions
+from adaptmem.strategies.recompute import compiled_checkpoint
 from adaptmem.wrapping.handles import BlockHandle, BlockRuntime, Instrumentation, checkpoints_itself
 from adaptmem.wrapping.head import HeadHandle, HeadSelection, attach_head, detach_head, find_head, likely_head
 from adaptmem.wrapping.selection import BlockSelection, find_blocks
@@ -52,6 +53,8 @@ class _BlockForward:
         self._handle = weakref.ref(handle)
         self.previous = previous  # an instance-level forward that was there before us
         self.compiled: Callable[..., Any] | None = None  # the block's own forward, compiled (compile_blocks)
+        self.compile_options: dict = {}  # compile_blocks' options, for the compiled checkpoints too
+        self.checkpoints: dict = {}  # context_fn -> the forward under that checkpoint, compiled (lazily)
 
     def original(self, module: nn.Module) -> Callable[..., Any]:
         if self.compiled is not None:
@@ -63,6 +66,24 @@ class _BlockForward:
             return self.previous
         # a partial, not types.MethodType: torch.compile traces through it without a graph break
         return functools.partial(type(module).forward, module)
+
+    def compile(self, module: nn.Module, options: dict) -> None:
+        """Compile the block's own forward (compile_blocks); the recomputing modes' checkpoints are
+        compiled around it the first time a block runs in each."""
+        self.compiled = torch.compile(self.uncompiled(module), **options)
+        self.compile_options, self.checkpoints = options, {}
+
+    def drop_compiled(self) -> None:
+        self.compiled, self.compile_options, self.checkpoints = None, {}, {}
+
+    def compiled_checkpoint(self, context_fn: Any) -> Callable[..., Any]:
+        """The block's own forward under a checkpoint with `context_fn`, compiled as one function
+        (`recompute.compiled_checkpoint`), made once per `context_fn`."""
+        fn = self.checkpoints.get(context_fn)
+        if fn is None:
+            fn = compiled_checkpoint(self.uncompiled(self._module()), context_fn, self.compile_options)
+            self.checkpoints[context_fn] = fn
+        return fn
 
     def _as_is(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The block's own forward (`original`), called eagerly without binding it first."""
@@ -104,7 +125,8 @@ class _BlockForward:
             return output
         if observer is not None:
             observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
-        call = handle.make_call(self.original(module), args, kwargs, compiled=self.compiled is not None)
+        checkpointed = self.compiled_checkpoint if self.compiled is not None else None
+        call = handle.make_call(self.original(module), args, kwargs, checkpointed)
         if quiet is not None:
             quiet.append((handle.index, call.mode, call.stats))  # before it runs: one that runs out of memory ran
         output = _run(handle, call)
@@ -124,7 +146,7 @@ class _BlockForward:
         # the observer is called through `runtime.tell`, which the compiler never traces
         if observer is not None:
             runtime.tell(observer, "block_start", handle, args, kwargs)
-        call = handle.make_call(forward, args, kwargs, compiled=self.compiled is not None)
+        call = handle.make_call(forward, args, kwargs)  # traced: the checkpoint is traced with the rest
         output = _run(handle, call)
         if observer is not None:
             runtime.tell(observer, "block_end", handle, call, output)
@@ -142,7 +164,7 @@ class _BlockForward:
         new._module = weakref.ref(new_module)
         new._handle = weakref.ref(new_handle) if new_handle is not None else _dead
         new.previous = copy.deepcopy(self.previous, memo)
-        new.compiled = None  # compiled code is not copied: compile the copy again
+        new.drop_compiled()  # compiled code is not copied: compile the copy again
         return new
 
     def __reduce__(self) -> tuple:
@@ -173,7 +195,7 @@ def _rebuild_forward(module: nn.Module, handle: BlockHandle | None, previous: Ca
     fwd._module = weakref.ref(module)
     fwd._handle = weakref.ref(handle) if handle is not None else _dead
     fwd.previous = previous
-    fwd.compiled = None
+    fwd.drop_compiled()
     return fwd
 
 
@@ -296,8 +318,7 @@ def compile_blocks(model: nn.Module, **compile_options: Any) -> list[BlockHandle
             "adaptmem.manage(model) first, then adaptmem.compile_blocks(model)"
         )
     for handle in inst.handles:
-        wrapper = handle.module.__dict__["forward"]
-        wrapper.compiled = torch.compile(wrapper.uncompiled(handle.module), **compile_options)
+        handle.module.__dict__["forward"].compile(handle.module, compile_options)
     return list(inst.handles)
 
 

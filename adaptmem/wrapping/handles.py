@@ -126,7 +126,13 @@ class BlockHandle:
     def mode(self, value: Mode | str) -> None:
         self._mode = Mode.parse(value)
 
-    def make_call(self, forward: Callable[..., Any], args: tuple, kwargs: dict, compiled: bool = False) -> BlockCall:
+    def make_call(
+        self,
+        forward: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        compiled_checkpoint: Callable[[Any], Callable[..., Any]] | None = None,
+    ) -> BlockCall:
         """The strategy's view of one forward call of this block, in its current mode."""
         if not torch.compiler.is_compiling():  # a counter torch.compile would guard on, recompiling each step
             self.calls += 1
@@ -141,7 +147,7 @@ class BlockHandle:
             self.runtime.offload,
             on_recompute=_RecomputeListener(self),
             warn_once=self.runtime.warn_once,
-            compiled=compiled,
+            compiled_checkpoint=compiled_checkpoint,
         )
 
     def finished(self, call: BlockCall) -> None:

@@ -79,20 +79,60 @@ def test_a_managed_model_compiles_from_the_calibration_step_and_the_controller_i
         assert breaks == []  # the wrapper runs outside the compiled blocks
 
 
-def test_mode_changes_do_not_recompile_compiled_blocks():
+def test_compiled_blocks_compile_each_mode_once_and_back_and_forth_compiles_nothing():
+    """compile_blocks compiles the block's forward, and the recomputing modes' checkpoints around
+    it the first time a block runs in each, as many times for 4 identical blocks as for 2:
+    switching between modes seen before compiles nothing."""
+    counts = []
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        model = tiny(n_layers=layers)
+        batch = tiny_batch(model)
+        handles = adaptmem.instrument(model)
+        adaptmem.compile_blocks(model, backend="aot_eager", fullgraph=True)
+        counter = CompileCounter()
+        for mode in LOSSLESS_MODES:
+            for h in handles:
+                h.mode = mode
+            grads_after(model, batch)
+        seen = counter.count
+        for mode in reversed(LOSSLESS_MODES) if layers == 2 else ():
+            for h in handles:
+                h.mode = mode
+            grads_after(model, batch)
+        counter.close()
+        assert seen > 0 and counter.count == seen
+        counts.append(seen)
+    assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("mode", [Mode.CHECKPOINT, Mode.SELECTIVE], ids=lambda m: m.label)
+def test_a_compiled_blocks_recompute_is_part_of_its_compiled_code(mode):
+    """Under a recomputing mode a compiled block's code runs once a step: the checkpoint is compiled
+    with the forward, so the recompute is the compiled function's own backward, not a second run of
+    the compiled forward (SELECTIVE's op policy cannot see inside compiled code from outside)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    runs = []
+
+    def counted(gm, example_inputs):  # aot_eager, counting the forward graph's runs
+        def run(args):
+            runs.append(1)
+            return gm(*args)
+
+        run._boxed_call = True
+        return run
+
     model = tiny()
     batch = tiny_batch(model)
-    handles = adaptmem.instrument(model)
-    adaptmem.compile_blocks(model, backend="aot_eager", fullgraph=True)
-    counter = CompileCounter()
-    grads_after(model, batch)
-    first = counter.count
-    for mode in list(LOSSLESS_MODES) * 2:
-        for h in handles:
-            h.mode = mode
-        grads_after(model, batch)
-    counter.close()
-    assert first > 0 and counter.count == first
+    expected = grads_after(model, batch)
+    adaptmem.instrument(model, mode=mode)
+    backend = aot_autograd(fw_compiler=counted, bw_compiler=lambda gm, _: make_boxed_func(gm))
+    adaptmem.compile_blocks(model, backend=backend, fullgraph=True)
+    got = grads_after(model, batch)
+    assert len(runs) == len(model.blocks)
+    assert same(got, expected)
 
 
 def test_whole_model_compile_stops_recompiling_once_the_plans_were_seen():
