@@ -201,7 +201,8 @@ class Controller:
                 self._free_after_oom()
                 self.ranks.catch_up()  # under FSDP2: the rest of the step's collectives, once freed
             self.rewind(self.retries.trace)  # every retry failed: the batch leaves no trace either
-            raise self.retries.report(self.policy.max_retries)
+            compressing = any(m & Mode.COMPRESS for m in self.plans.allowed)
+            raise self.retries.report(self.policy.max_retries, compressing)
         finally:
             self.ranks.deferring = False
             self.plans.start_attempt(0)

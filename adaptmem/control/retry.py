@@ -241,6 +241,7 @@ def failure_record(
         "phase": "backward" if backward else "forward" if ran else BEFORE_BLOCKS,
         "message": _shortened(message),
         "plan_counts": dict(Counter(m.label for m in executed)) if ran else {},
+        "head": sample.head.label if ran and sample.head is not None else None,
         "predicted_peak_bytes": predicted,
         "budget_bytes": budget,
         "headroom": headroom,
@@ -270,13 +271,21 @@ def counts_text(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} x {m}" for m, n in sorted(counts.items()))
 
 
-def oom_report(attempts: list[dict], max_retries: int) -> str:
+def attempt_text(attempt: dict) -> str:
+    """A failed attempt's plan and prediction, as the messages write them: "4 x CHECKPOINT; head
+    CHUNKED:512; predicted peak 203.95 MiB" (no prediction: the first step's calibration plan)."""
+    plan = counts_text(attempt["plan_counts"]) or "no managed block ran"
+    if attempt.get("head"):
+        plan += f"; head {attempt['head']}"
+    predicted = attempt["predicted_peak_bytes"]
+    return plan + (f"; predicted peak {format_bytes(predicted)}" if predicted else "; not predicted (calibration)")
+
+
+def oom_report(attempts: list[dict], max_retries: int, compression_allowed: bool = False) -> str:
     lines = [f"adaptmem: the step ran out of memory {len(attempts)} time(s) (max_retries={max_retries}); plans tried:"]
     for i, a in enumerate(attempts, 1):
-        counts = counts_text(a["plan_counts"])
         lines.append(
-            f"  attempt {i}: {counts or 'no managed block ran'}; predicted peak "
-            f"{format_bytes(a['predicted_peak_bytes'])} against budget {format_bytes(a['budget_bytes'])} "
+            f"  attempt {i}: {attempt_text(a)} against budget {format_bytes(a['budget_bytes'])} "
             f"(headroom {a['headroom']:.2f}); out of memory in {a['phase']}: {a['message']}"
         )
     if attempts and all(a["phase"] == BEFORE_BLOCKS for a in attempts):  # no mode saves anything there
@@ -286,10 +295,8 @@ def oom_report(attempts: list[dict], max_retries: int) -> str:
             "blocks, the weights, gradients and optimizer state on the device among it, counts against it)."
         )
     else:
-        lines.append(
-            "Lower the batch size or sequence length, allow more modes (policy 'max-savings' adds "
-            "compression), or give adaptmem a larger budget."
-        )
+        more = "" if compression_allowed else " allow more modes (policy 'max-savings' adds compression),"
+        lines.append(f"Lower the batch size or sequence length,{more} or give adaptmem a larger budget.")
     return "\n".join(lines)
 
 
@@ -327,6 +334,6 @@ class RetryGuard:
             self._modules = ListedModules(model)
         return StepGuard(model, snapshot, buffer_limit=buffer_limit, copies=self._copies, modules=self._modules)
 
-    def report(self, max_retries: int) -> StepOutOfMemoryError:
+    def report(self, max_retries: int, compression_allowed: bool) -> StepOutOfMemoryError:
         """The error for a batch every retry failed: each attempt, what it ran, and what to do."""
-        return StepOutOfMemoryError(oom_report(self.attempts, max_retries), list(self.attempts))
+        return StepOutOfMemoryError(oom_report(self.attempts, max_retries, compression_allowed), list(self.attempts))

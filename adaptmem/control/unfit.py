@@ -37,7 +37,7 @@ from typing import Any
 
 from adaptmem.config.units import format_bytes
 from adaptmem.control.plans import PlanRecord
-from adaptmem.control.retry import counts_text
+from adaptmem.control.retry import attempt_text, counts_text
 
 #: A measured shape is refused without running when even this share of its predicted bytes above
 #: the step's start, taken off, leaves the tightest plan over the device's usable memory.
@@ -116,17 +116,13 @@ def refusal(
     head = f", head {record.head.label}" if record.head is not None else ""
     lines = [
         f"adaptmem: {size} cannot fit under any plan ({why}); given up without running again.",
-        f"  tightest plan: {counts}{head}; predicted peak "
+        f"  tightest plan: {counts}{head}; predicted peak now "
         + (format_bytes(predicted) if predicted is not None else "unknown"),
         f"  floor (allocated before the step: weights, optimizer state): {format_bytes(start)}",
         f"  budget {format_bytes(budget)}" + (f"; device usable {format_bytes(limit)}" if limit is not None else ""),
     ]
     for i, a in enumerate(attempts, 1):
-        tried = counts_text(a["plan_counts"])
-        lines.append(
-            f"  attempt {i}: {tried or 'no managed block ran'}; predicted peak "
-            f"{format_bytes(a['predicted_peak_bytes'])}; out of memory in {a['phase']}"
-        )
+        lines.append(f"  attempt {i}: {attempt_text(a)} before it ran; out of memory in {a['phase']}")
     fits = _longest(longest, batch) if seq else None
     if fits is not None and fits >= seq:  # the predictions this batch proved wrong: no answer from them
         fits = None

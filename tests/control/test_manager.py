@@ -178,6 +178,28 @@ def test_injected_ooms_are_recovered_with_exact_gradients(name):
             assert all(torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-7) for n, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("policy", ["balanced", "max-savings"])
+def test_a_batch_failing_from_its_first_step_names_each_plan_with_its_head_and_advises_only_what_helps(policy):
+    """The first step's calibration plan has no prediction and is said to have none (not "0 B"); an
+    attempt names its loss head where it had one, so two attempts of the same blocks read apart; and
+    compression is advised only to a policy that does not allow it already."""
+    model = tiny()
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    with dev, adaptmem.manage(model, budget=2**31, device=dev, head="head", policy=policy) as mem:
+        hook = model.blocks[1].register_forward_pre_hook(lambda m, a: dev.set_capacity(dev.allocated_bytes + MiB))
+        with pytest.raises(StepOutOfMemoryError) as err:
+            mem.run_step(lambda: model(**tiny_batch(model)).loss.backward())
+        hook.remove()
+    attempts, lines = err.value.attempts, str(err.value).splitlines()
+    assert attempts[0]["predicted_peak_bytes"] == 0
+    assert lines[1].startswith("  attempt 1: 4 x CHECKPOINT; head KEPT; not predicted (calibration) against")
+    for i, a in enumerate(attempts[1:], 2):
+        (line,) = [x for x in lines if x.startswith(f"  attempt {i}:")]
+        assert f"; head {a['head']}; predicted peak " in line and a["head"] is not None, line
+    assert ("allow more modes" in lines[-1]) == (policy == "balanced"), lines[-1]
+
+
 def test_retries_are_bounded_and_report_every_plan_tried():
     make, make_batch = models()["tiny"]
     model = make()
