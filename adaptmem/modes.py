@@ -125,6 +125,11 @@ def ladder(allowed: tuple[Mode, ...]) -> tuple[Mode, ...]:
     return tuple(m for m in LADDER if m in allowed)
 
 
+def ladder_ranks(allowed: tuple[Mode, ...]) -> dict[Mode, int]:
+    """Each allowed mode's place on the ladder, the tighter the higher."""
+    return {m: i for i, m in enumerate(ladder(allowed))}
+
+
 def step_up(mode: Mode, allowed: tuple[Mode, ...]) -> Mode:
     """The next tighter allowed mode (the mode itself at the top)."""
     rungs = ladder(allowed)

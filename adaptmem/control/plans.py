@@ -44,7 +44,7 @@ from adaptmem.control.headcosts import HeadChoice
 from adaptmem.control.planner import Option, predicted_peak
 from adaptmem.control.planner import plan as solve
 from adaptmem.control.retry import plan_text
-from adaptmem.modes import HeadMode, Mode, ladder, step_up
+from adaptmem.modes import HeadMode, Mode, ladder, ladder_ranks, step_up
 
 log = logging.getLogger("adaptmem")
 
@@ -451,7 +451,7 @@ class PlanBook:
         # nothing predicted lower, but a size not run yet is predicted from others with margins, which
         # may rank the plans wrongly (a mixed plan under the uniform ones): a plan no looser in any block
         # than every plan that failed, and tighter in some, holds less whatever the figures say
-        rank = {m: i for i, m in enumerate(ladder(self.allowed))}
+        rank = ladder_ranks(self.allowed)
         for b, h in untried:
             if all(b != f and all(rank.get(m, 0) >= rank.get(g, 0) for m, g in zip(b, f)) for f, _ in self.tried):
                 return b, h, False
@@ -475,7 +475,7 @@ class PlanBook:
         planner's own made no looser, each block one rung up the ladder, then uniform plans,
         tightest predicted first (those tried already stay in: the head may differ)."""
         allowed = self.allowed
-        rank = {m: i for i, m in enumerate(ladder(allowed))}
+        rank = ladder_ranks(allowed)
         failed = self.failed
         merged = tuple(m if rank.get(m, 0) >= rank.get(f, 0) else f for m, f in zip(modes, failed))
         candidates = [merged, tuple(step_up(f, allowed) for f in failed)]
