@@ -204,6 +204,14 @@ def _range(run: dict, i: int) -> str:
     return f" [{low:.2f}, {high:.2f}]"
 
 
+def _cell(run: dict, i: int | None) -> str:
+    """Row `i` of a run as a table cell: peak and step against NONE ("-" where the run has no such row)."""
+    if i is None:
+        return "-"
+    row = run["rows"][i]
+    return f"{row['peak_ratio']:.1%}, {row['time_ratio']:.2f}x{_range(run, i)}"
+
+
 def render(paths: list[Path]) -> str:
     """A Markdown table of runs saved with --json, side by side: peak and step time against NONE.
     Rows are matched by mode, in the order the modes first appear; a run that did not time a mode
@@ -213,11 +221,7 @@ def render(paths: list[Path]) -> str:
     lines = [head, "|---|" + "---|" * len(runs)]
     where_in = [{row["mode"]: i for i, row in enumerate(r["rows"])} for r in runs]
     for mode in dict.fromkeys(row["mode"] for r in runs for row in r["rows"]):
-        cells = []
-        for run, index in zip(runs, where_in):
-            i = index.get(mode)
-            row = run["rows"][i] if i is not None else None
-            cells.append("-" if row is None else f"{row['peak_ratio']:.1%}, {row['time_ratio']:.2f}x{_range(run, i)}")
+        cells = [_cell(run, index.get(mode)) for run, index in zip(runs, where_in)]
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     first = runs[0]
     where = f"{first['device']}, Llama preset {first['preset']!r}, vocab {first['vocab']}"
