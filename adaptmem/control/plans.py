@@ -53,6 +53,9 @@ Shape = tuple[int, int]  # (batch, elements per sample) a plan is made for
 
 #: Plans kept, one per shape bucket; past it the least recently used is dropped.
 MAX_CACHED_PLANS = 64
+#: Modes a plan tries on one block once per run where no block has run them (`PlanBook._trial`): the
+#: lossless ones whose figures are a guess until they run (the others follow from measured latents).
+TRIED = (Mode.SELECTIVE, Mode.OFFLOAD)
 #: A retry's plan is predicted lower than every plan that failed by at least this fraction of the
 #: lowest one's predicted bytes above the step's start.
 RETRY_STEP = 0.01
@@ -73,6 +76,7 @@ class PlanRecord:
     head: HeadChoice | None = None  # the loss head's mode and chunk (None: the model has no managed head)
     exhausted: bool = False  # a retry with no plan predicted lower than one that failed: give the step up
     free: bool = False  # every block (and the head) in its fastest option: a higher aim makes it again
+    trial: Mode | None = None  # a mode no block had run, tried on one block (`PlanBook.make`): measure the step
 
 
 class PlanBook:
@@ -121,6 +125,7 @@ class PlanBook:
         self._warned: set[tuple[Shape, bool]] = set()  # (bucket, its size measured) warned of a shortfall
         self._planned: set[Key] = set()  # buckets planned for before (their plans may have been dropped since)
         self.fresh = True  # the last `choose` made its plan (False: it was the bucket's cached one)
+        self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -160,6 +165,8 @@ class PlanBook:
         budget (it would not fit). Checked once per step learned."""
         if record.learned == self.costs.steps_learned or self.policy.static_plan != "none":
             return False
+        if record.trial is not None:  # it ran and was measured: the plan is made from what it showed
+            return True
         if record.extent > record.seen and known(self.costs, record.key[0], record.seen):
             return True
         if not record.feasible:
@@ -226,9 +233,10 @@ class PlanBook:
         seen = key[1] if extent is None else extent
         extent = seen if known(self.costs, key[0], seen) else max(seen, key[1])
         shape = (key[0], extent)
+        replanning = bool(fixed)  # a forward under way, or a second one: not a plan to try a mode in
         fixed = {**self.pinned, **fixed}
         predicted, feasible, shortfall, head, bound, free = None, True, 0.0, None, False, False
-        warn = False
+        warn, trial = False, None
         if p.static_plan != "none":
             modes, reason = self._static(), "static"
         elif not self.costs.known and self.start_plan is not None:
@@ -243,6 +251,11 @@ class PlanBook:
             if not feasible and extent > seen:  # no plan fits the bucket's top: plan for the input itself
                 extent, shape, warn = seen, (key[0], seen), True
                 modes, head, predicted, feasible, shortfall, bound, free = self._solve(shape, start, budget, fixed)
+            if feasible and not free and not replanning and self.failed is None and p.try_modes:
+                tried = self._trial(modes, head, shape, start, budget, fixed)
+                if tried is not None:
+                    modes, trial, predicted = tried
+                    reason = f"{reason}, trial {trial.label}"
         if head is None and self.costs.head_costs is not None:
             head = self._head_alone(shape, start, budget)
         exhausted = False
@@ -267,6 +280,7 @@ class PlanBook:
             head,
             exhausted,
             free and not exhausted and self.failed is None and not fixed,
+            trial,
         )
 
     def predict(
@@ -352,6 +366,57 @@ class PlanBook:
         free = not bound and all(m is min(row, key=lambda o: o.seconds).mode for row, m in zip(rows, result.modes))
         modes, head = (result.modes[:-1], result.modes[-1]) if head_row else (result.modes, None)
         return modes, head, start + result.peak, result.feasible, result.shortfall, bound, free
+
+    def _trial(
+        self,
+        modes: tuple[Mode, ...],
+        head: HeadChoice | None,
+        shape: Shape,
+        start: int,
+        budget: int,
+        fixed: dict[int, Mode],
+    ) -> tuple[tuple[Mode, ...], Mode, float] | None:
+        """`modes` with one block in an allowed mode that no block has run yet and whose figures are a
+        guess (`TRIED`), where that is still predicted under the aim: the block it costs the least
+        time on (the plan's modes, the mode tried, its predicted peak), or None.
+
+        The budget shapes this plan, so the planner chose among its modes by their figures; a mode
+        known only by its prior is judged by a guess made to err high (an offload's backward is
+        assumed to bring back all its tensors at once, where it brings them back one by one), and
+        so may never be chosen, nor ever measured. A run that never measured OFFLOAD predicted its
+        longest sequence at 8,235 tokens, against 15,648 in one that had. Each mode is tried once
+        per run, on the one step the plan runs, which is measured block by block; the next step's
+        plan is made from what it showed."""
+        untried = [
+            m
+            for m in self.allowed
+            if m in TRIED and m not in self.trials and m not in modes and not any(m in d for d in self.costs.direct)
+        ]
+        if not untried:
+            return None
+        batch, extent = shape
+        aim = self._aim(start, budget)
+        host_limit = self.policy.host_fraction * self.probe.host_available()
+        best: tuple[float, int, Mode, float] | None = None
+        for mode in untried:
+            for i in range(self.n):
+                if i in fixed:
+                    continue
+                figures = self.costs.figures(i, mode, batch, extent)
+                if figures.host > host_limit:
+                    continue
+                plan = modes[:i] + (mode,) + modes[i + 1 :]
+                peak = self.predict(plan, batch, extent, 0, head)
+                if peak is None or peak > aim:
+                    continue
+                extra = figures.seconds - self.costs.figures(i, modes[i], batch, extent).seconds
+                if best is None or extra < best[0]:
+                    best = (extra, i, mode, peak)
+        if best is None:
+            return None
+        _, i, mode, peak = best
+        self.trials.add(mode)
+        return modes[:i] + (mode,) + modes[i + 1 :], mode, start + peak
 
     def _warn_unfit(
         self,

@@ -9,6 +9,7 @@ prediction. A step is measured when it has something to teach:
   - an escalation or an out-of-memory error asked (the next step, and the next
     step of every shape bucket seen), or the bucket's last prediction missed the
     observed peak by more than `replan_tolerance` of the budget;
+  - its plan tries a mode no block has run yet (`PlanRecord.trial`);
   - its plan offloads a block whose only time reading is its first offload's
     (cold: it allocated its host memory) while no block of its class has a warm
     one, so the warm time replaces it;
@@ -58,7 +59,12 @@ class MeasureSchedule:
         last = self.buckets.get(key)
         batch, bucket, resident = key
         period = self.policy.measure_every * (2 if (batch, bucket, not resident) in self.buckets else 1)
-        young = self.costs.steps_learned < 3 or self.next or needs_warm(self.costs, record.modes)
+        young = (
+            self.costs.steps_learned < 3
+            or self.next
+            or record.trial is not None
+            or needs_warm(self.costs, record.modes)
+        )
         self.next = False
         if len(self.buckets) >= MAX_CACHED_PLANS:
             self.buckets.clear()

@@ -167,7 +167,8 @@ def test_a_cached_plan_that_what_was_learned_says_no_longer_fits_is_made_again()
     batch = tiny_batch(model, batch=2, seq=128)
     dev = SimulatedDevice(capacity_bytes=2**31)
     dev.track(model)
-    with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
+    policy = load_policy("balanced").model_copy(update={"try_modes": False})  # the replan alone, no mode tried
+    with dev, adaptmem.manage(model, budget=2**30, device=dev, policy=policy) as mem:
         for _ in range(3):
             with mem.step():
                 model(**batch).loss.backward()

@@ -1,0 +1,88 @@
+"""A mode no block has run is tried once on one block, so its cost is measured, not guessed."""
+
+from dataclasses import replace
+
+import torch
+from helpers import budget_between, hf_batch, llama
+
+import adaptmem
+from adaptmem import Mode
+from adaptmem.config.policy import load_policy
+from adaptmem.testing import SimulatedDevice
+
+# calibration at the longest, then shorter ones the budget still shapes, one of them twice
+LENGTHS = [512, 256, 384, 256, 512]
+
+
+def _trained(try_modes: bool, fraction: float = 0.5):
+    """A manager after AdamW steps at `LENGTHS` on a stand-in whose link is slow: the planner picks
+    OFFLOAD for no step on its own, by its guessed time or by its measured one."""
+    torch.manual_seed(0)
+    make = lambda: llama(layers=4, hidden=64, dropout=0.0)
+    model = make()
+    budget, worst = budget_between(make, hf_batch(2, max(LENGTHS)), fraction)
+    dev = SimulatedDevice(2 * worst, link_bytes_per_s=20e6)
+    dev.track(model)
+    update = {"modes": ("NONE", "CHECKPOINT", "OFFLOAD"), "try_modes": try_modes}
+    policy = load_policy("balanced").model_copy(update=update)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    mem = adaptmem.manage(model, device=dev, budget=budget, policy=policy, head=None)
+    with dev:
+        for seq in LENGTHS:
+            mem.run_step(lambda: model(**hf_batch(2, seq)).loss.backward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        reach = mem.longest_sequence(2)
+    return mem, reach
+
+
+def test_a_mode_no_block_ran_is_tried_on_one_block_once_measured_and_counted_in_the_reach():
+    mem, reach = _trained(True)
+    trials = [p for p in mem.events.of_type("plan") if "trial" in p["reason"]]
+    assert len(trials) == 1 and trials[0]["reason"].endswith("trial OFFLOAD"), trials
+    assert list(trials[0]["plan"].values()).count("OFFLOAD") == 1
+    steps = mem.events.of_type("step")
+    tried = [s for s in steps if "OFFLOAD" in s["plan"]]
+    assert len(tried) == 1 and tried[0]["step"] == trials[0]["step"], [s["plan"] for s in steps]
+    assert tried[0]["measured"] == "blocks"
+    block = tried[0]["plan"].index("OFFLOAD")
+    assert Mode.OFFLOAD in mem._controller.costs.direct[block]
+    # the step after the trial has its plan made from what the trial showed
+    after = [p for p in mem.events.of_type("plan") if p["step"] == tried[0]["step"] + 1]
+    assert after and "trial" not in after[0]["reason"]
+
+    # without trials no step offloads, OFFLOAD's backward stays the guess (all its tensors back at
+    # once), and the longest sequence is predicted under checkpointing alone
+    guessed, short = _trained(False)
+    assert not any("OFFLOAD" in s["plan"] for s in guessed.events.of_type("step"))
+    assert Mode.OFFLOAD in reach.plan and Mode.OFFLOAD not in short.plan
+    assert reach.length > 1.3 * short.length, (reach, short)
+
+
+def test_no_mode_is_tried_where_the_plan_has_every_block_in_its_fastest_mode():
+    mem, _ = _trained(True, fraction=1.5)  # a budget past the unmanaged peak: every block NONE
+    assert all(set(s["plan"]) == {"NONE"} for s in mem.events.of_type("step")[1:])
+    assert not any("trial" in p["reason"] for p in mem.events.of_type("plan"))
+
+
+def test_a_mode_is_tried_once_and_its_step_measured_block_by_block():
+    """Tried once even where its step taught nothing (the plan made again has no trial), and the step
+    that tries it is measured block by block where the bucket's schedule would read its peak alone."""
+    mem, _ = _trained(False)
+    ctl = mem._controller
+    book = ctl.plans
+    book.policy = book.policy.model_copy(update={"try_modes": True})
+    key, cached = max(book.cache.items(), key=lambda kv: kv[0][1])  # the longest: the budget shapes it
+    tight = book.make(key, cached.start, ctl.budget, fixed={}, reason="replan", extent=cached.seen)
+    assert tight.trial is None  # one block's guessed offload is predicted over the aim: not tried
+    budget = int(1.1 * ctl.budget)  # room for it, not for every block kept
+    first = book.make(key, cached.start, budget, fixed={}, reason="replan", extent=cached.seen)
+    again = book.make(key, cached.start, budget, fixed={}, reason="replan", extent=cached.seen)
+    assert first.trial is Mode.OFFLOAD and first.modes.count(Mode.OFFLOAD) == 1
+    assert again.trial is None and Mode.OFFLOAD not in again.modes
+    # cached and learned from since, the trial's plan is made again, not run a second time
+    book.cache[key] = replace(first, learned=book.costs.steps_learned - 1)
+    assert book.choose(key[0], cached.seen, cached.start, budget).trial is None
+    light = [ctl.measuring.worth(cached) for _ in range(3)]
+    assert light[1:] == [False, False], light  # its schedule: the peak alone
+    assert ctl.measuring.worth(replace(cached, trial=Mode.OFFLOAD))
