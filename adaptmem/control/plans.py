@@ -383,10 +383,10 @@ class PlanBook:
         The budget shapes this plan, so the planner chose among its modes by their figures; a mode
         known only by its prior is judged by a guess made to err high (an offload's backward is
         assumed to bring back all its tensors at once, where it brings them back one by one), and
-        so may never be chosen, nor ever measured. A run that never measured OFFLOAD predicted its
-        longest sequence at 8,235 tokens, against 15,648 in one that had. Each mode is tried once
-        per run, on the one step the plan runs, which is measured block by block; the next step's
-        plan is made from what it showed."""
+        so may never be chosen, nor ever measured: in the demo with OFFLOAD never picked on its
+        guess, the longest length was predicted at 8,964 tokens without a trial and 15,206 with one
+        (`python -m stress.reach_trials`). Each mode is tried once per run, on the one step the plan
+        runs, which is measured block by block; the next step's plan is made from what it showed."""
         untried = [
             m
             for m in self.allowed
@@ -397,20 +397,20 @@ class PlanBook:
         batch, extent = shape
         aim = self._aim(start, budget)
         host_limit = self.policy.host_fraction * self.probe.host_available()
+        # the plan's peak with one block swapped, as `predict` has it, from the rows made once
+        rows = self.costs.options(batch, extent, self.allowed, fixed)
+        final = self.costs.head_bytes(batch, extent, head)
+        tail = self.costs.tail_bytes(batch, extent)
+        chosen = [next(o for o in row if o.mode is m) for row, m in zip(rows, modes)]
         best: tuple[float, int, Mode, float] | None = None
         for mode in untried:
-            for i in range(self.n):
-                if i in fixed:
+            for i, row in enumerate(rows):
+                option = next((o for o in row if o.mode is mode), None)
+                if i in fixed or option is None or option.host > host_limit:
                     continue
-                figures = self.costs.figures(i, mode, batch, extent)
-                if figures.host > host_limit:
-                    continue
-                plan = modes[:i] + (mode,) + modes[i + 1 :]
-                peak = self.predict(plan, batch, extent, 0, head)
-                if peak is None or peak > aim:
-                    continue
-                extra = figures.seconds - self.costs.figures(i, modes[i], batch, extent).seconds
-                if best is None or extra < best[0]:
+                peak = max(predicted_peak(chosen[:i] + [option] + chosen[i + 1 :], final), tail)
+                extra = option.seconds - chosen[i].seconds
+                if peak <= aim and (best is None or extra < best[0]):
                     best = (extra, i, mode, peak)
         if best is None:
             return None

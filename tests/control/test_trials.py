@@ -21,7 +21,7 @@ def _trained(try_modes: bool, fraction: float = 0.5):
     make = lambda: llama(layers=4, hidden=64, dropout=0.0)
     model = make()
     budget, worst = budget_between(make, hf_batch(2, max(LENGTHS)), fraction)
-    dev = SimulatedDevice(2 * worst, link_bytes_per_s=20e6)
+    dev = SimulatedDevice(2 * worst, link_bytes_per_s=5e6)
     dev.track(model)
     update = {"modes": ("NONE", "CHECKPOINT", "OFFLOAD"), "try_modes": try_modes}
     policy = load_policy("balanced").model_copy(update=update)
@@ -65,24 +65,48 @@ def test_no_mode_is_tried_where_the_plan_has_every_block_in_its_fastest_mode():
     assert not any("trial" in p["reason"] for p in mem.events.of_type("plan"))
 
 
-def test_a_mode_is_tried_once_and_its_step_measured_block_by_block():
-    """Tried once even where its step taught nothing (the plan made again has no trial), and the step
-    that tries it is measured block by block where the bucket's schedule would read its peak alone."""
+def test_a_mode_is_tried_where_it_fits_once_and_its_step_measured_block_by_block():
+    """On the block where it is predicted to fit the aim, else not at all; once, even where its step
+    taught nothing; the plan made again once the cost model learned; and the step that tries it
+    measured block by block where the bucket's schedule would read its peak alone."""
     mem, _ = _trained(False)
     ctl = mem._controller
     book = ctl.plans
     book.policy = book.policy.model_copy(update={"try_modes": True})
-    key, cached = max(book.cache.items(), key=lambda kv: kv[0][1])  # the longest: the budget shapes it
-    tight = book.make(key, cached.start, ctl.budget, fixed={}, reason="replan", extent=cached.seen)
-    assert tight.trial is None  # one block's guessed offload is predicted over the aim: not tried
-    budget = int(1.1 * ctl.budget)  # room for it, not for every block kept
-    first = book.make(key, cached.start, budget, fixed={}, reason="replan", extent=cached.seen)
-    again = book.make(key, cached.start, budget, fixed={}, reason="replan", extent=cached.seen)
-    assert first.trial is Mode.OFFLOAD and first.modes.count(Mode.OFFLOAD) == 1
-    assert again.trial is None and Mode.OFFLOAD not in again.modes
+    key, cached = max(book.cache.items(), key=lambda kv: kv[0][1])  # the longest
+    shape, start = (key[0], cached.seen), cached.start
+    plan = tuple(Mode.CHECKPOINT for _ in cached.modes)
+    swapped = [book.predict(plan[:i] + (Mode.OFFLOAD,) + plan[i + 1 :], *shape, 0) for i in range(len(plan))]
+    lowest = min(range(len(plan)), key=lambda i: swapped[i])
+
+    def budget_for(above: float) -> int:  # the smallest budget whose aim reaches `above`
+        low, high = 1, 64 * ctl.budget
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (mid + 1, high) if book._aim(start, mid) < above else (low, mid)
+        return low
+
+    assert book._trial(plan, None, shape, start, budget_for(swapped[lowest]) - 1, {}) is None
+    assert not book.trials  # not tried where it did not fit: still to be tried
+    roomy = budget_for(swapped[lowest])
+    tried = book._trial(plan, None, shape, start, roomy, {})
+    assert tried is not None and tried[0] == plan[:lowest] + (Mode.OFFLOAD,) + plan[lowest + 1 :]
+    assert tried[1] is Mode.OFFLOAD and tried[2] == start + swapped[lowest]
+    assert book._trial(plan, None, shape, start, roomy, {}) is None  # once
+    # where it fits on every block, on the one it is predicted to cost the least time on
+    book.trials.clear()
+    rows = book.costs.options(*shape, book.allowed, {})
+    pick = lambda row, mode: next(o for o in row if o.mode is mode)
+    extra = [pick(row, Mode.OFFLOAD).seconds - pick(row, Mode.CHECKPOINT).seconds for row in rows]
+    cheapest = min(range(len(plan)), key=lambda i: extra[i])
+    anywhere = book._trial(plan, None, shape, start, budget_for(max(swapped)), {})
+    assert anywhere[0] == plan[:cheapest] + (Mode.OFFLOAD,) + plan[cheapest + 1 :], (extra, anywhere)
+
     # cached and learned from since, the trial's plan is made again, not run a second time
-    book.cache[key] = replace(first, learned=book.costs.steps_learned - 1)
-    assert book.choose(key[0], cached.seen, cached.start, budget).trial is None
+    ran = replace(cached, modes=tried[0], trial=Mode.OFFLOAD, learned=book.costs.steps_learned - 1)
+    book.cache[key] = ran
+    assert book.choose(key[0], cached.seen, start, roomy) is not ran
+
     light = [ctl.measuring.worth(cached) for _ in range(3)]
     assert light[1:] == [False, False], light  # its schedule: the peak alone
     assert ctl.measuring.worth(replace(cached, trial=Mode.OFFLOAD))
