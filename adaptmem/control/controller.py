@@ -263,6 +263,7 @@ class Controller:
                 record = replace(record, modes=modes, head=head)
             if now.open:
                 self._refuse_unfittable(record, shape, start)
+            self.plans.announce_unfit()
             self.apply(record, reason=None if self.plans.fresh else "cached")
             if now.open:
                 self.recorder.measure_blocks(self.measuring.worth(record))
@@ -373,9 +374,9 @@ class Controller:
         with self.lock:
             start = self.probe.allocated()
             bucket = self.plans.bucket(shape.batch, shape.extent)
-            self.apply(
-                self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward", extent=shape.extent)
-            )
+            record = self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward", extent=shape.extent)
+            self.plans.announce_unfit()
+            self.apply(record)
 
     def _replan_running_forward(self) -> int:
         """Blocks not yet run in the current forward get a plan for the new budget (with other
@@ -389,6 +390,7 @@ class Controller:
         record = self.plans.make(
             self.plans.bucket(batch, extent), start, self.budget, fixed=done, reason="pressure", extent=extent
         )
+        self.plans.announce_unfit()
         running = self.blocks.running()
         changed = sum(1 for i, mode in enumerate(running) if i not in done and mode is not record.modes[i])
         self.apply(record)

@@ -53,7 +53,7 @@ Shape = tuple[int, int]  # (batch, elements per sample) a plan is made for
 
 #: Plans kept, one per shape bucket; past it the least recently used is dropped.
 MAX_CACHED_PLANS = 64
-#: Modes a plan tries on one block once per run where no block has run them (`PlanBook._trial`): the
+#: Modes a plan tries on one block once per run where no block has been measured in them (`PlanBook._trial`): the
 #: lossless ones whose figures are a guess until they run (the others follow from measured latents).
 TRIED = (Mode.SELECTIVE, Mode.OFFLOAD)
 #: A retry's plan is predicted lower than every plan that failed by at least this fraction of the
@@ -76,7 +76,9 @@ class PlanRecord:
     head: HeadChoice | None = None  # the loss head's mode and chunk (None: the model has no managed head)
     exhausted: bool = False  # a retry with no plan predicted lower than one that failed: give the step up
     free: bool = False  # every block (and the head) in its fastest option: a higher aim makes it again
-    trial: Mode | None = None  # a mode no block had run, tried on one block (`PlanBook.make`): measure the step
+    # a mode no block has been measured in, which the plan runs (tried on one block, or chosen on its
+    # guess; `PlanBook.make`): the step is measured block by block and the plan made again after
+    trial: Mode | None = None
 
 
 class PlanBook:
@@ -126,6 +128,7 @@ class PlanBook:
         self._planned: set[Key] = set()  # buckets planned for before (their plans may have been dropped since)
         self.fresh = True  # the last `choose` made its plan (False: it was the bucket's cached one)
         self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
+        self.unfit: tuple | None = None  # the last plan's shortfall warning, until `announce_unfit`
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -140,6 +143,7 @@ class PlanBook:
         """The plan for a forward starting now: the bucket's, unless stale or retrying."""
         key = self.bucket(batch, extent)
         record = self.cache.get(key)
+        self.unfit = None  # a plan made before and never run (a retry given up) is not announced now
         self.fresh = True  # made in this call (False: the bucket's cached plan, applied again)
         if record is None or extent > record.seen:
             seen = extent if record is None else max(extent, record.seen)
@@ -208,14 +212,14 @@ class PlanBook:
         self.attempt = attempt
 
     def snapshot(self) -> tuple:
-        """The cached plans and the shortfalls warned of, to put back with `restore`."""
-        return self.cache.copy(), set(self._warned)
+        """The cached plans, the shortfalls warned of and the modes tried, to put back with `restore`."""
+        return self.cache.copy(), set(self._warned), set(self.trials)
 
     def restore(self, snapshot: tuple, *, costs_changed: bool) -> None:
         """Put back a `snapshot`. `costs_changed`: the cost model went back too, so the predictions
         kept for its last state are dropped."""
-        cache, warned = snapshot
-        self.cache, self._warned = cache.copy(), set(warned)
+        cache, warned, trials = snapshot
+        self.cache, self._warned, self.trials = cache.copy(), set(warned), set(trials)
         if costs_changed:
             self._predicted_for = None
 
@@ -256,16 +260,19 @@ class PlanBook:
                 if tried is not None:
                     modes, trial, predicted = tried
                     reason = f"{reason}, trial {trial.label}"
+            if trial is None and p.try_modes:  # the planner chose a mode on its guess: measure it as a trial
+                trial = next((m for m in modes if self._guessed(m)), None)
         if head is None and self.costs.head_costs is not None:
             head = self._head_alone(shape, start, budget)
         exhausted = False
         if self.failed is not None:
             modes, head, exhausted = self._retry(modes, head, shape)
             reason = "nothing lower" if exhausted else f"retry {self.attempt}"
+            if self.costs.known:  # the retry's own plan, not the planner's it replaced
+                predicted = self.predict(modes, *shape, start, head)
         for i, mode in fixed.items():
             modes = modes[:i] + (mode,) + modes[i + 1 :]
-        if warn and not feasible:
-            self._warn_unfit(key, shape, start, budget, modes, head, bound)
+        self.unfit = (key, shape, start, budget, modes, head, bound) if warn and not feasible else None
         return PlanRecord(
             modes,
             key,
@@ -376,9 +383,12 @@ class PlanBook:
         budget: int,
         fixed: dict[int, Mode],
     ) -> tuple[tuple[Mode, ...], Mode, float] | None:
-        """`modes` with one block in an allowed mode that no block has run yet and whose figures are a
-        guess (`TRIED`), where that is still predicted under the aim: the block it costs the least
-        time on (the plan's modes, the mode tried, its predicted peak), or None.
+        """`modes` with one block in an allowed mode that no block has been measured in and whose figures are a
+        guess (`TRIED`), where that is still predicted under the aim: of the blocks where it fits,
+        the first of those whose mode is the tightest (a recomputing block gives up its recompute
+        for the mode tried; the blocks' guessed times differ by noise alone, and two runs of one
+        plan tried it on different blocks). Returns the plan's modes, the mode tried and its
+        predicted peak, or None.
 
         The budget shapes this plan, so the planner chose among its modes by their figures; a mode
         known only by its prior is judged by a guess made to err high (an offload's backward is
@@ -387,11 +397,7 @@ class PlanBook:
         guess, the longest length was predicted at 8,964 tokens without a trial and 15,206 with one
         (`python -m stress.reach_trials`). Each mode is tried once per run, on the one step the plan
         runs, which is measured block by block; the next step's plan is made from what it showed."""
-        untried = [
-            m
-            for m in self.allowed
-            if m in TRIED and m not in self.trials and m not in modes and not any(m in d for d in self.costs.direct)
-        ]
+        untried = [m for m in self.allowed if self._guessed(m) and m not in self.trials and m not in modes]
         if not untried:
             return None
         batch, extent = shape
@@ -402,21 +408,33 @@ class PlanBook:
         final = self.costs.head_bytes(batch, extent, head)
         tail = self.costs.tail_bytes(batch, extent)
         chosen = [next(o for o in row if o.mode is m) for row, m in zip(rows, modes)]
-        best: tuple[float, int, Mode, float] | None = None
+        rank = ladder_ranks(self.allowed)
+        best: tuple[tuple[int, int], int, Mode, float] | None = None
         for mode in untried:
             for i, row in enumerate(rows):
                 option = next((o for o in row if o.mode is mode), None)
                 if i in fixed or option is None or option.host > host_limit:
                     continue
                 peak = max(predicted_peak(chosen[:i] + [option] + chosen[i + 1 :], final), tail)
-                extra = option.seconds - chosen[i].seconds
-                if peak <= aim and (best is None or extra < best[0]):
-                    best = (extra, i, mode, peak)
+                order = (-rank.get(modes[i], 0), i)
+                if peak <= aim and (best is None or order < best[0]):
+                    best = (order, i, mode, peak)
         if best is None:
             return None
         _, i, mode, peak = best
         self.trials.add(mode)
         return modes[:i] + (mode,) + modes[i + 1 :], mode, start + peak
+
+    def announce_unfit(self) -> None:
+        """Warn that the plan just made is predicted not to fit, once it is known to run: a retry's
+        plan given up before it ran was announced as running ("Running a retry's plan, ...")."""
+        pending, self.unfit = self.unfit, None
+        if pending is not None:
+            self._warn_unfit(*pending)
+
+    def _guessed(self, mode: Mode) -> bool:
+        """`mode` is one a trial is for (`TRIED`), and no block has been measured in it."""
+        return mode in TRIED and not any(mode in d for d in self.costs.direct)
 
     def _warn_unfit(
         self,

@@ -64,7 +64,11 @@ class Reach:
     def __str__(self) -> str:
         plan = ", ".join(f"{label} x{n}" for label, n in Counter(m.label for m in self.plan).items())
         head = f"; head {self.head}" if self.head else ""
-        note = f" (extrapolated past the {self.measured_length:,} measured)" if self.extrapolated else ""
+        note = (
+            f" (extrapolated past the {self.measured_length:,} tokens measured block by block)"
+            if self.extrapolated
+            else ""
+        )
         return (
             f"batch {self.batch} x {self.length:,} tokens{note}: predicted peak {format_bytes(self.peak_bytes)} "
             f"of {format_bytes(self.limit_bytes)} under {plan}{head}"

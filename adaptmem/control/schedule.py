@@ -9,15 +9,16 @@ prediction. A step is measured when it has something to teach:
   - an escalation or an out-of-memory error asked (the next step, and the next
     step of every shape bucket seen), or the bucket's last prediction missed the
     observed peak by more than `replan_tolerance` of the budget;
-  - its plan tries a mode no block has run yet (`PlanRecord.trial`);
+  - its plan runs a mode no block has been measured in, tried on one block or chosen on
+    its guess (`PlanRecord.trial`, with the policy's `try_modes`);
   - its plan offloads a block whose only time reading is its first offload's
     (cold: it allocated its host memory) while no block of its class has a warm
     one, so the warm time replaces it;
   - the fits do not generalise to its shape (`coverage.generalises`: 2 sizes
     measured at its batch, and it at most twice the largest, 4 times with 3
     sizes), and this bucket was never measured, or under another plan or for a
-    smaller input. Where they do, a new length is predicted, and so is a mode
-    no block has run yet (from the priors): a light step's peak checks the
+    smaller input. Where they do, a new length is predicted (and, with `try_modes`
+    off, a mode no block has run yet, from the priors): a light step's peak checks the
     prediction, a miss measures the bucket's next step, and an out-of-memory
     error retries the step measured;
   - the bucket's schedule: every `measure_every`-th of its own steps (twice that

@@ -1,4 +1,4 @@
-"""A mode no block has run is tried once on one block, so its cost is measured, not guessed."""
+"""A mode no block has been measured in is tried once on one block, so its cost is measured, not guessed."""
 
 from dataclasses import replace
 
@@ -66,7 +66,7 @@ def test_no_mode_is_tried_where_the_plan_has_every_block_in_its_fastest_mode():
 
 
 def test_a_mode_is_tried_where_it_fits_once_and_its_step_measured_block_by_block():
-    """On the block where it is predicted to fit the aim, else not at all; once, even where its step
+    """Where it is predicted to fit the aim, else not at all; once, even where its step
     taught nothing; the plan made again once the cost model learned; and the step that tries it
     measured block by block where the bucket's schedule would read its peak alone."""
     mem, _ = _trained(False)
@@ -93,19 +93,29 @@ def test_a_mode_is_tried_where_it_fits_once_and_its_step_measured_block_by_block
     assert tried is not None and tried[0] == plan[:lowest] + (Mode.OFFLOAD,) + plan[lowest + 1 :]
     assert tried[1] is Mode.OFFLOAD and tried[2] == start + swapped[lowest]
     assert book._trial(plan, None, shape, start, roomy, {}) is None  # once
-    # where it fits on every block, on the one it is predicted to cost the least time on
+    # a batch given up leaves no trace: a trial made for it and never run is to be made again
     book.trials.clear()
-    rows = book.costs.options(*shape, book.allowed, {})
-    pick = lambda row, mode: next(o for o in row if o.mode is mode)
-    extra = [pick(row, Mode.OFFLOAD).seconds - pick(row, Mode.CHECKPOINT).seconds for row in rows]
-    cheapest = min(range(len(plan)), key=lambda i: extra[i])
-    anywhere = book._trial(plan, None, shape, start, budget_for(max(swapped)), {})
-    assert anywhere[0] == plan[:cheapest] + (Mode.OFFLOAD,) + plan[cheapest + 1 :], (extra, anywhere)
+    kept = book.snapshot()
+    assert book._trial(plan, None, shape, start, roomy, {}) is not None
+    book.restore(kept, costs_changed=False)
+    assert book._trial(plan, None, shape, start, roomy, {}) is not None
+    # where it fits on every block, on the first of those whose mode is the tightest
+    book.trials.clear()
+    mixed = (Mode.NONE,) + plan[1:-1] + (Mode.NONE,)
+    peaks = [book.predict(mixed[:i] + (Mode.OFFLOAD,) + mixed[i + 1 :], *shape, 0) for i in range(len(plan))]
+    anywhere = book._trial(mixed, None, shape, start, budget_for(max(peaks)), {})
+    assert anywhere[0] == (Mode.NONE, Mode.OFFLOAD) + mixed[2:], anywhere
 
     # cached and learned from since, the trial's plan is made again, not run a second time
     ran = replace(cached, modes=tried[0], trial=Mode.OFFLOAD, learned=book.costs.steps_learned - 1)
     book.cache[key] = ran
     assert book.choose(key[0], cached.seen, start, roomy) is not ran
+
+    # a plan that runs a mode on its guess (here a block pinned in it) is measured as a trial is
+    book.pin({0: Mode.OFFLOAD})
+    pinned = book.make(key, start, roomy, fixed={}, reason="replan", extent=cached.seen)
+    assert pinned.modes[0] is Mode.OFFLOAD and pinned.trial is Mode.OFFLOAD and "trial" not in pinned.reason
+    book.pin({})
 
     light = [ctl.measuring.worth(cached) for _ in range(3)]
     assert light[1:] == [False, False], light  # its schedule: the peak alone

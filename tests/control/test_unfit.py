@@ -81,7 +81,7 @@ def test_an_outlier_fails_fast_and_later_plans_are_as_without_it(arch):
     assert mem.events.of_type("refused")[-1]["attempts"] == len(err.attempts)
 
 
-def test_a_measured_shape_predicted_far_over_the_device_is_refused_before_any_block_runs():
+def test_a_measured_shape_predicted_far_over_the_device_is_refused_before_any_block_runs(caplog):
     torch.manual_seed(0)
     model = llama(layers=4, hidden=128, vocab=VOCAB)
     dev = SimulatedDevice(2**31)
@@ -96,9 +96,11 @@ def test_a_measured_shape_predicted_far_over_the_device_is_refused_before_any_bl
         mem.set_budget("90%")
         headroom = mem.headroom
         ran.clear()
-        with pytest.raises(StepOutOfMemoryError) as err:
+        with pytest.raises(StepOutOfMemoryError) as err, caplog.at_level("WARNING", logger="adaptmem"):
             mem.run_step(lambda: model(**hf_batch(2, 512, VOCAB)).loss.backward())
         assert err.value.attempts == [] and ran == []  # no attempt: refused at the plan point
+        # and no warning announces a plan as running that never ran
+        assert not [r for r in caplog.records if "Running" in r.getMessage()], caplog.text
         assert mem.ooms == 0 and mem.headroom == headroom
         assert "the tightest plan is predicted over the device's usable memory" in str(err.value)
         assert mem.events.of_type("refused")[-1]["attempts"] == 0
@@ -199,6 +201,7 @@ def test_with_no_plan_predicted_lower_a_retry_runs_one_tighter_in_every_block_be
             plans.start_attempt(attempt)
             plans.failure(tried[-1], None, shape, foreseen=True)
             record = plans.make(key, 0, mem.budget, fixed={}, reason="retry")
+            assert record.predicted == plans.predict(record.modes, *shape, 0, record.head)  # the retry's own
             if record.exhausted:
                 break
             for failed in tried:  # no looser anywhere than any plan that failed, tighter somewhere
