@@ -44,6 +44,16 @@ def generalises(costs: CostModel, batch: int, extent: int) -> bool:
     return extent <= max(measured) * PREDICT_PAST[min(len(measured), max(PREDICT_PAST))]
 
 
+#: Modes whose figures are a guess until a block runs them, and which a plan tries on one block once
+#: per run (`PlanBook._trial`): the lossless ones that the other modes' measurements do not reveal.
+TRIED = (Mode.SELECTIVE, Mode.OFFLOAD)
+
+
+def guessed(costs: CostModel, mode: Mode) -> bool:
+    """`mode` is one of `TRIED` and no block has been measured in it."""
+    return mode in TRIED and not any(mode in d for d in costs.direct)
+
+
 def needs_warm(costs: CostModel, modes: tuple[Mode, ...]) -> bool:
     """Some block offloaded under `modes` has only its first (cold) time reading, and no block of
     its class a warm one: the pooled figures stand for a cold block while another has one."""

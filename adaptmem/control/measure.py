@@ -26,7 +26,7 @@ def measure_peak(
     instrumented with the automatic blocks for the measurement and restored
     after; an instrumented one keeps its blocks and gets its own modes back).
     With `optimizer`, each step also steps it, so after the first step its
-    state is counted too. The peak of the last of `steps`
+    state is counted too (from the start where it has state already). The peak of the last of `steps`
     steps is returned; gradients are cleared after.
     """
     existing = get_instrumentation(model)
@@ -38,6 +38,9 @@ def measure_peak(
         handle.mode = mode
     dev = SimulatedDevice()
     dev.track(model)
+    if optimizer is not None:  # one that has stepped before holds its state already: counted as the weights
+        # are, less its step counters, host scalars as on a GPU (the stand-in leaves them out where made)
+        dev.track(*(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0))
     try:
         with dev:
             for _ in range(steps):

@@ -38,7 +38,7 @@ from typing import Any
 from adaptmem.config.policy import Policy
 from adaptmem.config.units import format_bytes
 from adaptmem.control.costs import CostModel
-from adaptmem.control.coverage import covers, known
+from adaptmem.control.coverage import covers, guessed, known
 from adaptmem.control.decisions import Decider
 from adaptmem.control.headcosts import HeadChoice
 from adaptmem.control.planner import Option, predicted_peak
@@ -53,9 +53,6 @@ Shape = tuple[int, int]  # (batch, elements per sample) a plan is made for
 
 #: Plans kept, one per shape bucket; past it the least recently used is dropped.
 MAX_CACHED_PLANS = 64
-#: Modes a plan tries on one block once per run where no block has been measured in them (`PlanBook._trial`): the
-#: lossless ones whose figures are a guess until they run (the others follow from measured latents).
-TRIED = (Mode.SELECTIVE, Mode.OFFLOAD)
 #: A retry's plan is predicted lower than every plan that failed by at least this fraction of the
 #: lowest one's predicted bytes above the step's start.
 RETRY_STEP = 0.01
@@ -76,9 +73,8 @@ class PlanRecord:
     head: HeadChoice | None = None  # the loss head's mode and chunk (None: the model has no managed head)
     exhausted: bool = False  # a retry with no plan predicted lower than one that failed: give the step up
     free: bool = False  # every block (and the head) in its fastest option: a higher aim makes it again
-    # a mode no block has been measured in, which the plan runs (tried on one block, or chosen on its
-    # guess; `PlanBook.make`): the step is measured block by block and the plan made again after
-    trial: Mode | None = None
+    trial: Mode | None = None  # a mode tried on one block (`PlanBook._trial`): measured, then the plan made again
+    guessed: bool = False  # the planner chose a mode no block has been measured in: the step is measured
 
 
 class PlanBook:
@@ -240,7 +236,7 @@ class PlanBook:
         replanning = bool(fixed)  # a forward under way, or a second one: not a plan to try a mode in
         fixed = {**self.pinned, **fixed}
         predicted, feasible, shortfall, head, bound, free = None, True, 0.0, None, False, False
-        warn, trial = False, None
+        warn, trial, unmeasured = False, None, False
         if p.static_plan != "none":
             modes, reason = self._static(), "static"
         elif not self.costs.known and self.start_plan is not None:
@@ -260,8 +256,7 @@ class PlanBook:
                 if tried is not None:
                     modes, trial, predicted = tried
                     reason = f"{reason}, trial {trial.label}"
-            if trial is None and p.try_modes:  # the planner chose a mode on its guess: measure it as a trial
-                trial = next((m for m in modes if self._guessed(m)), None)
+            unmeasured = trial is None and p.try_modes and any(guessed(self.costs, m) for m in set(modes))
         if head is None and self.costs.head_costs is not None:
             head = self._head_alone(shape, start, budget)
         exhausted = False
@@ -288,6 +283,7 @@ class PlanBook:
             exhausted,
             free and not exhausted and self.failed is None and not fixed,
             trial,
+            unmeasured,
         )
 
     def predict(
@@ -384,7 +380,7 @@ class PlanBook:
         fixed: dict[int, Mode],
     ) -> tuple[tuple[Mode, ...], Mode, float] | None:
         """`modes` with one block in an allowed mode that no block has been measured in and whose figures are a
-        guess (`TRIED`), where that is still predicted under the aim: of the blocks where it fits,
+        guess (`coverage.TRIED`), where that is still predicted under the aim: of the blocks where it fits,
         the first of those whose mode is the tightest (a recomputing block gives up its recompute
         for the mode tried; the blocks' guessed times differ by noise alone, and two runs of one
         plan tried it on different blocks). Returns the plan's modes, the mode tried and its
@@ -397,7 +393,7 @@ class PlanBook:
         guess, the longest length was predicted at 8,964 tokens without a trial and 15,206 with one
         (`python -m stress.reach_trials`). Each mode is tried once per run, on the one step the plan
         runs, which is measured block by block; the next step's plan is made from what it showed."""
-        untried = [m for m in self.allowed if self._guessed(m) and m not in self.trials and m not in modes]
+        untried = [m for m in self.allowed if guessed(self.costs, m) and m not in self.trials and m not in modes]
         if not untried:
             return None
         batch, extent = shape
@@ -431,10 +427,6 @@ class PlanBook:
         pending, self.unfit = self.unfit, None
         if pending is not None:
             self._warn_unfit(*pending)
-
-    def _guessed(self, mode: Mode) -> bool:
-        """`mode` is one a trial is for (`TRIED`), and no block has been measured in it."""
-        return mode in TRIED and not any(mode in d for d in self.costs.direct)
 
     def _warn_unfit(
         self,

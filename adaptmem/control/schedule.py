@@ -10,7 +10,7 @@ prediction. A step is measured when it has something to teach:
     step of every shape bucket seen), or the bucket's last prediction missed the
     observed peak by more than `replan_tolerance` of the budget;
   - its plan runs a mode no block has been measured in, tried on one block or chosen on
-    its guess (`PlanRecord.trial`, with the policy's `try_modes`);
+    its guess (`PlanRecord.trial`, `PlanRecord.guessed`; with the policy's `try_modes`);
   - its plan offloads a block whose only time reading is its first offload's
     (cold: it allocated its host memory) while no block of its class has a warm
     one, so the warm time replaces it;
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from adaptmem.config.policy import Policy
 from adaptmem.control.costs import CostModel
-from adaptmem.control.coverage import generalises, needs_warm
+from adaptmem.control.coverage import generalises, guessed, needs_warm
 from adaptmem.control.plans import MAX_CACHED_PLANS, Key, PlanRecord
 
 #: The most a bucket's measuring period stretches in steady state, in periods of `measure_every`.
@@ -64,6 +64,7 @@ class MeasureSchedule:
             self.costs.steps_learned < 3
             or self.next
             or record.trial is not None
+            or (record.guessed and any(guessed(self.costs, m) for m in set(record.modes)))
             or needs_warm(self.costs, record.modes)
         )
         self.next = False

@@ -114,7 +114,8 @@ def test_a_mode_is_tried_where_it_fits_once_and_its_step_measured_block_by_block
     # a plan that runs a mode on its guess (here a block pinned in it) is measured as a trial is
     book.pin({0: Mode.OFFLOAD})
     pinned = book.make(key, start, roomy, fixed={}, reason="replan", extent=cached.seen)
-    assert pinned.modes[0] is Mode.OFFLOAD and pinned.trial is Mode.OFFLOAD and "trial" not in pinned.reason
+    assert pinned.modes[0] is Mode.OFFLOAD and pinned.guessed and pinned.trial is None and "trial" not in pinned.reason
+    assert ctl.measuring.worth(pinned)
     book.pin({})
 
     light = [ctl.measuring.worth(cached) for _ in range(3)]

@@ -235,3 +235,17 @@ def test_peak_agrees_with_memtracker_within_five_percent(name, mode):
         batch = hf_batch(seq=256)
     ours, reference = _peaks(model, batch, mode)
     assert abs(ours - reference) <= 0.05 * reference, (ours, reference)
+
+
+def test_measure_peak_counts_an_optimizer_state_made_before_it():
+    """An optimizer that has stepped already holds its state before the fresh stand-in exists: it is
+    counted as the weights are, so a reused model and optimizer measure what fresh ones do."""
+    from adaptmem.testing import measure_peak
+
+    batch = hf_batch(2, 64)
+    fresh = llama(layers=2, hidden=64, dropout=0.0)
+    opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
+    first = measure_peak(fresh, lambda: batch, mode=Mode.CHECKPOINT, optimizer=opt, steps=2)
+    again = measure_peak(fresh, lambda: batch, mode=Mode.CHECKPOINT, optimizer=opt, steps=2)
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    assert state > 0 and again == first
