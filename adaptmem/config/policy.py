@@ -144,7 +144,7 @@ class Policy(BaseModel):
     "In steady state (plan held, shapes seen, predictions on target) the step is measured block by block only every this many steps; the others read just the step's peak. 1: every step."
 
     try_modes: StrictBool = True
-    "Once per run, a step whose plan the budget shapes runs one block in a lossless mode no block has been measured in (SELECTIVE, OFFLOAD), where it is predicted to fit, and measures the step of a plan that runs one on its guess, so that mode's cost is measured, not guessed; False: neither."
+    "Measure once the modes whose figures are a guess until a block runs them (SELECTIVE, OFFLOAD): a plan the budget shapes tries one on one block where it is predicted to fit, and a plan that runs one on its guess is measured block by block. False: neither."
 
     planner_bins: StrictInt = Field(1024, ge=64, le=16384)
     "Resolution of the planner's byte axis (bins over the budget); every byte count is rounded up to a bin."
