@@ -379,12 +379,12 @@ class PlanBook:
         budget: int,
         fixed: dict[int, Mode],
     ) -> tuple[tuple[Mode, ...], Mode, float] | None:
-        """`modes` with one block in an allowed mode that no block has been measured in and whose figures are a
-        guess (`coverage.TRIED`), where that is still predicted under the aim: of the blocks where it fits,
-        the first of those whose mode is the tightest (a recomputing block gives up its recompute
-        for the mode tried; the blocks' guessed times differ by noise alone, and two runs of one
-        plan tried it on different blocks). Returns the plan's modes, the mode tried and its
-        predicted peak, or None.
+        """`modes` with one block in an allowed mode whose figures are a guess (`coverage.TRIED`) and
+        that no block has been measured in, where the plan is still predicted under the aim: of the
+        blocks where it fits, the first of those whose mode is the tightest (a recomputing block
+        gives its recompute up for the mode tried; the blocks' guessed times differ by noise alone,
+        and two runs of one plan had tried it on different blocks). Returns the plan's modes, the
+        mode tried and its predicted peak, or None.
 
         The budget shapes this plan, so the planner chose among its modes by their figures; a mode
         known only by its prior is judged by a guess made to err high (an offload's backward is
