@@ -14,13 +14,14 @@ printed side by side, with the plans that tried a mode.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import adaptmem
 
 #: Seconds added to OFFLOAD's guessed time on every block: more than any plan saves by it.
 SLOWER_S = 1.0
@@ -35,7 +36,8 @@ def _side(policy: str, log: str) -> int:
     guessed = priors.DERIVATIONS[Mode.OFFLOAD]
 
     def slower(lat, a):
-        return dataclasses.replace(guessed(lat, a), seconds=guessed(lat, a).seconds + SLOWER_S)
+        figures = guessed(lat, a)
+        return dataclasses.replace(figures, seconds=figures.seconds + SLOWER_S)
 
     priors.DERIVATIONS[Mode.OFFLOAD] = slower
     return main(["--cpu", "--policy", policy, "--log", log])
@@ -51,8 +53,8 @@ def _run(policy: str, log: str) -> tuple[str, list[str]]:
     if done.returncode != 0:
         raise RuntimeError(f"the demo's run with policy {policy} failed:\n{done.stdout}\n{done.stderr}")
     longest = re.search(r"adaptmem\s+longest .*", done.stdout)
-    plans = [json.loads(line) for line in Path(log).read_text().splitlines()]
-    trials = [f"step {p['step']}: {p['reason']}" for p in plans if p.get("type") == "plan" and "trial" in p["reason"]]
+    plans = [r for r in adaptmem.read_log(log) if r["type"] == "plan"]
+    trials = [f"step {p['step']}: {p['reason']}" for p in plans if "trial" in p["reason"]]
     return (longest.group(0) if longest else "(no answer printed)"), trials
 
 

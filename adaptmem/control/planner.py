@@ -50,6 +50,11 @@ class PlanResult:
     shortfall: float  # bytes over capacity when infeasible, else 0.0
 
 
+def picked(options: list[list[Option]], modes: tuple) -> list[Option]:
+    """The option each row's mode picks (`modes[i]` from `options[i]`)."""
+    return [next(o for o in row if o.mode is m) for row, m in zip(options, modes)]
+
+
 def predicted_peak(chosen: list[Option], final: float = 0.0) -> float:
     """max over blocks of (earlier saved + need), and total saved + final."""
     prefix, peak = 0.0, 0.0

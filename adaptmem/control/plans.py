@@ -41,7 +41,7 @@ from adaptmem.control.costs import CostModel
 from adaptmem.control.coverage import covers, guessed, known
 from adaptmem.control.decisions import Decider
 from adaptmem.control.headcosts import HeadChoice
-from adaptmem.control.planner import Option, predicted_peak
+from adaptmem.control.planner import Option, picked, predicted_peak
 from adaptmem.control.planner import plan as solve
 from adaptmem.control.retry import plan_text
 from adaptmem.modes import HeadMode, Mode, ladder, ladder_ranks, step_up
@@ -311,6 +311,10 @@ class PlanBook:
             self._predicted[key] = above
         return start + above
 
+    def _host_limit(self) -> float:
+        """The host bytes a plan may offload: the policy's share of what the host has available."""
+        return self.policy.host_fraction * self.probe.host_available()
+
     def failure(
         self,
         executed: tuple[Mode, ...],
@@ -342,7 +346,7 @@ class PlanBook:
         options = self.costs.options(batch, extent, self.allowed, fixed)
         head_row = self.head_row(shape)
         final = 0.0 if head_row else self.costs.head_bytes(batch, extent)
-        host_limit = p.host_fraction * self.probe.host_available()
+        host_limit = self._host_limit()
         aim = self._aim(start, budget)
         # after the blocks' backward the step peaks whatever the plan (the weights' gradients all
         # there): where that is over the aim, no block need be held under it, as it cuts no byte of
@@ -353,7 +357,7 @@ class PlanBook:
         tail = self.costs.tail_bytes(batch, extent) if measured or covers(self.costs, batch, extent) else 0.0
         for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
             result = solve(options + ([head_row] if head_row else []), max(aim, tail), final, p.planner_bins)
-            chosen = [next(o for o in row if o.mode is m) for row, m in zip(options, result.modes)]
+            chosen = picked(options, result.modes)
             if sum(o.host for o in chosen) <= host_limit:
                 break
             worst = max(range(len(chosen)), key=lambda i: chosen[i].host)
@@ -398,12 +402,11 @@ class PlanBook:
             return None
         batch, extent = shape
         aim = self._aim(start, budget)
-        host_limit = self.policy.host_fraction * self.probe.host_available()
+        host_limit = self._host_limit()
         # the plan's peak with one block swapped, as `predict` has it, from the rows made once
         rows = self.costs.options(batch, extent, self.allowed, fixed)
-        final = self.costs.head_bytes(batch, extent, head)
-        tail = self.costs.tail_bytes(batch, extent)
-        chosen = [next(o for o in row if o.mode is m) for row, m in zip(rows, modes)]
+        final, tail = self.costs.head_bytes(batch, extent, head), self.costs.tail_bytes(batch, extent)
+        chosen = picked(rows, modes)
         rank = ladder_ranks(self.allowed)
         best: tuple[tuple[int, int], int, Mode, float] | None = None
         for mode in untried:

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from adaptmem.config.units import format_bytes
-from adaptmem.control.planner import Option, feasible, predicted_peak
+from adaptmem.control.planner import Option, feasible, picked, predicted_peak
 from adaptmem.control.planner import plan as solve
 from adaptmem.modes import Mode
 
@@ -187,7 +187,7 @@ class Reacher:
             return Reach(batch, length, self.start, self.limit, self.start, (), None, False, self.measured_length)
         rows, final = self.rows(batch, length)
         result = solve(rows, self.limit - self.start, final, BINS)
-        chosen = [next(o for o in row if o.mode is m) for row, m in zip(rows, result.modes)]
+        chosen = picked(rows, result.modes)
         peak = max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
         modes, head = result.modes, None
         if self.costs.head_costs is not None:

@@ -116,13 +116,13 @@ class CudaProbe:
         stats = torch.cuda.memory_stats_as_nested_dict(self.device)
         reserved = _family(stats, "reserved_bytes").get("current", 0)
         allocated = _family(stats, "allocated_bytes").get("current", 0)
-        retries = stats.get("num_alloc_retries", 0)
-        self._hint_fragmentation(retries, reserved - allocated)
+        retries, cached = stats.get("num_alloc_retries", 0), reserved - allocated
+        self._hint_fragmentation(retries, cached)
         return {
             "alloc_retries": retries,
             "device_ooms": stats.get("num_ooms", 0),
             "reserved": reserved,
-            "fragmented": reserved - allocated,
+            "fragmented": cached,
         }
 
     def _hint_fragmentation(self, retries: int, cached: int) -> None:
