@@ -97,6 +97,30 @@ class OnTorchCheckpoint:
             rerun.checkpoint = own
 
 
+class FusedCodec:
+    """COMPRESS with its codec compiled into one kernel per tensor each way (`CompressOptions.compile`
+    "on") instead of eager ops: the row the default's eager codec is compared with."""
+
+    label = "COMPRESS fused codec"
+    mode = Mode.COMPRESS
+
+    def __init__(self, handles) -> None:
+        self.handles = handles
+
+    @contextmanager
+    def installed(self):
+        from dataclasses import replace
+
+        own = [h.compress_options for h in self.handles]
+        for h in self.handles:
+            h.compress_options = replace(h.compress_options, compile="on")
+        try:
+            yield
+        finally:
+            for h, options in zip(self.handles, own):
+                h.compress_options = options
+
+
 def set_mode(model, handles, mode) -> None:
     """Every block in `mode`, or (the peer's row) every block plain under the model's own checkpointing."""
     from adaptmem.integrations.transformers import switch_own_checkpointing
@@ -108,8 +132,9 @@ def set_mode(model, handles, mode) -> None:
 
 
 def run_as(mode):
-    """The context a row's mode runs in: PyTorch's checkpoint installed for `OnTorchCheckpoint`."""
-    return mode.installed() if isinstance(mode, OnTorchCheckpoint) else nullcontext()
+    """The context a row's mode runs in: PyTorch's checkpoint installed for `OnTorchCheckpoint`, the
+    compiled codec for `FusedCodec`."""
+    return mode.installed() if isinstance(mode, (OnTorchCheckpoint, FusedCodec)) else nullcontext()
 
 
 def peak_of(model, ids, device) -> int:
@@ -275,6 +300,11 @@ def main(argv=None) -> int:
         help="add rows of the recomputing modes run on torch.utils.checkpoint instead of adaptmem's own",
     )
     p.add_argument(
+        "--fused-codec",
+        action="store_true",
+        help="add a row of COMPRESS with its codec compiled (CompressOptions(compile='on'))",
+    )
+    p.add_argument(
         "--compile-blocks",
         action="store_true",
         help="compile each block for every row (adaptmem.compile_blocks): the recomputing modes then run "
@@ -309,6 +339,7 @@ def main(argv=None) -> int:
     modes += [] if args.no_peer else [HF_CHECKPOINTING]
     model = build(preset, vocab, args.device, dtype)
     handles = adaptmem.instrument(model)
+    modes += [FusedCodec(handles)] if args.fused_codec else []
     if args.compile_blocks:
         adaptmem.compile_blocks(model)
     ids = torch.randint(0, vocab, (args.batch, seq), device=args.device)

@@ -17,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--trace", type=Path, default=None, help="also keep the Chrome trace here")
+    p.add_argument("--top", type=int, default=0, help="also print the N ops taking the most device time")
+    p.add_argument(
+        "--fused-codec", action="store_true", help="COMPRESS's codec compiled (CompressOptions(compile='on'))"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("stress.profile_offload needs a CUDA device", file=sys.stderr)
@@ -89,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         PRESETS[args.preset] = dict(PRESETS[args.preset], num_hidden_layers=args.layers)
     model = build(args.preset, args.vocab, "cuda", torch.bfloat16)
     handles = adaptmem.instrument(model, mode=Mode.parse(args.mode))
+    if args.fused_codec:
+        for h in handles:
+            h.compress_options = replace(h.compress_options, compile="on")
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
     d2h, h2d = link_gbps()
     for _ in range(args.warmup):
@@ -111,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         mode=args.mode, batch=args.batch, seq=args.seq, blocks=len(handles), step_ms=wall * 1e3, link_gbps=[d2h, h2d]
     )
     print(json.dumps(s, indent=1))
-    print(f"{args.mode}: step {wall * 1e3:.1f} ms (unprofiled); compute stream busy {s['compute_ms']:.1f} ms")
+    if args.top:
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top))
+    print(f"{args.mode}{' (fused codec)' if args.fused_codec else ''}: step {wall * 1e3:.1f} ms (unprofiled); compute stream busy {s['compute_ms']:.1f} ms")
     for key in ("d2h", "h2d"):
         c = s[key]
         print(

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from adaptmem.strategies.payloads import Payload, nbytes_of, restore
+from adaptmem.strategies.payloads import Layout, Payload, nbytes_of, place, restore
 
 CODECS = ("int8", "fp8", "bf16")
 COMPILE = ("on", "off")
@@ -74,7 +74,7 @@ class CompressOptions:
 class Quantized(Payload):
     """Codes plus per-group scales (int8, fp8) or a cast (bf16) of one tensor."""
 
-    __slots__ = ("codec", "codes", "scales", "shape", "dtype", "numel", "compiled")
+    __slots__ = ("codec", "codes", "scales", "shape", "dtype", "numel", "compiled", "layout")
 
     def __init__(
         self,
@@ -85,6 +85,7 @@ class Quantized(Payload):
         dtype: torch.dtype,
         numel: int,
         compiled: str = "off",
+        layout: Layout | None = None,
     ) -> None:
         self.codec = codec
         self.codes = codes
@@ -93,38 +94,42 @@ class Quantized(Payload):
         self.dtype = dtype
         self.numel = numel
         self.compiled = compiled  # CompressOptions.compile: how to decode it
+        self.layout = layout  # the strides the tensor had (None: contiguous)
 
     def restore(self) -> torch.Tensor:
         codes = restore(self.codes)
         with torch.no_grad():
             if self.codec == "bf16":
-                return codes.to(self.dtype).view(self.shape)
+                return place(codes.to(self.dtype), self.shape, self.layout)
             values = _kernel(_decode_groups, codes.device, self.compiled)(codes, restore(self.scales), self.dtype)
-            return values.view(-1)[: self.numel].view(self.shape)
+            return place(values.view(-1)[: self.numel], self.shape, self.layout)
 
     def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> Quantized:
         scales = fn(self.scales) if self.scales is not None else None  # bf16 has none
-        return Quantized(self.codec, fn(self.codes), scales, self.shape, self.dtype, self.numel, self.compiled)
+        return Quantized(
+            self.codec, fn(self.codes), scales, self.shape, self.dtype, self.numel, self.compiled, self.layout
+        )
 
 
 class BitPacked(Payload):
     """A boolean tensor, eight values to a byte."""
 
-    __slots__ = ("bits", "shape", "numel")
+    __slots__ = ("bits", "shape", "numel", "layout")
 
-    def __init__(self, bits: Any, shape: torch.Size, numel: int) -> None:
+    def __init__(self, bits: Any, shape: torch.Size, numel: int, layout: Layout | None = None) -> None:
         self.bits = bits
         self.shape = shape
         self.numel = numel
+        self.layout = layout
 
     def restore(self) -> torch.Tensor:
         bits = restore(self.bits)
         with torch.no_grad():
             flags = bits.unsqueeze(1).bitwise_right_shift(_shifts(bits.device)).bitwise_and_(1)
-            return flags.view(-1)[: self.numel].to(torch.bool).view(self.shape)
+            return place(flags.view(-1)[: self.numel].to(torch.bool), self.shape, self.layout)
 
     def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> BitPacked:
-        return BitPacked(fn(self.bits), self.shape, self.numel)
+        return BitPacked(fn(self.bits), self.shape, self.numel, self.layout)
 
 
 def encode(t: torch.Tensor, options: CompressOptions) -> Payload | None:
@@ -139,19 +144,21 @@ def encode(t: torch.Tensor, options: CompressOptions) -> Payload | None:
         if options.codec == "bf16":
             if t.dtype != torch.float32 and t.dtype != torch.float64:
                 return None
-            return Quantized("bf16", t.detach().to(torch.bfloat16), None, t.shape, t.dtype, t.numel())
+            flat, layout = Layout.flatten(t.detach())
+            return Quantized("bf16", flat.to(torch.bfloat16), None, t.shape, t.dtype, t.numel(), layout=layout)
         return _quantize(t.detach(), options.codec, options.group_size, options.compile)
 
 
 def _quantize(t: torch.Tensor, codec: str, group_size: int, compiled: str = "off") -> Quantized:
-    flat = t.reshape(-1)
+    """Groups run over the values in memory order, so the tensor comes back with its strides."""
+    flat, layout = Layout.flatten(t)
     numel = flat.numel()
     pad = (-numel) % group_size
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
     groups = flat.view(-1, group_size)
     codes, scales = _kernel(_encode_groups, t.device, compiled)(groups, codec == "int8")
-    return Quantized(codec, codes, scales, t.shape, t.dtype, numel, compiled)
+    return Quantized(codec, codes, scales, t.shape, t.dtype, numel, compiled, layout)
 
 
 def _encode_groups(groups: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,14 +221,14 @@ class _Guarded:
 
 def pack_bits(t: torch.Tensor) -> BitPacked:
     with torch.no_grad():
-        flat = t.detach().reshape(-1)
+        flat, layout = Layout.flatten(t.detach())
         numel = flat.numel()
         pad = (-numel) % 8
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
         bytes_ = flat.view(-1, 8).to(torch.uint8).bitwise_left_shift_(_shifts(t.device))
         bits = bytes_.sum(dim=1, dtype=torch.uint8)
-    return BitPacked(bits, t.shape, numel)
+    return BitPacked(bits, t.shape, numel, layout)
 
 
 def _shifts(device: torch.device) -> torch.Tensor:

@@ -94,6 +94,57 @@ def restore(packed: Any) -> torch.Tensor:
     return packed.restore() if isinstance(packed, Payload) else packed
 
 
+class Layout:
+    """Where a tensor's values lie in memory, for a payload that stores them as one flat run
+    (a codec's codes): `flatten` reads them out, `place` lays restored values out again with
+    the strides the tensor had. Compiled backward code checks the strides of what it saved,
+    and a kernel looping over other strides can round differently."""
+
+    __slots__ = ("stride", "dense")
+
+    def __init__(self, stride: tuple[int, ...], dense: bool) -> None:
+        self.stride = stride
+        self.dense = dense  # the values filled one gapless run of storage, in memory order
+
+    @staticmethod
+    def flatten(t: torch.Tensor) -> tuple[torch.Tensor, Layout | None]:
+        """`t`'s values as one flat tensor, and their layout (None: contiguous). A tensor whose
+        values fill a run of its storage without gaps or overlaps (a permuted or transposed
+        view) is read in memory order, as a view; one with gaps (a slice) is copied in index
+        order; one whose elements overlap (an expanded tensor) comes back contiguous."""
+        if t.is_contiguous():
+            return t.reshape(-1), None
+        spread = _spread(t)
+        if spread == "dense":
+            return t.as_strided((t.numel(),), (1,), t.storage_offset()), Layout(tuple(t.stride()), True)
+        return t.reshape(-1), Layout(tuple(t.stride()), False) if spread == "apart" else None
+
+    def place(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The values `flatten` read, with `shape` and the strides they had."""
+        if self.dense:
+            return flat.as_strided(shape, self.stride)
+        out = torch.empty_strided(shape, self.stride, dtype=flat.dtype, device=flat.device)
+        return out.copy_(flat.view(shape))
+
+
+def place(flat: torch.Tensor, shape: torch.Size, layout: Layout | None) -> torch.Tensor:
+    """`Layout.place`, or a contiguous view where the values had no other layout."""
+    return flat.view(shape) if layout is None else layout.place(flat, shape)
+
+
+def _spread(t: torch.Tensor) -> str:
+    """How `t`'s elements lie in its storage: "dense" (numel consecutive slots, each once),
+    "apart" (each its own slot, with gaps) or "overlapping" (some slot shared, or beyond this
+    check: dimensions interleaved)."""
+    reach, dense = 0, True  # the furthest slot the dimensions so far reach, from the first
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda p: p[1]):
+        if stride <= reach:
+            return "overlapping"
+        dense = dense and stride == reach + 1
+        reach += (size - 1) * stride
+    return "dense" if dense else "apart"
+
+
 def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -60,6 +60,31 @@ def test_zero_tensor_and_non_contiguous_input():
     assert torch.allclose(roundtrip(t)[1], t, atol=t.abs().max().item() / 100)
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8", "bf16", "bool"])
+def test_a_view_comes_back_with_the_strides_it_had(codec):
+    """Compiled backward code asserts the strides of what it saved: a transposed or permuted
+    view comes back as that view of its values in memory order, a slice with gaps as a copy
+    with its strides, an expanded tensor (overlapping) contiguous."""
+    torch.manual_seed(0)
+    base = torch.randn(6, 40, 64) if codec != "bool" else torch.rand(6, 40, 64) > 0.5
+    opts = {"codec": codec} if codec != "bool" else {}
+    views = {
+        "transposed": base[0].t(),
+        "permuted": base.permute(2, 0, 1),
+        "gapped": base[:, :, :32],
+        "gapped and permuted": base[:, :20].transpose(0, 1),
+    }
+    for name, t in views.items():
+        payload, back = roundtrip(t, **opts)
+        assert back.shape == t.shape and back.stride() == t.stride(), name
+        if codec == "bool":
+            assert torch.equal(back, t), name
+        else:
+            assert torch.allclose(back, t, atol=t.abs().max().item() / 20), name
+    expanded = base[:1].expand(6, 40, 64)
+    assert roundtrip(expanded, **opts)[1].is_contiguous()
+
+
 def test_what_passes_through_untouched():
     opts = CompressOptions(min_bytes=1024)
     assert encode(torch.randn(10), opts) is None  # below min_bytes

@@ -7,7 +7,7 @@ trace through, so these tests read the stand-in without entering it."""
 
 import pytest
 import torch
-from helpers import cnn, image_batch, step, tiny, tiny_batch
+from helpers import cnn, hf_batch, image_batch, llama, min_cosine, step, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
@@ -152,6 +152,20 @@ def test_whole_model_compile_stops_recompiling_once_the_plans_were_seen():
         counts.append(counter.count)
     counter.close()
     assert counts[4:] == [counts[3]] * 4, counts  # back and forth between plans seen before: nothing
+
+
+def test_compiled_blocks_run_compress_with_the_strides_their_backward_expects():
+    """Inductor's backward checks each saved tensor's strides; the codec gave transposed saves
+    back contiguous, and the first backward of a compiled Llama under COMPRESS failed."""
+    model = llama(layers=2, hidden=64, dropout=0.0)
+    batch = hf_batch(seq=64)
+    expected = grads_after(model, batch)
+    handles = adaptmem.instrument(model, mode=Mode.COMPRESS)
+    for h in handles:
+        h.compress_options = adaptmem.CompressOptions(min_bytes=0)
+    adaptmem.compile_blocks(model, fullgraph=True)
+    got = grads_after(model, batch)
+    assert got.keys() == expected.keys() and min_cosine(got, expected) > 0.999
 
 
 def test_compile_blocks_needs_an_instrumented_model_and_restore_drops_it():
