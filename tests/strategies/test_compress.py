@@ -202,6 +202,21 @@ def test_the_eager_codec_gives_the_defined_codes(dtype):
     assert torch.equal(payload.codes, codes) and torch.equal(payload.scales, scales)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_one_pass_reduction_and_decode_give_the_same_values(dtype):
+    """What the eager codec runs on CUDA, run here: one `aminmax` for the largest magnitudes, one
+    multiply writing the values' type for the decode; both equal to the CPU's way bit for bit."""
+    from adaptmem.strategies.compress import _largest_magnitude
+
+    torch.manual_seed(0)
+    groups = (torch.randn(500, 64) * 5).to(dtype)
+    groups[3], groups[4], groups[5] = 0.0, -2.0, groups[5].abs()
+    assert torch.equal(_largest_magnitude(groups), groups.abs().amax(dim=1, keepdim=True))
+    codes, scales = _reference_codes(groups, 64)
+    fused = torch.mul(codes, scales, out=torch.empty(codes.shape, dtype=dtype))
+    assert torch.equal(fused, (codes.float() * scales).to(dtype))
+
+
 def test_a_codec_that_cannot_compile_runs_eager_with_one_warning(monkeypatch, caplog):
     from adaptmem.strategies import compress
 
@@ -248,6 +263,9 @@ def test_the_codec_is_fused_on_cuda_within_one_step_of_the_eager_codes():
     t = torch.randn(8, 512, 256, device="cuda", dtype=torch.bfloat16)
     fused = encode(t, CompressOptions(min_bytes=0, compile="on"))
     plain = encode(t, CompressOptions(min_bytes=0, compile="off"))
+    codes, scales = _reference_codes(t.cpu(), 64)  # the eager codec on CUDA: the defined codes
+    assert torch.equal(plain.codes.cpu(), codes) and torch.equal(plain.scales.cpu(), scales)
+    assert torch.equal(restore(plain).cpu(), (codes.float() * scales).to(t.dtype).view(t.shape))
     assert torch.equal(fused.scales, plain.scales)
     moved = (fused.codes.int() - plain.codes.int()).abs()
     assert moved.max() <= 1 and moved.float().mean() < 0.01
