@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(s, indent=1))
     if args.top:
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top))
-    print(f"{args.mode}{' (fused codec)' if args.fused_codec else ''}: step {wall * 1e3:.1f} ms (unprofiled); compute stream busy {s['compute_ms']:.1f} ms")
+    label = args.mode + (" (fused codec)" if args.fused_codec else "")
+    print(f"{label}: step {wall * 1e3:.1f} ms (unprofiled); compute stream busy {s['compute_ms']:.1f} ms")
     for key in ("d2h", "h2d"):
         c = s[key]
         print(
