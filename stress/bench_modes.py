@@ -98,14 +98,14 @@ class OnTorchCheckpoint:
 
 
 class FusedCodec:
-    """COMPRESS with its codec compiled into one kernel per tensor each way (`CompressOptions.compile`
-    "on") instead of eager ops: the row the default's eager codec is compared with."""
+    """COMPRESS with its codec in one kernel per tensor each way instead of eager ops: compiled by
+    `torch.compile` (`CompressOptions.compile` "on"), or Triton's kernels ("triton")."""
 
-    label = "COMPRESS fused codec"
     mode = Mode.COMPRESS
 
-    def __init__(self, handles) -> None:
-        self.handles = handles
+    def __init__(self, handles, how: str = "on") -> None:
+        self.handles, self.how = handles, how
+        self.label = "COMPRESS fused codec" if how == "on" else "COMPRESS triton codec"
 
     @contextmanager
     def installed(self):
@@ -113,7 +113,7 @@ class FusedCodec:
 
         own = [h.compress_options for h in self.handles]
         for h in self.handles:
-            h.compress_options = replace(h.compress_options, compile="on")
+            h.compress_options = replace(h.compress_options, compile=self.how)
         try:
             yield
         finally:
@@ -305,6 +305,11 @@ def main(argv=None) -> int:
         help="add a row of COMPRESS with its codec compiled (CompressOptions(compile='on'))",
     )
     p.add_argument(
+        "--triton-codec",
+        action="store_true",
+        help="add a row of COMPRESS with its codec in Triton's kernels (CompressOptions(compile='triton'))",
+    )
+    p.add_argument(
         "--compile-blocks",
         action="store_true",
         help="compile each block for every row (adaptmem.compile_blocks): the recomputing modes then run "
@@ -340,6 +345,7 @@ def main(argv=None) -> int:
     model = build(preset, vocab, args.device, dtype)
     handles = adaptmem.instrument(model)
     modes += [FusedCodec(handles)] if args.fused_codec else []
+    modes += [FusedCodec(handles, "triton")] if args.triton_codec else []
     if args.compile_blocks:
         adaptmem.compile_blocks(model)
     ids = torch.randint(0, vocab, (args.batch, seq), device=args.device)

@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=None, help="also keep the Chrome trace here")
     p.add_argument("--top", type=int, default=0, help="also print the N ops taking the most device time")
     p.add_argument(
-        "--fused-codec", action="store_true", help="COMPRESS's codec compiled (CompressOptions(compile='on'))"
+        "--codec",
+        choices=["off", "on", "triton"],
+        default="off",
+        help="COMPRESS's codec: eager ops, compiled by torch.compile, or Triton's kernels (CompressOptions.compile)",
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -94,9 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         PRESETS[args.preset] = dict(PRESETS[args.preset], num_hidden_layers=args.layers)
     model = build(args.preset, args.vocab, "cuda", torch.bfloat16)
     handles = adaptmem.instrument(model, mode=Mode.parse(args.mode))
-    if args.fused_codec:
-        for h in handles:
-            h.compress_options = replace(h.compress_options, compile="on")
+    for h in handles:
+        h.compress_options = replace(h.compress_options, compile=args.codec)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
     d2h, h2d = link_gbps()
     for _ in range(args.warmup):
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(s, indent=1))
     if args.top:
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top))
-    label = args.mode + (" (fused codec)" if args.fused_codec else "")
+    label = args.mode + (f" (codec {args.codec})" if args.codec != "off" else "")
     print(f"{label}: step {wall * 1e3:.1f} ms (unprofiled); compute stream busy {s['compute_ms']:.1f} ms")
     for key in ("d2h", "h2d"):
         c = s[key]

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from adaptmem.strategies import codec_triton
 from adaptmem.strategies.payloads import Layout, Payload, nbytes_of, place, restore
 
 CODECS = ("int8", "fp8", "bf16")
-COMPILE = ("on", "off")
+COMPILE = ("on", "off", "triton")
 _FP8_MAX = 448.0
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -51,7 +52,8 @@ class CompressOptions:
     min_bytes: floating tensors smaller than this pass through (bytes).
     pack_bool: bit-pack boolean tensors such as dropout masks (lossless).
     compile: "on": fused kernels by torch.compile (on the CPU it needs a C++ compiler; the first
-        call of each shape family compiles); "off": eager ops.
+        call of each shape family compiles); "off": eager ops; "triton": int8 on CUDA by two
+        hand-written Triton kernels launched directly (`codec_triton`), elsewhere eager ops.
     """
 
     codec: str = "int8"
@@ -101,6 +103,10 @@ class Quantized(Payload):
         with torch.no_grad():
             if self.codec == "bf16":
                 return place(codes.to(self.dtype), self.shape, self.layout)
+            if self.compiled == "triton":
+                return place(
+                    codec_triton.decode(codes, restore(self.scales), self.dtype, self.numel), self.shape, self.layout
+                )
             values = _kernel(_decode_groups, codes.device, self.compiled)(codes, restore(self.scales), self.dtype)
             return place(values.view(-1)[: self.numel], self.shape, self.layout)
 
@@ -153,6 +159,11 @@ def _quantize(t: torch.Tensor, codec: str, group_size: int, compiled: str = "off
     """Groups run over the values in memory order, so the tensor comes back with its strides."""
     flat, layout = Layout.flatten(t)
     numel = flat.numel()
+    if compiled == "triton":
+        if _triton_runs(t, codec, group_size):
+            codes, scales = codec_triton.encode(flat, group_size)
+            return Quantized(codec, codes, scales, t.shape, t.dtype, numel, "triton", layout)
+        compiled = "off"
     pad = (-numel) % group_size
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
@@ -192,6 +203,28 @@ def _decode_groups(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     if not codes.is_cuda or codes.dtype != torch.int8:
         return (codes.to(torch.float32) * scales).to(dtype)
     return torch.mul(codes, scales, out=torch.empty(codes.shape, dtype=dtype, device=codes.device))
+
+
+def _triton_runs(t: torch.Tensor, codec: str, group_size: int) -> bool:
+    """Whether the Triton kernels encode `t`; where they were asked for on CUDA and cannot (no
+    Triton, fp8, a group size not a power of two), one warning for the process says why."""
+    if torch.compiler.is_compiling():  # inside compiled code its compiler fuses the codec
+        return False
+    if codec_triton.supports(t, codec, group_size):
+        return True
+    if t.is_cuda and not _TritonNotice.given:
+        _TritonNotice.given = True
+        why = (
+            "Triton is not installed"
+            if not codec_triton.AVAILABLE
+            else f"its kernels take int8 in groups of a power of two (codec {codec!r}, groups of {group_size})"
+        )
+        log.warning('adaptmem: COMPRESS runs its codec as eager ops where compile = "triton" was asked: %s', why)
+    return False
+
+
+class _TritonNotice:
+    given = False
 
 
 #: (function, device type) -> its compiled form, which runs the eager one once compiling has failed

@@ -1,0 +1,122 @@
+"""COMPRESS's Triton codec: the defined codes and scales, the decode, strides kept, and where it
+does not run. On the CPU the kernels run under Triton's interpreter, where Triton is installed
+(`pip install triton`): Triton reads `TRITON_INTERPRET=1` as it is imported, so those tests run
+in a process started with it (`test_the_interpreted_kernels`); on a GPU under the `cuda` marker."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptmem import CompressOptions
+from adaptmem.config.policy import Policy
+from adaptmem.strategies import codec_triton
+from adaptmem.strategies.compress import Quantized, encode
+from adaptmem.strategies.payloads import restore
+
+
+def reference(t: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The defined int8 codes: per group of values in memory order, scale = largest magnitude /
+    127 (at least fp32's tiny), code = value / scale rounded half to even; in fp32 on the CPU."""
+    flat = t.detach().cpu().float().reshape(-1)
+    groups = torch.nn.functional.pad(flat, (0, (-flat.numel()) % group_size)).view(-1, group_size)
+    scales = groups.abs().amax(1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return (groups / scales).round().to(torch.int8), scales
+
+
+def values(n: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    torch.manual_seed(n)
+    t = torch.randn(n) * 3
+    if n >= 256:
+        t[64:128] = 0.0  # a group of zeros: the tiny scale
+        t[128:192] = torch.arange(64) - 31.5  # halves: ties rounded to even
+        t[200] = 1e4  # one large value in a group
+    return t.to(dtype=dtype, device=device)
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a process started with TRITON_INTERPRET=1")
+
+
+@pytest.mark.skipif(not codec_triton.AVAILABLE or INTERPRETED, reason="needs Triton (pip install triton)")
+def test_the_interpreted_kernels():
+    """The tests marked `interpreted`, in a process where Triton runs kernels on the CPU."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_interpreted_"],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-3000:]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [5, 1000, 64 * 33, 64 * 16 * 3 + 7])
+def test_interpreted_kernels_give_the_defined_codes_and_decode_them(n, dtype):
+    t = values(n, dtype)
+    codes, scales = codec_triton.encode(t, 64)
+    expected_codes, expected_scales = reference(t)
+    assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+    back = codec_triton.decode(codes, scales, dtype, n)
+    product = (codes.float() * scales).view(-1)[:n]
+    if dtype == torch.bfloat16:  # the interpreter truncates to bfloat16; a GPU rounds (the cuda test)
+        product = (product.view(torch.int32) & ~0xFFFF).view(torch.float32)
+    assert back.shape == (n,) and torch.equal(back, product.to(dtype))
+
+
+@interpreted
+def test_interpreted_compress_keeps_a_views_strides_and_its_payload_says_so():
+    t = values(64 * 40, torch.float32).view(40, 64).t()
+    payload = encode(t, CompressOptions(min_bytes=0, compile="triton"))
+    assert isinstance(payload, Quantized) and payload.compiled == "triton"
+    codes, scales = reference(t.t())  # the transposed view's memory order is its base's
+    assert torch.equal(payload.codes, codes) and torch.equal(payload.scales, scales)
+    back = restore(payload)
+    assert back.stride() == t.stride() and torch.equal(back, (codes.float() * scales).view(40, 64).t())
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernels on CPU tensors")
+def test_where_the_kernels_do_not_run_the_eager_codec_does(caplog):
+    """On a CPU tensor (no interpreter), for fp8, or groups not a power of two: eager codes, no
+    warning (it is for CUDA tensors, where "triton" was asked of a device it could serve)."""
+    t = values(1000, torch.float32)
+    for options in (
+        CompressOptions(min_bytes=0, compile="triton"),
+        CompressOptions(min_bytes=0, compile="triton", group_size=48),
+    ):
+        payload = encode(t, options)
+        assert payload.compiled == "off"
+        assert torch.equal(payload.codes, reference(t, options.group_size)[0])
+    assert encode(t, CompressOptions(min_bytes=0, codec="fp8", compile="triton")).compiled == "off"
+    assert not [r for r in caplog.records if "triton" in r.getMessage()]
+
+
+def test_the_policy_takes_triton_and_names_the_choices_otherwise():
+    assert Policy(compress_compile="triton").compress_compile == "triton"
+    with pytest.raises(ValueError, match="compress_compile"):
+        Policy(compress_compile="fast")
+    with pytest.raises(ValueError, match="'on', 'off', 'triton'"):
+        CompressOptions(compile="fast")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_on_cuda_give_the_defined_codes_and_decode_exactly(dtype):
+    if not torch.cuda.is_available() or not codec_triton.AVAILABLE:
+        pytest.skip("needs a CUDA device and Triton")
+    for n in (5, 64 * 33 + 7, 8 * 512 * 256):
+        t = values(n, dtype, "cuda")
+        codes, scales = codec_triton.encode(t, 64)
+        expected_codes, expected_scales = reference(t)
+        assert torch.equal(codes.cpu(), expected_codes) and torch.equal(scales.cpu(), expected_scales)
+        back = codec_triton.decode(codes, scales, dtype, n)
+        assert torch.equal(back.cpu(), (expected_codes.float() * expected_scales).view(-1)[:n].to(dtype))
+    t = values(64 * 40 * 8, dtype, "cuda").view(8, 40, 64).permute(2, 0, 1)
+    payload = encode(t, CompressOptions(min_bytes=0, compile="triton"))
+    assert payload.compiled == "triton" and restore(payload).stride() == t.stride()
