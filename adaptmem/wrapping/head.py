@@ -43,7 +43,8 @@ class HeadHandle:
     (`owner`, None for a head named by the user), its `mode` and `chunk_tokens`.
 
     Counters: `calls` (training calls), `chunked_calls` (of those, run chunked),
-    `last_tokens` and `last_chunks` (of the last chunked loss)."""
+    `last_tokens` and `last_chunks` (of the last chunked loss); calls traced by torch.compile
+    are not counted (a counter in traced code would make every step compile again)."""
 
     def __init__(self, name: str, module: nn.Linear, owner: nn.Module | None, runtime: Any) -> None:
         self.name = name
@@ -117,7 +118,9 @@ class _HeadForward:
         forward = self.own(module)
         if handle is None or not (module.training and torch.is_grad_enabled() and handle.armed):
             return forward(*args, **kwargs)
-        handle.calls += 1
+        compiling = torch.compiler.is_compiling()  # a counter torch.compile traced would be guarded on
+        if not compiling:
+            handle.calls += 1
         if handle.mode is HeadMode.KEPT:
             return forward(*args, **kwargs)
         if not handle.chunkable or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
@@ -129,7 +132,8 @@ class _HeadForward:
                 ),
             )
             return forward(*args, **kwargs)
-        handle.chunked_calls += 1
+        if not compiling:
+            handle.chunked_calls += 1
         chunk = handle.chunk_tokens or DEFAULT_CHUNK_TOKENS
         tokens = args[0].numel() // max(1, args[0].shape[-1])
         if not handle._chunk_planned and chunk > tokens:
@@ -142,7 +146,8 @@ class _HeadForward:
                     "(head.chunk_tokens = None under a manager)"
                 ),
             )
-        return ChunkedLogits.of(args[0], module.weight, module.bias, chunk, on_loss=handle.loss_taken)
+        on_loss = None if compiling else handle.loss_taken
+        return ChunkedLogits.of(args[0], module.weight, module.bias, chunk, on_loss=on_loss)
 
     def belongs_to(self, handle: HeadHandle) -> bool:
         return self._handle() is handle

@@ -135,12 +135,23 @@ def test_a_compiled_blocks_recompute_is_part_of_its_compiled_code(mode):
     assert same(got, expected)
 
 
-def test_whole_model_compile_stops_recompiling_once_the_plans_were_seen():
+@pytest.mark.parametrize("name", ["tiny", "llama, head kept", "llama, head chunked"])
+def test_whole_model_compile_stops_recompiling_once_the_plans_were_seen(name):
     """Whole-model compile guards each block's code on its mode: the plans of a run compile
-    their blocks' code, and going back and forth between plans seen before compiles nothing."""
-    model = tiny(n_layers=2)
-    batch = tiny_batch(model)
+    their blocks' code, and going back and forth between plans seen before compiles nothing.
+    A Hugging Face model has its loss head wrapped too, whose call counter, counted in traced
+    code, made every step compile again."""
+    if name == "tiny":
+        model = tiny(n_layers=2)
+        batch = tiny_batch(model)
+    else:
+        model = llama(layers=2, hidden=64, dropout=0.0)
+        batch = hf_batch(seq=64)
     handles = adaptmem.instrument(model)
+    head = adaptmem.get_head(model)
+    assert (head is None) == (name == "tiny")
+    if name == "llama, head chunked":
+        head.mode, head.chunk_tokens = adaptmem.HeadMode.CHUNKED, 32
     fn = torch.compile(model, backend="aot_eager")
     plans = [(Mode.NONE, Mode.CHECKPOINT), (Mode.OFFLOAD, Mode.NONE)]
     counter = CompileCounter()
