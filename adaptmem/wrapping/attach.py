@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from adaptmem.modes import Mode
 from adaptmem.strategies import STRATEGIES, CompressOptions, OffloadOptions
@@ -61,6 +62,14 @@ class _BlockForward:
             return self.compiled
         return self.uncompiled(module)
 
+    def compiled_here(self) -> Callable[..., Any] | None:
+        """The compiled forward, where compiled code can run: not under a torch dispatch mode
+        (the stand-in's, a FLOP counter's), which torch.compile does not trace through (with
+        `fullgraph=True` it raises), so there the block runs uncompiled."""
+        if self.compiled is None or _get_current_dispatch_mode() is not None:
+            return None
+        return self.compiled
+
     def uncompiled(self, module: nn.Module) -> Callable[..., Any]:
         if self.previous is not None:
             return self.previous
@@ -87,8 +96,9 @@ class _BlockForward:
 
     def _as_is(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The block's own forward (`original`), called eagerly without binding it first."""
-        if self.compiled is not None:
-            return self.compiled(*args, **kwargs)
+        compiled = self.compiled_here()
+        if compiled is not None:
+            return compiled(*args, **kwargs)
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(module).forward(module, *args, **kwargs)
@@ -125,8 +135,9 @@ class _BlockForward:
             return output
         if observer is not None:
             observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
-        checkpointed = self.compiled_checkpoint if self.compiled is not None else None
-        call = handle.make_call(self.original(module), args, kwargs, checkpointed)
+        compiled = self.compiled_here()
+        checkpointed = self.compiled_checkpoint if compiled is not None else None
+        call = handle.make_call(compiled or self.uncompiled(module), args, kwargs, checkpointed)
         if quiet is not None:
             quiet.append((handle.index, call.mode, call.stats))  # before it runs: one that runs out of memory ran
         output = _run(handle, call)
@@ -316,6 +327,14 @@ def compile_blocks(model: nn.Module, **compile_options: Any) -> list[BlockHandle
         raise ValueError(
             f"{type(model).__name__} is not instrumented: call adaptmem.instrument(model) or "
             "adaptmem.manage(model) first, then adaptmem.compile_blocks(model)"
+        )
+    if getattr(getattr(unwrap(model), "config", None), "use_cache", None) is True:
+        log.warning(
+            "adaptmem: %s has config.use_cache = True: Hugging Face builds a key/value cache in training "
+            "too, which each layer writes under its own index, so each block in NONE compiles its own "
+            "code (past 8 blocks torch.compile's recompile limit is reached; with fullgraph=True that "
+            "raises). Set model.config.use_cache = False for training",
+            type(unwrap(model)).__name__,
         )
     for handle in inst.handles:
         handle.module.__dict__["forward"].compile(handle.module, compile_options)

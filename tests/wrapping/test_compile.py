@@ -165,6 +165,41 @@ def test_whole_model_compile_stops_recompiling_once_the_plans_were_seen(name):
     assert counts[4:] == [counts[3]] * 4, counts  # back and forth between plans seen before: nothing
 
 
+@pytest.mark.parametrize("mode", [Mode.NONE, Mode.CHECKPOINT, Mode.SELECTIVE], ids=lambda m: m.label)
+def test_compiled_blocks_run_uncompiled_under_the_stand_in_and_compiled_after(mode):
+    """torch.compile does not trace through a dispatch mode (with fullgraph=True it raises): under
+    the stand-in's, compiled blocks run their eager forward, exactly; out of it, their compiled one."""
+    model = llama(layers=2, hidden=64, dropout=0.0)
+    batch = hf_batch(seq=64)
+    expected = grads_after(model, batch)
+    adaptmem.instrument(model, mode=mode)
+    adaptmem.compile_blocks(model, backend="aot_eager", fullgraph=True)
+    counter = CompileCounter()
+    with SimulatedDevice(capacity_bytes=2**30) as dev:
+        dev.track(model)
+        inside = grads_after(model, batch)
+    compiled_inside = counter.count
+    outside = grads_after(model, batch)
+    counter.close()
+    assert same(inside, expected) and same(outside, expected)
+    assert compiled_inside == 0 and counter.count > 0 and dev.peak_bytes > 0
+
+
+def test_compile_blocks_warns_of_a_hugging_face_cache_built_in_training(caplog):
+    """With use_cache=True a Hugging Face model writes a cache in training too, each layer under
+    its own index: each NONE block compiles its own code, and past 8 the recompile limit hits."""
+    for use_cache in (True, False):
+        model = llama(layers=2, hidden=64)
+        model.config.use_cache = use_cache
+        adaptmem.instrument(model)
+        caplog.clear()
+        adaptmem.compile_blocks(model, backend="aot_eager")
+        warned = [r for r in caplog.records if "use_cache = True" in r.getMessage()]
+        assert len(warned) == (1 if use_cache else 0)
+        if use_cache:
+            assert "model.config.use_cache = False" in warned[0].getMessage()
+
+
 def test_compiled_blocks_run_compress_with_the_strides_their_backward_expects():
     """Inductor's backward checks each saved tensor's strides; the codec gave transposed saves
     back contiguous, and the first backward of a compiled Llama under COMPRESS failed."""
