@@ -44,7 +44,8 @@ class Reach:
 
     `length` is 0 when not even one token per sample fits (`batch` 0 when not one
     sample of `length` does). `extrapolated`: the shape is beyond what the run
-    has measured, so the figures are extrapolated from smaller ones.
+    has measured (longer samples, or more tokens in the batch, than a step measured
+    block by block had), so the figures are extrapolated from smaller ones.
     """
 
     batch: int
@@ -56,6 +57,7 @@ class Reach:
     head: str | None  # the loss head's choice ("KEPT", "CHUNKED:<tokens>"), None without a managed head
     extrapolated: bool
     measured_length: int  # the longest length (tokens per sample) the run has measured
+    measured_tokens: int = 0  # the most tokens (batch x length) one step the run measured had
 
     @property
     def tokens(self) -> int:
@@ -65,7 +67,8 @@ class Reach:
         plan = ", ".join(f"{label} x{n}" for label, n in Counter(m.label for m in self.plan).items())
         head = f"; head {self.head}" if self.head else ""
         note = (
-            f" (extrapolated past the {self.measured_length:,} tokens measured block by block)"
+            f" (extrapolated past the steps measured block by block: at most {self.measured_length:,} tokens "
+            f"a sample, {self.measured_tokens:,} a batch)"
             if self.extrapolated
             else ""
         )
@@ -88,20 +91,22 @@ class Reach:
 
 class LengthsSeen:
     """What a run's steps showed of its sequences: the main input's elements per token (its
-    hidden size), the longest length measured, and the largest allocation a step started from
-    (weights, optimizer state)."""
+    hidden size), the longest length measured and the most tokens in one measured step, and
+    the largest allocation a step started from (weights, optimizer state)."""
 
     def __init__(self) -> None:
         self.width = 0
         self.measured_length = 0
+        self.measured_tokens = 0
         self.start = 0
 
     def learn(self, sample) -> None:
         """A step measured block by block: tokens are dimension 1 of a (batch, tokens, hidden) input."""
         if sample.width > 0:
             if sample.width != self.width:  # another kind of input: its lengths start over
-                self.width, self.measured_length = sample.width, 0
+                self.width, self.measured_length, self.measured_tokens = sample.width, 0, 0
             self.measured_length = max(self.measured_length, sample.seq)
+            self.measured_tokens = max(self.measured_tokens, sample.batch * sample.seq)
         if sample.completed:
             self.start = max(self.start, sample.start)
 
@@ -123,14 +128,20 @@ class LengthsSeen:
             width=self.width,
             start=max(self.start, allocated),
             limit=limit,
-            measured_length=self.measured_length,
+            measured=(self.measured_length, self.measured_tokens),
         )
 
     def state_dict(self) -> dict:
-        return {"width": self.width, "measured_length": self.measured_length, "start": self.start}
+        return {
+            "width": self.width,
+            "measured_length": self.measured_length,
+            "measured_tokens": self.measured_tokens,
+            "start": self.start,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.width, self.measured_length = state.get("width", 0), state.get("measured_length", 0)
+        self.measured_tokens = state.get("measured_tokens", self.measured_length)  # a state saved before it
         self.start = state.get("start", 0)
 
 
@@ -150,9 +161,10 @@ class Reacher:
     """Answers for one manager's cost model and plans; `width` is the main input's elements
     per token (its hidden size)."""
 
-    def __init__(self, costs, plans, *, width: int, start: int, limit: int, measured_length: int) -> None:
+    def __init__(self, costs, plans, *, width: int, start: int, limit: int, measured: tuple[int, int]) -> None:
         self.costs, self.plans = costs, plans
-        self.width, self.start, self.limit, self.measured_length = width, start, limit, measured_length
+        self.width, self.start, self.limit = width, start, limit
+        self.measured_length, self.measured_tokens = measured  # the longest sample, the most tokens a step
 
     def rows(self, batch: int, length: int) -> tuple[list[list[Option]], float]:
         """The planner's rows for this shape (the head's last, where it is managed) and the bytes
@@ -184,7 +196,9 @@ class Reacher:
     def reach(self, batch: int, length: int) -> Reach:
         """The plan predicted to fit this shape, as adaptmem would choose it (the cheapest that fits)."""
         if batch <= 0 or length <= 0:
-            return Reach(batch, length, self.start, self.limit, self.start, (), None, False, self.measured_length)
+            return Reach(
+                batch, length, self.start, self.limit, self.start, (), None, False, *self.measured_figures
+            )
         rows, final = self.rows(batch, length)
         result = solve(rows, self.limit - self.start, final, BINS)
         chosen = picked(rows, result.modes)
@@ -192,7 +206,9 @@ class Reacher:
         modes, head = result.modes, None
         if self.costs.head_costs is not None:
             modes, head = result.modes[:-1], result.modes[-1].label
-        extrapolated = not self.costs.measured(batch, length * self.width) and length > self.measured_length
+        extrapolated = not self.costs.measured(batch, length * self.width) and (
+            length > self.measured_length or batch * length > self.measured_tokens
+        )
         return Reach(
             batch,
             length,
@@ -202,8 +218,12 @@ class Reacher:
             tuple(modes),
             head,
             extrapolated,
-            self.measured_length,
+            *self.measured_figures,
         )
+
+    @property
+    def measured_figures(self) -> tuple[int, int]:
+        return self.measured_length, self.measured_tokens
 
 
 def _largest(fits, hint: int) -> int:

@@ -118,7 +118,8 @@ def refusal(
         f"adaptmem: {size} cannot fit under any plan ({why}); given up without running again.",
         f"  tightest plan: {counts}{head}; predicted peak now "
         + (format_bytes(predicted) if predicted is not None else "unknown"),
-        f"  floor (allocated before the step: weights, optimizer state): {format_bytes(start)}",
+        f"  floor (allocated as the first block starts: weights, optimizer state, and what ran before it, "
+        f"such as the embeddings): {format_bytes(start)}",
         f"  budget {format_bytes(budget)}" + (f"; device usable {format_bytes(limit)}" if limit is not None else ""),
     ]
     for i, a in enumerate(attempts, 1):

@@ -43,6 +43,10 @@ def test_the_longest_sequence_is_where_the_tightest_plan_stops_fitting():
         assert mem.largest_batch(reach.length // 2).batch >= 2
         assert mem.longest_sequence(2).length < reach.length
         assert "tokens" in str(reach) and "extrapolated" in str(reach)
+        # samples no longer than those measured, but more tokens in the batch than a step had
+        wide = mem.largest_batch(64)
+        assert wide.batch * 64 > 128 and wide.extrapolated and wide.measured_tokens == 128
+        assert "at most 128 tokens a sample, 128 a batch" in str(wide)
 
 
 def test_a_kept_head_reaches_less_far_than_one_chunked_when_needed():
