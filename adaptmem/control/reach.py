@@ -196,9 +196,7 @@ class Reacher:
     def reach(self, batch: int, length: int) -> Reach:
         """The plan predicted to fit this shape, as adaptmem would choose it (the cheapest that fits)."""
         if batch <= 0 or length <= 0:
-            return Reach(
-                batch, length, self.start, self.limit, self.start, (), None, False, *self.measured_figures
-            )
+            return Reach(batch, length, self.start, self.limit, self.start, (), None, False, *self.measured_figures)
         rows, final = self.rows(batch, length)
         result = solve(rows, self.limit - self.start, final, BINS)
         chosen = picked(rows, result.modes)
