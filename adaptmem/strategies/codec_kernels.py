@@ -15,7 +15,8 @@ def encode_kernel(x_ptr, codes_ptr, scales_ptr, numel, groups, tiny, GROUP: tl.c
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offsets = rows[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0), tiny)
+    largest = tl.max(tl.abs(x), axis=1)
+    scale = tl.maximum(tl.math.div_rn(largest, tl.full([ROWS], 127.0, tl.float32)), tiny)
     codes = (tl.math.div_rn(x, scale[:, None]) + _ROUNDER) - _ROUNDER
     in_rows = rows < groups
     tl.store(codes_ptr + offsets, codes.to(tl.int8), mask=in_rows[:, None])

@@ -97,6 +97,38 @@ def test_where_the_kernels_do_not_run_the_eager_codec_does(caplog):
     assert not [r for r in caplog.records if "triton" in r.getMessage()]
 
 
+@pytest.mark.skipif(not codec_triton.AVAILABLE or INTERPRETED, reason="needs Triton (pip install triton)")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_kernels_compile_for_a_gpu_with_ieee_division_and_the_rounding_kept(dtype):
+    """Compiled here for an H100's target (no GPU needed): the divisions round to nearest, and the
+    rounding's add and subtract of 1.5 x 2^23 survive the compiler (folded, no code would round)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from adaptmem.strategies import codec_kernels
+
+    target = GPUTarget("cuda", 90, 32)
+    encode_args = {"x_ptr": f"*{dtype}", "codes_ptr": "*i8", "scales_ptr": "*fp32", "numel": "i64", "groups": "i64"}
+    encode = ASTSource(
+        fn=codec_kernels.encode_kernel,
+        signature={**encode_args, "tiny": "fp32", "GROUP": "constexpr", "ROWS": "constexpr"},
+        constexprs={"GROUP": 64, "ROWS": 16},
+    )
+    ptx = triton.compile(encode, target=target).asm["ptx"]
+    assert re.search(r"div\.rn(\.ftz)?\.f32", ptx) and not re.search(r"div\.(full|approx)", ptx)
+    assert "0f4B400000" in ptx and "0fCB400000" in ptx
+    decode = ASTSource(
+        fn=codec_kernels.decode_kernel,
+        signature={"codes_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": f"*{dtype}", "numel": "i64"}
+        | {"GROUP": "constexpr", "BLOCK": "constexpr"},
+        constexprs={"GROUP": 64, "BLOCK": 2048},
+    )
+    assert "ld.global" in triton.compile(decode, target=target).asm["ptx"]
+
+
 def test_the_policy_takes_triton_and_names_the_choices_otherwise():
     assert Policy(compress_compile="triton").compress_compile == "triton"
     with pytest.raises(ValueError, match="compress_compile"):
