@@ -10,13 +10,15 @@ writes the values' type, exactly `numel` of them. The scale is the group's large
 magnitude over 127 and the code the value over it rounded half to even, divided in IEEE
 round-to-nearest, so the codes are the defined ones; the eager codec on CUDA divides its
 scales by 127 as a multiply by the reciprocal, so a scale (and with it a code) can differ
-from its by a last bit. int8 only, and a group size that is a power of two: anything
-else runs the eager or compiled codec (`supports`).
+from its by a last bit (and the GPU's division flushes subnormal values to zero: a value
+below fp32's smallest normal codes to 0). int8 only, and a group size that is a power of
+two: anything else runs the eager codec (`supports`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -36,8 +38,6 @@ def supports(t: torch.Tensor, codec: str, group_size: int) -> bool:
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
