@@ -313,3 +313,13 @@ def budget_between(make, batch: dict, fraction: float) -> tuple[int, int]:
     low = measure_peak(make(), lambda: batch, mode=Mode.CHECKPOINT)
     high = measure_peak(make(), lambda: batch)
     return int(low + fraction * (high - low)), high
+
+
+def int8_codes(t: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """COMPRESS's int8 codes as the codec defines them, op by op on the CPU in fp32, over `t`'s
+    values in index order: per group, scale = largest magnitude / 127 (at least fp32's tiny),
+    code = value / scale rounded half to even, clamped to [-127, 127]."""
+    flat = t.detach().cpu().float().reshape(-1)
+    groups = torch.nn.functional.pad(flat, (0, (-flat.numel()) % group_size)).view(-1, group_size)
+    scales = groups.abs().amax(1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return (groups / scales).round().clamp(-127, 127).to(torch.int8), scales

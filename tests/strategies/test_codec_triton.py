@@ -10,21 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import int8_codes
 
 from adaptmem import CompressOptions
 from adaptmem.config.policy import Policy
 from adaptmem.strategies import codec_triton
 from adaptmem.strategies.compress import Quantized, encode
 from adaptmem.strategies.payloads import restore
-
-
-def reference(t: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The defined int8 codes: per group of values in memory order, scale = largest magnitude /
-    127 (at least fp32's tiny), code = value / scale rounded half to even; in fp32 on the CPU."""
-    flat = t.detach().cpu().float().reshape(-1)
-    groups = torch.nn.functional.pad(flat, (0, (-flat.numel()) % group_size)).view(-1, group_size)
-    scales = groups.abs().amax(1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    return (groups / scales).round().to(torch.int8), scales
 
 
 def values(n: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
@@ -61,7 +53,7 @@ def test_the_interpreted_kernels():
 def test_interpreted_kernels_give_the_defined_codes_and_decode_them(n, dtype):
     t = values(n, dtype)
     codes, scales = codec_triton.encode(t, 64)
-    expected_codes, expected_scales = reference(t)
+    expected_codes, expected_scales = int8_codes(t)
     assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
     back = codec_triton.decode(codes, scales, dtype, n)
     product = (codes.float() * scales).view(-1)[:n]
@@ -75,7 +67,7 @@ def test_interpreted_compress_keeps_a_views_strides_and_its_payload_says_so():
     t = values(64 * 40, torch.float32).view(40, 64).t()
     payload = encode(t, CompressOptions(min_bytes=0, compile="triton"))
     assert isinstance(payload, Quantized) and payload.compiled == "triton"
-    codes, scales = reference(t.t())  # the transposed view's memory order is its base's
+    codes, scales = int8_codes(t.t())  # the transposed view's memory order is its base's
     assert torch.equal(payload.codes, codes) and torch.equal(payload.scales, scales)
     back = restore(payload)
     assert back.stride() == t.stride() and torch.equal(back, (codes.float() * scales).view(40, 64).t())
@@ -92,7 +84,7 @@ def test_where_the_kernels_do_not_run_the_eager_codec_does(caplog):
     ):
         payload = encode(t, options)
         assert payload.compiled == "off"
-        assert torch.equal(payload.codes, reference(t, options.group_size)[0])
+        assert torch.equal(payload.codes, int8_codes(t, options.group_size)[0])
     assert encode(t, CompressOptions(min_bytes=0, codec="fp8", compile="triton")).compiled == "off"
     assert not [r for r in caplog.records if "triton" in r.getMessage()]
 
@@ -145,7 +137,7 @@ def test_the_kernels_on_cuda_give_the_defined_codes_and_decode_exactly(dtype):
     for n in (5, 64 * 33 + 7, 8 * 512 * 256):
         t = values(n, dtype, "cuda")
         codes, scales = codec_triton.encode(t, 64)
-        expected_codes, expected_scales = reference(t)
+        expected_codes, expected_scales = int8_codes(t)
         assert torch.equal(codes.cpu(), expected_codes) and torch.equal(scales.cpu(), expected_scales)
         back = codec_triton.decode(codes, scales, dtype, n)
         assert torch.equal(back.cpu(), (expected_codes.float() * expected_scales).view(-1)[:n].to(dtype))

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import hf_batch, llama, min_cosine, step, tiny, tiny_batch
+from helpers import hf_batch, int8_codes, llama, min_cosine, step, tiny, tiny_batch
 from torch import nn
 
 import adaptmem
@@ -184,20 +184,11 @@ def test_bf16_and_fp8_errors_are_reported(codec, min_cos, record_property, capsy
     assert cos >= min_cos
 
 
-def _reference_codes(t: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes as the codec defines them, op by op: scale = largest magnitude / 127, code =
-    value / scale rounded half to even, clamped to [-127, 127]."""
-    flat = t.float().reshape(-1)
-    groups = torch.nn.functional.pad(flat, (0, (-flat.numel()) % group_size)).view(-1, group_size)
-    scales = groups.abs().amax(1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    return (groups / scales).round().clamp(-127, 127).to(torch.int8), scales
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_eager_codec_gives_the_defined_codes(dtype):
     torch.manual_seed(0)
     t = torch.cat([torch.randn(5000) * 4, torch.zeros(64), torch.full((64,), -3.0)]).to(dtype)
-    codes, scales = _reference_codes(t, 64)
+    codes, scales = int8_codes(t, 64)
     payload = encode(t, CompressOptions(min_bytes=0, compile="off"))
     assert torch.equal(payload.codes, codes) and torch.equal(payload.scales, scales)
 
@@ -212,7 +203,7 @@ def test_the_one_pass_reduction_and_decode_give_the_same_values(dtype):
     groups = (torch.randn(500, 64) * 5).to(dtype)
     groups[3], groups[4], groups[5] = 0.0, -2.0, groups[5].abs()
     assert torch.equal(_largest_magnitude(groups), groups.abs().amax(dim=1, keepdim=True))
-    codes, scales = _reference_codes(groups, 64)
+    codes, scales = int8_codes(groups, 64)
     fused = torch.mul(codes, scales, out=torch.empty(codes.shape, dtype=dtype))
     assert torch.equal(fused, (codes.float() * scales).to(dtype))
 
@@ -233,7 +224,7 @@ def test_a_codec_that_cannot_compile_runs_eager_with_one_warning(monkeypatch, ca
     t = torch.randn(40, 64)
     first = encode(t, CompressOptions(min_bytes=0, compile="on"))
     second = encode(t, CompressOptions(min_bytes=0, compile="on"))
-    codes, _ = _reference_codes(t, 64)
+    codes, _ = int8_codes(t, 64)
     assert torch.equal(first.codes, codes) and torch.equal(second.codes, codes)
     assert torch.equal(restore(first), restore(encode(t, CompressOptions(min_bytes=0, compile="off"))))
     warned = [r for r in caplog.records if "could not compile its codec" in r.getMessage()]
@@ -267,7 +258,7 @@ def test_the_codec_is_fused_on_cuda_within_one_step_of_the_eager_codes():
     # number as a multiply by its reciprocal, which can move the last bit), the codes the values
     # over those scales rounded half to even, the decode their product cast, each exactly
     groups = t.cpu().float().view(-1, 64)
-    _, scales = _reference_codes(t.cpu(), 64)
+    _, scales = int8_codes(t.cpu(), 64)
     assert torch.allclose(plain.scales.cpu(), scales, rtol=2**-23, atol=0)
     on_cuda = plain.scales.cpu()
     assert torch.equal(plain.codes.cpu(), (groups / on_cuda).round().to(torch.int8))
