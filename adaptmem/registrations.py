@@ -58,11 +58,12 @@ class ListedModules:
         self._dicts: dict[str, list[dict]] = {}  # per kind, the modules' dicts that hold any
         self._generation = -1
 
-    def tensors(self, kind: str) -> list[torch.Tensor]:
+    def tensors(self, kind: str, *, once: bool = True) -> list[torch.Tensor]:
         """The model's parameters ("_parameters") or buffers ("_buffers"), each once, in order:
         read from the modules' own dicts at each call (a parameter swapped into one in place
         is read as it stands), skipping the modules that had none when listed (registering
-        one into them lists them again)."""
+        one into them lists them again). `once=False`: a tensor in two places (tied weights)
+        comes twice, for a reader to whom that makes no difference, without the check."""
         model = self._model()
         if model is None:
             return []
@@ -70,7 +71,7 @@ class ListedModules:
             modules, self._generation = listed(model)
             self._dicts = {k: [d for d in (getattr(m, k) for m in modules) if d] for k in ("_parameters", "_buffers")}
         out = [t for held in self._dicts[kind] for t in held.values() if t is not None]
-        if len(set(map(id, out))) < len(out):  # one tensor in two places (tied weights): the first only
+        if once and len(set(map(id, out))) < len(out):  # one tensor in two places (tied weights): the first only
             seen: set[int] = set()
             out = [t for t in out if not (id(t) in seen or seen.add(id(t)))]
         return out

@@ -64,6 +64,16 @@ class SafeReadings:
         top, self._last = self.read("take_peak", take, (self._last, self._last))
         return top, self._last
 
+    def restart(self) -> int:
+        """Start the peak again from now and read the allocation: one reading of the probe's
+        `take_peak` where it has one, else `reset_peak` and `allocated`."""
+        take = getattr(self.inner, "take_peak", None)
+        if take is None:
+            self.reset_peak()
+            return self.allocated()
+        _, self._last = self.read("take_peak", take, (self._last, self._last))
+        return self._last
+
     def mark(self) -> Any:
         return self.read("mark", self.inner.mark, None)
 

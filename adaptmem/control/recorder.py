@@ -20,11 +20,12 @@ A step recorded without `detail` (the manager's steady state: shapes seen, plan
 held, predictions on target) reads the probe only at its start, at the first
 block and at its end: it yields the step's peak, not per-block figures, and is
 not learned from. The hooks still run, so overlap and double backward are seen.
-Its blocks other than the first and the last do not call the recorder at all: each
-appends its index, mode and stats to a list on the blocks' runtime
-(`BlockRuntime.quiet`), which the recorder reads into the step's `plan`, in the
-order they ran, where it needs them (a watched block, a replan, the step's end);
-such a step's `blocks` hold the watched ones only. A forward that ran a block
+Its blocks other than the first do not call the recorder at all: each appends its
+index, mode and stats to a list on the blocks' runtime (`BlockRuntime.quiet`),
+which the recorder reads into the step's `plan`, in the order they ran, where it
+needs them (a replan, the step's end); such a step's `blocks` hold the first
+only. The block that ran last in the step before (`BlockRuntime.marked`) hooks its
+output as it runs, for the moment backward begins. A forward that ran a block
 twice goes back to calling the recorder at every block from the next step on.
 On a device that runs asynchronously (CUDA) such a step is not waited for: only a
 step measured block by block synchronizes, to read its events' times, and a
@@ -102,8 +103,7 @@ class StepRecorder:
             if self._step_started is not None:  # scripted probes follow the step count
                 self._step_started()
             self._failures_at_begin = self.probe.failures
-            self.probe.reset_peak()
-            self.sample = StepSample(start=self._allocated(), grads_resident=grads_resident)
+            self.sample = StepSample(start=self._less_in_flight(self.probe.restart()), grads_resident=grads_resident)
             self.detail = True
             self._open = Segment.BEFORE_BLOCKS
             self._bwd_current = None
@@ -204,7 +204,7 @@ class StepRecorder:
             if not sample.blocks:
                 sample.batch, sample.extent, sample.seq, sample.width = shape or shape_of(args, kwargs)
                 if grad_inputs:  # its gradient marks the end of the last block backward
-                    grad_inputs[0].register_hook(self._make_bwd_hook(None))
+                    on_gradient(grad_inputs[0], self._make_bwd_hook(None))
                     sample.tail_hooked = True
             elif sample.blocks[-1].held is None:
                 sample.blocks[-1].held = now - sample.blocks[-1].start
@@ -250,7 +250,7 @@ class StepRecorder:
                     block.output_bytes = sum(t.numel() * t.element_size() for t in outs)
                 grad_out = next((t for t in outs if t.requires_grad), None)
                 if grad_out is not None:
-                    grad_out.register_hook(self._make_bwd_hook(block))
+                    on_gradient(grad_out, self._make_bwd_hook(block))
             self._open = Segment.BETWEEN
 
     def recompute(self, handle: BlockHandle, begin: bool) -> None:
@@ -267,19 +267,38 @@ class StepRecorder:
 
     # ---------------------------------------------------------------- inner
     def _go_quiet(self, first: int) -> None:
-        """A light step: from here the blocks other than the first and the last run without
-        calling the recorder (where the last step ran each block once)."""
+        """A light step: from here the blocks other than the first run without calling the
+        recorder (where the last step ran each block once); the one that ran last hooks its
+        output for the moment backward begins (`_backward_began`)."""
         runtime = self._runtime
         if runtime is None or not self._may_quiet or self.last_index is None:
             return
         self._quiet, self._folded = [], 0
-        runtime.watched = frozenset((first, self.last_index))
+        runtime.watched = frozenset((first,))
+        if self.last_index != first:  # else the first block's own hook marks it
+            runtime.marked, runtime.mark = self.last_index, self._mark_last
         runtime.quiet = self._quiet
 
     def _stop_quiet(self) -> None:
         if self._runtime is not None:
-            self._runtime.quiet = None
+            self._runtime.quiet, self._runtime.marked = None, -1
         self._quiet, self._folded, self._quiet_stats = None, 0, []
+
+    def _mark_last(self, output: Any) -> None:
+        """A light step's last block ran (`BlockRuntime.mark`): its output's gradient is where
+        backward begins."""
+        grad_out = next((t for t in tensors_in(output) if t.requires_grad), None)
+        if grad_out is not None:
+            on_gradient(grad_out, self._backward_began)
+
+    def _backward_began(self, grad: Any) -> None:
+        with self._lock:
+            sample = self.sample
+            if sample is None or sample.overlapped:
+                return
+            if sample.backward_began:
+                sample.double_backward = True  # a second backward (retain_graph / create_graph)
+            sample.backward_began = True
 
     def _fold(self) -> None:
         """Put the blocks that ran quietly since the last call into the sample, in the order they ran."""
@@ -293,15 +312,21 @@ class StepRecorder:
             if sample is None or sample.overlapped:
                 return
             plan = sample.plan
+            fresh = {index: mode for index, mode, _ in ran}
+            if len(fresh) == len(ran) and plan.keys().isdisjoint(fresh):
+                plan.update(fresh)
+                self._quiet_stats += [stats for _, _, stats in ran if stats]  # NONE's sent nothing
+                return
             for index, mode, stats in ran:
                 if index in plan:  # a block run twice in one forward: only the peak counts
                     sample.overlapped = True
                     return
                 plan[index] = mode
-                self._quiet_stats.append(stats)
+                if stats:
+                    self._quiet_stats.append(stats)
 
     def _make_bwd_hook(self, block: BlockSample | None):
-        def hook(grad: torch.Tensor) -> None:
+        def hook(grad: Any) -> None:
             self._bwd_boundary(block)
 
         return hook
@@ -405,3 +430,14 @@ class StepRecorder:
                 block.moved_seconds = marks["stats"]["pack_s"] + marks["stats"]["unpack_s"]
             block._marks = {}
         sample.completed = bool(blocks) and all(b.bwd_start is not None for b in blocks)
+
+
+def on_gradient(tensor: torch.Tensor, hook: Callable[[Any], None]) -> None:
+    """Call `hook` as backward reaches `tensor` (its gradient is ready, before the node that made it
+    runs): a pre-hook on that node, registered in one call (a tensor hook's Python bookkeeping cost
+    twice as much on the host, at every step); a tensor hook on a leaf, which has no node."""
+    node = tensor.grad_fn
+    if node is not None:
+        node.register_prehook(hook)
+    else:
+        tensor.register_hook(hook)

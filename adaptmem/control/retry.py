@@ -128,8 +128,9 @@ class StepGuard:
         self.buffer_copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if self.buffer_bytes <= buffer_limit:
             self.buffer_copies = (copies or BufferCopies()).take(buffers)
-        # every parameter; those needing no gradient are left out where read (a restore is rare, a step is not)
-        self.params = list(model.parameters()) if modules is None else modules.tensors("_parameters")
+        # every parameter (tied ones twice: the restore sets each alike); those needing no gradient
+        # are left out where read (a restore is rare, a step is not)
+        self.params = list(model.parameters()) if modules is None else modules.tensors("_parameters", once=False)
         self.existing = {p: g for p in self.params if (g := p.grad) is not None and p.requires_grad}
         self.versions = {p: g._version for p, g in self.existing.items()}
         self.saved: dict[torch.nn.Parameter, torch.Tensor] = {}

@@ -76,6 +76,7 @@ class StepSample:
     head: Any = None  # the loss head's HeadChoice in this step (None: no managed head)
     seconds: float = 0.0
     quiet_host: int = 0  # bytes sent to the host by blocks run without a BlockSample (a light step's)
+    backward_began: bool = False  # a light step's last block's output gradient arrived
 
     @property
     def tokens(self) -> int:
@@ -89,7 +90,7 @@ class StepSample:
     @property
     def backward_reached(self) -> bool:
         """The backward reached a block: the head and loss before it ran whole."""
-        return any(b.bwd_start is not None for b in self.blocks)
+        return self.backward_began or any(b.bwd_start is not None for b in self.blocks)
 
 
 class InputShape(NamedTuple):

@@ -132,6 +132,8 @@ class _BlockForward:
                 quiet.append((handle.index, mode, _NOTHING))  # before it runs: one that runs out of memory ran
             output = self._as_is(module, args, kwargs)
             runtime.offload.prefetch_when_reached(output)
+            if handle.index == runtime.marked:
+                runtime.mark(output)
             return output
         if observer is not None:
             observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
@@ -143,6 +145,8 @@ class _BlockForward:
         output = _run(handle, call)
         if observer is not None:
             observer.block_end(handle, call, output)
+        elif handle.index == runtime.marked:
+            runtime.mark(output)
         return output
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:

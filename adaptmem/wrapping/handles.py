@@ -53,6 +53,9 @@ class BlockRuntime:
         # to (None: every block calls it)
         self.quiet: list[tuple[int, Mode, dict]] | None = None
         self.watched: frozenset[int] = frozenset()
+        # in such a step, the block (index) that gives its output to `mark` after it runs (-1: none)
+        self.marked = -1
+        self.mark: Callable[[Any], None] = _ignore
 
     @property
     def observer(self) -> BlockObserver | None:
@@ -80,6 +83,10 @@ class BlockRuntime:
 
 
 def _nobody() -> None:
+    return None
+
+
+def _ignore(output: Any) -> None:
     return None
 
 

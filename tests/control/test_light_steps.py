@@ -1,5 +1,5 @@
 """What a steady step costs the controller, with nothing it decides changed: a light step's blocks
-other than the first and the last never call it (what the step records, decides and retries is what
+other than the first never call it (what the step records, decides and retries is what
 it would have been had every block called it), and a moved bias remakes only the plans it may change."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_light_steps_record_decide_and_retry_as_if_every_block_called(monkeypatc
     assert any(r["type"] == "oom" and r["phase"] == "forward" for r in quiet)
     moved = next(r["step"] for r in quiet if r["type"] == "budget")
     assert next(r for r in steps if r["step"] == moved)["measured"] == "peak"  # set inside a light step
-    assert 2 in quiet_calls and 2 not in loud_calls  # the first and the last block only, in light steps
+    assert 1 in quiet_calls and 1 not in loud_calls  # the first block only, in light steps
     assert quiet == loud
 
 
@@ -126,9 +126,9 @@ def test_a_block_run_twice_in_a_light_step_is_seen_and_the_next_step_watches_eve
             calls = _calls_in_step(mem, lambda: model(x).backward())
             model.zero_grad(set_to_none=True)
             seen.append((calls, mem.last_step["measured"], mem.last_step["prediction_error"]))
-    assert seen[7][:2] == (2, "peak")  # light, and quiet
-    assert seen[8][0] == 2 and seen[8][2] is None  # the block run twice: the step taught only its peak
-    assert seen[9][0] == 5 and seen[10][0] == 2  # every block watched once, then quiet again
+    assert seen[7][:2] == (1, "peak")  # light, and quiet
+    assert seen[8][0] == 1 and seen[8][2] is None  # the block run twice: the step taught only its peak
+    assert seen[9][0] == 5 and seen[10][0] == 1  # every block watched once, then quiet again
 
 
 @pytest.mark.parametrize("quiet", [True, False])
@@ -150,6 +150,36 @@ def test_a_light_step_leaves_no_list_behind(quiet, monkeypatch):
                 model(**batch)
                 raise ValueError("inside")
         assert runtime.quiet is None
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_light_step_knows_when_its_backward_began(phase):
+    """In a light step only the first block calls the recorder: the last one's output still marks
+    where backward begins, so an out-of-memory error in the backward of a middle block is recorded
+    as the backward's, and one in the last block's forward as the forward's."""
+    model = tiny(n_layers=4)
+    dev = SimulatedDevice(capacity_bytes=2**30)
+    dev.track(model)
+    batch = tiny_batch(model)
+    policy = load_policy("balanced").model_copy(update={"measure_every": 1000, "sample_interval_s": 30.0})
+    armed = []
+    squeeze = lambda: dev.set_capacity(dev.allocated_bytes // 2) if armed else None  # the next allocation fails
+    if phase == "forward":  # in the last block's forward
+        model.blocks[3].mlp.register_forward_hook(lambda *a: squeeze())
+    else:  # in the backward of block 1 of 4, where backward began at block 3
+        model.blocks[1].mlp.register_full_backward_hook(lambda *a: squeeze())
+    with dev, adaptmem.manage(model, budget=2**29, device=TickingProbe(dev), policy=policy, head=None) as mem:
+        for _ in range(8):
+            mem.run_step(lambda: model(**batch).loss.backward())
+            model.zero_grad(set_to_none=True)
+        assert mem.last_step["measured"] == "peak"
+        armed.append(True)
+        with pytest.raises(torch.OutOfMemoryError):
+            with mem.step():
+                model(**batch).loss.backward()
+        armed.clear()
+        dev.set_capacity(2**30)
+    assert mem.events.of_type("oom")[-1]["phase"] == phase
 
 
 @pytest.mark.parametrize("fraction", [None, 0.5])
