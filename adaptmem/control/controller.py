@@ -214,15 +214,15 @@ class Controller:
         now = self.now
         if now.open and self.recorder.ran(handle.index):
             self._second_forward()
-        shape = None
+        shape = allocated = None
         if now.open and not self.recorder.forward_started:
-            self._plan_forward(shape := shape_of(args, kwargs))
+            allocated = self._plan_forward(shape := shape_of(args, kwargs))
         elif not now.open and handle.index == 0:
             self.notices.unmarked(self.user_modes is not None)
             self._plan_forward(shape_of(args, kwargs))
         elif now.open and now.overlapping and handle.index == 0:
             self._plan_second_forward(shape_of(args, kwargs))
-        self.recorder.block_start(handle, args, kwargs, shape)
+        self.recorder.block_start(handle, args, kwargs, shape, allocated)
 
     def block_end(self, handle: BlockHandle, call: Any, output: Any) -> None:
         self.recorder.block_end(handle, call, output)
@@ -231,7 +231,8 @@ class Controller:
         self.recorder.recompute(handle, begin)
 
     # ------------------------------------------------ read, plan and apply
-    def _plan_forward(self, shape: InputShape) -> None:
+    def _plan_forward(self, shape: InputShape) -> int:
+        """Plan the forward about to start with `shape`; returns the probe's allocation, read for it."""
         with self.lock:
             now = self.now
             if (
@@ -272,6 +273,7 @@ class Controller:
                 now.predicted = self.plans.predict(record.modes, shape.batch, shape.extent, own, record.head)
                 now.feasible = record.feasible
                 now.start = own
+            return own
 
     def apply(self, record: PlanRecord, reason: str | None = None) -> None:
         """Set the blocks' modes and the head's choice; a changed plan is counted and logged (under

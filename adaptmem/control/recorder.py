@@ -20,13 +20,15 @@ A step recorded without `detail` (the manager's steady state: shapes seen, plan
 held, predictions on target) reads the probe only at its start, at the first
 block and at its end: it yields the step's peak, not per-block figures, and is
 not learned from. The hooks still run, so overlap and double backward are seen.
-Its blocks other than the first do not call the recorder at all: each appends its
-index, mode and stats to a list on the blocks' runtime (`BlockRuntime.quiet`),
-which the recorder reads into the step's `plan`, in the order they ran, where it
-needs them (a replan, the step's end); such a step's `blocks` hold the first
-only. The block that ran last in the step before (`BlockRuntime.marked`) hooks its
-output as it runs, for the moment backward begins. A forward that ran a block
-twice goes back to calling the recorder at every block from the next step on.
+Only its first block calls the recorder, as it starts (where the forward is planned):
+from there each block, the first included, appends its index, mode and stats to a list
+on the blocks' runtime (`BlockRuntime.quiet`), which the recorder reads into the
+step's `plan`, in the order they ran, where it needs them (a replan, the step's end);
+such a step's `blocks` hold the first only. The block that ran last in the step before
+(`BlockRuntime.marked`) hooks its output as it runs: backward has begun when its
+gradient arrives, and is taken from then on as through the blocks (a second forward
+after it is a second micro-batch). A forward that ran a block twice goes back to
+calling the recorder at every block from the next step on.
 On a device that runs asynchronously (CUDA) such a step is not waited for: only a
 step measured block by block synchronizes, to read its events' times, and a
 light step's `seconds` are the host's, from its start to its end. A wait at
@@ -161,6 +163,7 @@ class StepRecorder:
     # ---------------------------------------------------------- observer API
     def ran(self, index: int) -> bool:
         """Block `index` already ran in this step's forward."""
+        self._fold()
         sample = self.sample
         return sample is not None and index in sample.plan
 
@@ -186,8 +189,16 @@ class StepRecorder:
                 self.sample.overlapped = True
                 self._open = Segment.OVERLAP
 
-    def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict, shape: InputShape | None = None) -> None:
-        """`shape`: the step's input shape, where the caller has read it (`shape_of`) already."""
+    def block_start(
+        self,
+        handle: BlockHandle,
+        args: tuple,
+        kwargs: dict,
+        shape: InputShape | None = None,
+        allocated: int | None = None,
+    ) -> None:
+        """`shape`: the step's input shape, and `allocated` the probe's allocation now, where the
+        caller has read them already."""
         with self._lock:
             sample = self.sample
             if sample is None or sample.overlapped:
@@ -199,6 +210,12 @@ class StepRecorder:
                 return
             if not sample.blocks:
                 sample.detailed = self.detail
+                if not sample.detailed and self._go_quiet(handle.index):  # it lists itself, as the blocks after it do
+                    sample.batch, sample.extent, sample.seq, sample.width = shape or shape_of(args, kwargs)
+                    now = self._less_in_flight(allocated) if allocated is not None else self._allocated()
+                    sample.blocks.append(BlockSample(index=handle.index, mode=handle.mode, input_bytes=0, start=now))
+                    self._open = Segment.BLOCK
+                    return
             now = self._close_segment() if sample.detailed else self._allocated()
             grad_inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
             if not sample.blocks:
@@ -219,8 +236,6 @@ class StepRecorder:
             sample.blocks.append(block)
             sample.plan[handle.index] = handle.mode
             self._open = Segment.BLOCK
-            if not sample.detailed:
-                self._go_quiet(handle.index)
 
     def block_end(self, handle: BlockHandle, call: BlockCall, output: Any) -> None:
         with self._lock:
@@ -266,18 +281,18 @@ class StepRecorder:
                 block._marks["rc1"] = self.probe.mark()
 
     # ---------------------------------------------------------------- inner
-    def _go_quiet(self, first: int) -> None:
-        """A light step: from here the blocks other than the first run without calling the
-        recorder (where the last step ran each block once); the one that ran last hooks its
-        output for the moment backward begins (`_backward_began`)."""
+    def _go_quiet(self, first: int) -> bool:
+        """A light step: from here the blocks run without calling the recorder (where the last
+        step ran each block once; True), but for the `first` block run again (a second forward);
+        the one that ran last hooks its output for the moment backward begins (`_backward_began`)."""
         runtime = self._runtime
         if runtime is None or not self._may_quiet or self.last_index is None:
-            return
+            return False
         self._quiet, self._folded = [], 0
         runtime.watched = frozenset((first,))
-        if self.last_index != first:  # else the first block's own hook marks it
-            runtime.marked, runtime.mark = self.last_index, self._mark_last
+        runtime.marked, runtime.mark = self.last_index, self._mark_last
         runtime.quiet = self._quiet
+        return True
 
     def _stop_quiet(self) -> None:
         if self._runtime is not None:
@@ -292,13 +307,16 @@ class StepRecorder:
             on_gradient(grad_out, self._backward_began)
 
     def _backward_began(self, grad: Any) -> None:
+        """Backward reached a light step's last block: it is taken as through them all."""
         with self._lock:
             sample = self.sample
             if sample is None or sample.overlapped:
                 return
-            if sample.backward_began:
+            if any(b.bwd_start is not None for b in sample.blocks):
                 sample.double_backward = True  # a second backward (retain_graph / create_graph)
-            sample.backward_began = True
+                return
+            for b in sample.blocks:
+                b.bwd_start = 0
 
     def _fold(self) -> None:
         """Put the blocks that ran quietly since the last call into the sample, in the order they ran."""

@@ -76,7 +76,6 @@ class StepSample:
     head: Any = None  # the loss head's HeadChoice in this step (None: no managed head)
     seconds: float = 0.0
     quiet_host: int = 0  # bytes sent to the host by blocks run without a BlockSample (a light step's)
-    backward_began: bool = False  # a light step's last block's output gradient arrived
 
     @property
     def tokens(self) -> int:
@@ -90,7 +89,7 @@ class StepSample:
     @property
     def backward_reached(self) -> bool:
         """The backward reached a block: the head and loss before it ran whole."""
-        return self.backward_began or any(b.bwd_start is not None for b in self.blocks)
+        return any(b.bwd_start is not None for b in self.blocks)
 
 
 class InputShape(NamedTuple):

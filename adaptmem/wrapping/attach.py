@@ -121,6 +121,12 @@ class _BlockForward:
         quiet = runtime.quiet
         if quiet is not None and handle.index not in runtime.watched:
             observer = None  # a step read for its peak only: the observer reads this call from `quiet`
+        elif observer is not None:
+            observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
+            if runtime.quiet is not None and runtime.quiet is not quiet:
+                observer, quiet = None, runtime.quiet  # it made the step a light one: this call too
+            else:
+                quiet = None
         else:
             quiet = None
         mode = handle.mode
@@ -135,8 +141,6 @@ class _BlockForward:
             if handle.index == runtime.marked:
                 runtime.mark(output)
             return output
-        if observer is not None:
-            observer.block_start(handle, args, kwargs)  # may set handle.mode (planning)
         compiled = self.compiled_here()
         checkpointed = self.compiled_checkpoint if compiled is not None else None
         call = handle.make_call(compiled or self.uncompiled(module), args, kwargs, checkpointed)

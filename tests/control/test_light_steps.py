@@ -63,7 +63,7 @@ def _run(quiet: bool, monkeypatch) -> tuple[list[dict], list[int]]:
     inside block 3 in one steady step and the budget raised inside block 2 in another: every step's
     records, and the controller calls each step's blocks made."""
     if not quiet:
-        monkeypatch.setattr(StepRecorder, "_go_quiet", lambda self, first: None)
+        monkeypatch.setattr(StepRecorder, "_go_quiet", lambda self, first: False)
     make = lambda: tiny(dim=128, n_layers=6, vocab_size=512)
     model = make()
     budget, _ = budget_between(make, tiny_batch(model, 4, 128), 0.5)
@@ -135,7 +135,7 @@ def test_a_block_run_twice_in_a_light_step_is_seen_and_the_next_step_watches_eve
 def test_a_light_step_leaves_no_list_behind(quiet, monkeypatch):
     """Closing the step stops the blocks listing themselves, also after an error inside it."""
     if not quiet:
-        monkeypatch.setattr(StepRecorder, "_go_quiet", lambda self, first: None)
+        monkeypatch.setattr(StepRecorder, "_go_quiet", lambda self, first: False)
     model = tiny(n_layers=3)
     dev = SimulatedDevice(capacity_bytes=2**30)
     dev.track(model)
@@ -180,6 +180,37 @@ def test_a_light_step_knows_when_its_backward_began(phase):
         armed.clear()
         dev.set_capacity(2**30)
     assert mem.events.of_type("oom")[-1]["phase"] == phase
+
+
+def test_a_second_forward_in_a_light_step_is_seen_as_it_starts():
+    """The first block, which lists itself in a light step, still calls the controller when it runs
+    again: after the backward, the second forward is a second micro-batch (a step of its own); before
+    it, the step's second forward, planned for what the first leaves."""
+    model = tiny(n_layers=4)
+    dev = SimulatedDevice(capacity_bytes=2**30)
+    dev.track(model)
+    a, b = tiny_batch(model, seq=32), tiny_batch(model, seq=32)
+    policy = load_policy("balanced").model_copy(update={"measure_every": 1000, "sample_interval_s": 30.0})
+    with dev, adaptmem.manage(model, budget=2**29, device=TickingProbe(dev), policy=policy, head=None) as mem:
+        for _ in range(8):
+            mem.run_step(lambda: model(**a).loss.backward())
+            model.zero_grad(set_to_none=True)
+        assert mem.last_step["measured"] == "peak"
+        ctl, before = mem._controller, mem.steps
+        planned = []
+        second = ctl._plan_second_forward
+        ctl._plan_second_forward = lambda shape: planned.append(shape) or second(shape)
+        with mem.step(label="window"):
+            model(**a).loss.backward()
+            assert mem._runtime.quiet is not None  # light, and quiet
+            model(**b).loss.backward()
+        assert mem.steps == before + 2 and not planned
+        model.zero_grad(set_to_none=True)
+        with mem.step(label="pair"):
+            (model(**a).loss + model(**b).loss).backward()
+        assert len(planned) == 1
+    steps = mem.events.of_type("step")[-3:]
+    assert [r["label"] for r in steps] == ["window", "window", "pair"] and steps[0]["measured"] == "peak"
 
 
 @pytest.mark.parametrize("fraction", [None, 0.5])

@@ -130,7 +130,7 @@ def test_the_models_own_checkpointing_switched_on_later_is_noticed(caplog):
 
 def test_steps_not_measured_block_by_block_still_see_where_backward_got_to():
     """After the first steps, a step is measured block by block only now and then; the others hook
-    the backward of the first and last blocks only. With the embeddings frozen (no gradient marks
+    the backward of the last block only. With the embeddings frozen (no gradient marks
     the end of the blocks' backward), a second forward after backward is still a second
     micro-batch, and a forward before any backward is still a second forward of the same step."""
     model = tiny()
