@@ -3,6 +3,7 @@
     python -m stress.bench_controller            # the benchmark's Llama at 2 x 512; also with every step measured
     python -m stress.bench_controller --proxy    # launch-bound: 24 small blocks, where host time is the step
     python -m stress.bench_controller --replan   # the host time of one replan of those 24 blocks
+    python -m stress.bench_controller --parts    # on the proxy: what each part of the manager adds to a step
 
 Two figures, over the same steady-state steps (shapes seen, plan held; one step in
 `measure_every` to 32 times that is measured block by block, as in training):
@@ -241,6 +242,82 @@ def replan_ms(blocks: int = 24, repeats: int = 20, steady: int = 1000) -> dict:
     return {**{name: min(times) for name, times in took.items()}, "replans": len(made), "steady": steady}
 
 
+def parts(blocks: int = 24, rounds: int = 24, round_steps: int = 40) -> dict:
+    """What each part of the manager adds to the proxy's steady step: the unmanaged step (the same
+    wrappers in the same modes, no manager watching) with one part added, against it alone, in
+    rotated rounds ({part: [ratio per round]}). The parts, each within the next:
+      probe readings   the three readings of the probe a light step makes (its start, the first
+                       block's, its peak at the end)
+      recorder         the step recorder's begin and end around the step
+      begin/end        the controller's begin_step and end_step (learning, deciding, the record)
+      retry guard      run_step's guard alone (RNG, buffers, which gradients exist)
+      step()           a marked step, its blocks watched (planning at the first block, the hook)
+      run_step         the whole: the guard and a marked step"""
+    import adaptmem
+    from adaptmem.wrapping import get_instrumentation
+
+    torch.manual_seed(0)
+    model, x = LaunchBound(blocks), torch.randn(2, 8, 32)
+
+    def work():
+        model(x).backward()
+
+    mem = adaptmem.manage(model, device="cpu", budget="95%")
+    try:
+        for _ in range(300):  # past calibration and the first measured steps: the plan is held
+            mem.run_step(work)
+            model.zero_grad(set_to_none=True)
+        runtime, ctl = get_instrumentation(model).runtime, mem._controller
+        probe, recorder = ctl.recorder.probe, ctl.recorder
+
+        def bare():
+            _unwatched(runtime, work)
+
+        def readings():
+            probe.restart()
+            probe.allocated()
+            bare()
+            probe.peak()
+
+        def recorded():
+            recorder.begin()
+            bare()
+            recorder.end()
+
+        def begin_end():
+            ctl.begin_step(None)
+            bare()
+            ctl.end_step()
+
+        def guarded():
+            guard = ctl.retries.guard(ctl.model, ctl.policy.accumulation_snapshot, ctl.policy.buffer_snapshot_limit)
+            bare()
+            guard.close()
+
+        added = {
+            "probe readings": readings,
+            "recorder": recorded,
+            "begin/end": begin_end,
+            "retry guard": guarded,
+            "step()": lambda: _marked(mem, work),
+            "run_step": lambda: mem.run_step(work),
+        }
+        ratios: dict[str, list[float]] = {name: [] for name in added}
+        for r in range(rounds):
+            for name, fn in added.items():
+                times = {}
+                for f in (fn, bare) if r % 2 == 0 else (bare, fn):
+                    t = time.perf_counter()
+                    for _ in range(round_steps):
+                        f()
+                        model.zero_grad(set_to_none=True)
+                    times[f] = time.perf_counter() - t
+                ratios[name].append(times[fn] / times[bare])
+    finally:
+        mem.close()
+    return ratios
+
+
 def _marked(mem, work) -> None:
     with mem.step():
         work()
@@ -347,6 +424,15 @@ def main() -> int:
             f"({got['spread']['wrappers'][0]:.3f}..{got['spread']['wrappers'][1]:.3f}), managed run_step "
             f"{got['adaptmem']:.3f}x ({got['spread']['adaptmem'][0]:.3f}..{got['spread']['adaptmem'][1]:.3f})"
         )
+        return 0
+    if "--parts" in sys.argv:
+        import statistics
+
+        from stress.verdicts import interval
+
+        for name, ratios in parts().items():
+            low, high = interval(ratios)
+            print(f"{name:>15}: {statistics.median(ratios):.3f}x the unmanaged step [{low:.3f}, {high:.3f}]")
         return 0
     if "--replan" in sys.argv:
         got = replan_ms()
