@@ -214,6 +214,7 @@ class Controller:
         now = self.now
         if now.open and self.recorder.ran(handle.index):
             self._second_forward()
+            now = self.now  # a second micro-batch: the step just opened for it
         shape = allocated = None
         if now.open and not self.recorder.forward_started:
             allocated = self._plan_forward(shape := shape_of(args, kwargs))

@@ -19,21 +19,23 @@ def grads_of(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_a_second_forward_after_backward_is_a_second_micro_batch():
+def test_a_second_forward_after_backward_is_a_second_micro_batch(caplog):
     batches = [tiny_batch(tiny(), seq=s) for s in (32, 48)]
     plain = tiny()
     torch.manual_seed(1)
     for b in batches:
         plain(**b).loss.backward()
     model = tiny()
-    with adaptmem.manage(model, budget="1GiB", device=device()) as mem:
-        torch.manual_seed(1)
-        with mem.step(label="window 0"):
-            for b in batches:
-                model(**b).loss.backward()
-        steps = mem.events.of_type("step")
-        assert mem.steps_learned == 2
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        with adaptmem.manage(model, budget="1GiB", device=device()) as mem:
+            torch.manual_seed(1)
+            with mem.step(label="window 0"):
+                for b in batches:
+                    model(**b).loss.backward()
+            steps = mem.events.of_type("step")
+            assert mem.steps_learned == 2
     assert [(s["label"], s["seq"]) for s in steps] == [("window 0", 32), ("window 0", 48)]
+    assert not [r for r in caplog.records if "outside a marked step" in r.getMessage()]  # it is inside one
     expected = grads_of(plain)
     assert all(torch.equal(g, expected[n]) for n, g in grads_of(model).items())
 
