@@ -321,7 +321,13 @@ class Controller:
             elsewhere = not mine  # another rank's verdict: every rank gives the batch up
         elif not (
             (record.exhausted and not lifted)
-            or unfittable(record, start, available, self.costs.measured(shape.batch, shape.extent))
+            or unfittable(
+                record,
+                start,
+                available,
+                self.costs.measured(shape.batch, shape.extent),
+                self.costs.ran_here(record.modes, shape.batch, shape.extent),
+            )
         ):
             return
         predicted = record.predicted

@@ -161,6 +161,16 @@ class CostModel:
         """This very shape has been measured block by block (among the shapes the fits keep)."""
         return bool(self.latent) and (int(batch), int(extent)) in self.latent[0]["input_bytes"].points
 
+    def ran_here(self, modes: tuple[Mode, ...], batch: int, extent: int) -> bool:
+        """Each block has run its mode in `modes` at this very shape, measured block by block: the
+        plan's figures are its own, not carried from a block alike or from other sizes."""
+        key = (int(batch), int(extent))
+        for fits, mode in zip(self.direct, modes):
+            held = fits.get(mode, {}).get("held")
+            if held is None or key not in held.points:
+                return False
+        return True
+
     def ran(self, modes: tuple[Mode, ...]) -> None:
         """A step not measured block by block runs `modes`: its offloads allocate their host memory,
         and it is the last step run, so none of its offloads is a first one learned (`provisional`)."""

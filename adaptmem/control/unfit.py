@@ -10,8 +10,12 @@ managed block's forward, before that block runs) when
     fail again; or
   - its very shape has been measured, no plan is predicted to fit, and the
     tightest plan is predicted over the device's usable memory even with
-    `REFUSE_MARGIN` of its bytes above the step's start taken off (predictions at
-    measured shapes stay well within that).
+    `REFUSE_MARGIN` of its bytes above the step's start taken off (predictions of
+    plans run at measured shapes stay well within that), or `UNRUN_REFUSE_MARGIN`
+    where some block never ran its mode at this shape (its figures borrowed from a
+    block alike or carried from other sizes: a Phi model's four blocks offloaded,
+    after two had run offloaded, were predicted 44% over their bytes above the
+    start, and the batch, refused, would have fitted).
 
 A shape not measured yet runs once under the tightest plan: beyond the lengths
 measured the figures are extrapolated, and one attempt settles it. The error
@@ -42,8 +46,10 @@ from adaptmem.control.retry import attempt_text, counts_text
 #: A measured shape is refused without running when even this share of its predicted bytes above
 #: the step's start, taken off, leaves the tightest plan over the device's usable memory.
 REFUSE_MARGIN = 0.25
+#: The same where some block of that plan never ran its mode at this shape.
+UNRUN_REFUSE_MARGIN = 0.5
 
-__all__ = ["REFUSE_MARGIN", "Trace", "refusal", "unfittable"]
+__all__ = ["REFUSE_MARGIN", "UNRUN_REFUSE_MARGIN", "Trace", "refusal", "unfittable"]
 
 
 @dataclass
@@ -66,11 +72,13 @@ class Trace:
             self.costs, self.lengths = costs.snapshot(), lengths.state_dict()
 
 
-def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool) -> bool:
-    """The tightest plan, at a measured shape, is predicted over `limit` beyond the margin."""
+def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool, ran: bool = True) -> bool:
+    """The tightest plan, at a measured shape, is predicted over `limit` beyond the margin (the wider
+    one where the plan has not `ran` there block for block)."""
     if record.feasible or record.predicted is None or limit is None or not measured:
         return False
-    return start + (record.predicted - start) * (1 - REFUSE_MARGIN) > limit
+    margin = REFUSE_MARGIN if ran else UNRUN_REFUSE_MARGIN
+    return start + (record.predicted - start) * (1 - margin) > limit
 
 
 def below_floor(start: int, budget: int) -> str:

@@ -210,3 +210,36 @@ def test_with_no_plan_predicted_lower_a_retry_runs_one_tighter_in_every_block_be
         top = max(rank, key=rank.get)
         assert record.exhausted and tried[-1] == (top,) * 4, tried  # given up once every block is at the top
         assert len(tried) > 2
+
+
+def test_a_plan_whose_blocks_never_ran_it_here_is_refused_only_far_beyond_the_device():
+    """Refusing without running trusts a plan's prediction at a measured shape to within a quarter of
+    its bytes above the start where each block ran its mode there, and to within a half where some
+    block's figures are borrowed (from a block alike, or carried from other sizes)."""
+    from adaptmem.control.plans import PlanRecord
+    from adaptmem.control.unfit import unfittable
+    from adaptmem.modes import Mode
+
+    torch.manual_seed(0)
+    model = llama(layers=4, hidden=128, vocab=VOCAB)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    policy = adaptmem.load_policy().model_copy(update={"modes": ("CHECKPOINT",)})
+    batch = hf_batch(2, 128, VOCAB)
+    with dev, adaptmem.manage(model, device=dev, budget=None, policy=policy, head=None) as mem:
+        for _ in range(3):
+            mem.run_step(lambda: model(**batch).loss.backward())
+            model.zero_grad(set_to_none=True)
+        costs, b, e = mem._controller.costs, mem.last_step["batch"], mem.last_step["sample_elements"]
+        ck, off = Mode.CHECKPOINT, Mode.OFFLOAD
+        assert costs.measured(b, e) and costs.ran_here((ck,) * 4, b, e)
+        assert not costs.ran_here((ck, ck, ck, off), b, e)  # OFFLOAD never ran on the last block
+        assert not costs.ran_here((ck,) * 4, b, 2 * e)  # nor CHECKPOINT at another size
+    start, limit = 100 * MiB, 130 * MiB
+    plan = dict(modes=(ck,) * 4, key=(2, 128, False), extent=128, start=start, reason="replan", feasible=False)
+    record = PlanRecord(predicted=start + 50 * MiB, **plan)  # 50 MiB above the start, where 30 are left
+    assert unfittable(record, start, limit, measured=True, ran=True)
+    assert not unfittable(record, start, limit, measured=True, ran=False)  # runs once instead
+    assert not unfittable(record, start, limit, measured=False, ran=True)
+    far = PlanRecord(predicted=start + 80 * MiB, **plan)
+    assert unfittable(far, start, limit, measured=True, ran=False)  # 80 MiB, halved, is still over
