@@ -127,6 +127,7 @@ class Controller:
         self.now = StepState()  # the step in hand, from begin_step to end_step
         self.lock = threading.RLock()
         self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
+        self._forwards = 1  # forwards the last step ran before its backward
         self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
 
     # ------------------------------------------------------------ the step
@@ -154,6 +155,8 @@ class Controller:
         )
         with self.lock:
             self.now.open = False
+            if not refused and sample is not None and sample.blocks:
+                self._forwards = self.now.forwards
             if refused:  # given up before a block ran: the batch leaves no trace
                 self.rewind(self.retries.trace)
                 set_rng_state(self.now.rng)
@@ -222,6 +225,7 @@ class Controller:
             self.notices.unmarked(self.user_modes is not None)
             self._plan_forward(shape_of(args, kwargs))
         elif now.open and now.overlapping and handle.index == 0:
+            now.forwards += 1
             self._plan_second_forward(shape_of(args, kwargs))
         self.recorder.block_start(handle, args, kwargs, shape, allocated)
 
@@ -248,6 +252,11 @@ class Controller:
                 self.retries.new_batch(self.trace())
             own = start = self.recorder.probe.allocated()
             batch, extent, budget = shape.batch, shape.extent, self.budget
+            if now.open and self._forwards > 1:
+                # the step before ran its forward again before its backward (a contrastive loss, two
+                # views): this first forward is planned as one of as many samples, so that the next
+                # ones, planned for what it leaves, find room
+                batch *= self._forwards
             agree = self.ranks.agree is not None and now.open
             if agree:  # every rank plans for the largest shape and allocation, the smallest budget
                 self.ranks.plan_point()

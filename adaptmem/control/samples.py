@@ -131,4 +131,5 @@ class StepState:
     start: int = 0  # bytes allocated at the plan point (the first block's forward)
     plan_point_passed: bool = False  # with other ranks: this rank took part in the plan point's collectives
     overlapping: bool = False  # a second forward ran before this step's backward
+    forwards: int = 1  # forwards run before the step's backward (the first block started anew)
     refused: bool = False  # given up at the plan point: no plan can fit it
