@@ -51,6 +51,12 @@ class Priors:
     offload_residue_share: float = 0.02
     "Share of activations OFFLOAD leaves on the device: tensors under min_bytes."
 
+    unpacked_share: float = 0.5
+    """Share of a packing mode's moved bytes live at once in its block's backward where each saved
+    tensor comes back only as autograd reads it (decoded, or copied back with no prefetch) and goes
+    once its node has run: on the stand-in, a Llama-like block's COMPRESS backward held 0.38 of them,
+    COMPRESS+OFFLOAD's 0.45, OFFLOAD's 0.51."""
+
     measured_margin_share: float = 0.2
     "Share of the policy's prior_margin applied to figures that follow from measurements."
 
@@ -169,6 +175,15 @@ class Assumptions:
     def prefetched(self, nbytes: float) -> float:
         return nbytes if self.priors.prefetches else 0.0
 
+    def brought_back(self, nbytes: float) -> float:
+        """Of `nbytes` a block's backward brings back from the host, what is on the device at once:
+        all of it where it is prefetched as a group, else the tensors autograd is reading."""
+        return nbytes if self.priors.prefetches else self.priors.unpacked_share * nbytes
+
+    def decoded(self, nbytes: float) -> float:
+        """Of `nbytes` compressed for backward, what is decoded at once: each tensor as autograd reads it."""
+        return self.priors.unpacked_share * nbytes
+
     def in_flight(self, nbytes: float, forward_s: float) -> float:
         """Of `nbytes` sent during a forward of `forward_s` seconds, what has not arrived when it
         ends: the backlog the link could not clear, within the window of copies in flight."""
@@ -227,7 +242,7 @@ def offload(lat: Latents, a: Assumptions) -> Figures:
     return Figures(
         a.guess * held,
         a.guess * _transient(lat),
-        a.guess * (move + lat.backward_temp + a.prefetched(move)),
+        a.guess * (a.brought_back(move) + lat.backward_temp + a.prefetched(move)),
         a.transfer_s(move),
         move,
     )
@@ -246,12 +261,13 @@ def checkpoint_offload(lat: Latents, a: Assumptions) -> Figures:
 
 
 def compress(lat: Latents, a: Assumptions) -> Figures:
-    """Keeps a `kappa` share of input and activations; backward holds both forms while it decodes."""
+    """Keeps a `kappa` share of input and activations (held into its backward, so not counted again
+    there); backward decodes each as autograd reads it."""
     move, k = _moved(lat), a.kappa
     return Figures(
         a.guess * (_irreducible(lat) + k * move),
         a.guess * (_transient(lat) + k * move),
-        a.guess * ((1 + k) * move + lat.backward_temp),
+        a.guess * (a.decoded(move) + lat.backward_temp),
         a.codec_s(move),
         0.0,
     )
@@ -264,7 +280,7 @@ def compress_offload(lat: Latents, a: Assumptions) -> Figures:
     return Figures(
         a.guess * held,
         a.guess * (_transient(lat) + k * move),
-        a.guess * ((1 + k) * move + lat.backward_temp + k * a.prefetched(move)),
+        a.guess * (a.brought_back(k * move) + a.decoded(move) + lat.backward_temp + k * a.prefetched(move)),
         a.codec_s(move) + a.transfer_s(k * move),
         k * move,
     )
