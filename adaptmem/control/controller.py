@@ -95,6 +95,7 @@ class Controller:
         self.budgets, self.events = budgets, events
         self.blocks = ManagedBlocks(handles, head)
         runtime = handles[0].runtime if handles else None
+        self._offload = runtime.offload if runtime is not None else None
         self.recorder = StepRecorder(probe, in_flight, last_index=len(handles) - 1, runtime=runtime)
         cuda = isinstance(probe, CudaProbe)
         self.costs = CostModel(
@@ -554,6 +555,8 @@ class Controller:
 
     def _free_after_oom(self) -> None:
         gc.collect()
+        if self._offload is not None:  # the failed attempt's copies still in flight
+            self._offload.settle()
         if isinstance(self.probe, CudaProbe) and self.policy.empty_cache_on_oom:
             torch.cuda.empty_cache()
 

@@ -90,6 +90,11 @@ class SimulatedLink:
             self.sleep(delay)
         self.poll()
 
+    def settle(self) -> None:
+        """Wait for every copy to the host in flight to arrive, and let go of their device tensors."""
+        if self._in_flight:
+            self.wait(self._in_flight[-1][0])
+
     def poll(self) -> None:
         """Let go of the device tensors whose copies have arrived."""
         if not self._in_flight:

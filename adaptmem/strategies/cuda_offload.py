@@ -125,6 +125,10 @@ class CudaTier:
         main.wait_event(done)
         return dev
 
+    def settle(self) -> None:
+        """A failed attempt's copies out: let go of their device tensors (compute waits on the copies)."""
+        self.window.drain(torch.cuda.current_stream(self.device))
+
     def abandon(self, fetched: tuple[torch.Tensor, Any]) -> None:
         torch.cuda.current_stream(self.device).wait_event(fetched[1])  # before its memory is reused
 

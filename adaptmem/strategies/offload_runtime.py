@@ -74,6 +74,18 @@ class OffloadRuntime:
             tier = self._cuda[index] = CudaTier(torch.device("cuda", index), self.pool)
         return tier
 
+    def settle(self) -> None:
+        """After a failed attempt, before its retry: its copies to the host still in flight keep their
+        device tensors alive (on CUDA, in the window; on the stand-in, until its link delivers them),
+        which the retry's plan would count as allocated before it starts. Let go of them, and of the
+        group the next block would have started back."""
+        for tier in self._cuda.values():
+            tier.settle()
+        link = current_link()
+        if link is not None:
+            link.settle()
+        self._last_group, self._call_bytes = None, 0
+
     def in_flight_bytes(self) -> int:
         """Device bytes whose copies to the host have not arrived yet (CUDA tiers, or the stand-in's link)."""
         link = current_link()

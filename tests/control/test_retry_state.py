@@ -203,3 +203,34 @@ def test_a_failed_attempts_message_is_shortened_at_a_sentence_or_a_word_never_in
     words = failure_record(torch.OutOfMemoryError("x" * 10 + " word" * 100), None, (), 0.0, 1, 0.97)["message"]
     assert len(words) <= 300 and words.endswith(" word ...")
     assert failure_record(torch.OutOfMemoryError("short. two."), None, (), 0.0, 1, 0.97)["message"] == "short. two."
+
+
+def test_a_retry_starts_without_the_failed_attempts_copies_still_in_flight():
+    """On a slow link a failed attempt's copies to the host are still travelling, and their device
+    tensors alive, when it fails: the retry lets go of them first, so it starts from what the step
+    held before, and is planned from that."""
+    from helpers import hf_batch, llama
+
+    torch.manual_seed(0)
+    model = llama(layers=4, hidden=64, dropout=0.0)
+    dev = SimulatedDevice(2**30, link_bytes_per_s=5e6)  # a block's copies take seconds to arrive
+    dev.track(model)
+    policy = load_policy("balanced").model_copy(update={"modes": ("OFFLOAD",), "sample_interval_s": 30.0})
+    starts, fail = [], []
+    model.model.layers[0].register_forward_pre_hook(lambda *a: starts.append(dev.allocated_bytes))
+
+    def once(*args):
+        if fail:
+            fail.clear()
+            raise torch.OutOfMemoryError("out of memory in the last block")
+
+    model.model.layers[3].register_forward_pre_hook(once)
+    batch = hf_batch(2, 256)
+    with dev, adaptmem.manage(model, device=dev, budget=2**29, policy=policy, head=None) as mem:
+        mem.run_step(lambda: model(**batch).loss.backward())
+        model.zero_grad(set_to_none=True)
+        starts.clear()
+        fail.append(True)
+        mem.run_step(lambda: model(**batch).loss.backward())
+        assert mem.summary()["ooms_recovered"] == 1
+    assert len(starts) == 2 and starts[1] == starts[0], [s / 2**20 for s in starts]
