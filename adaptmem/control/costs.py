@@ -98,9 +98,6 @@ class CostModel:
         self.grad: list[Fit] = [Fit("base") for _ in range(n)]
         self.grad_resident: list[Fit] = [Fit("base") for _ in range(n)]
         self.tail, self.tail_resident = Fit("base"), Fit("base")
-        # what a step allocates before its first block (embeddings, an attention mask of length
-        # squared): plans start at the first block and hold it; the longest length must add it
-        self.before = Fit()
         # before a block's backward, the gradients of the later blocks' weights have been allocated
         # whatever the shape (unless they were there before the step): extrapolated from one shape,
         # they would grow with the tokens
@@ -208,7 +205,6 @@ class CostModel:
                 self.head_costs.learn(sample.head, b, s, above)
             else:
                 self.head.add(b, s, above)
-        self.before.add(b, s, max(0, start0 - sample.start))
         if sample.completed:
             # above the first block's start, where plans add it: from the step's start, what runs before
             # the blocks (a ResNet's stem) was counted twice
@@ -452,10 +448,6 @@ class CostModel:
             return costs.chunked_bytes(batch, extent, head.chunk or 1)
         return self.head.predict(batch, extent)
 
-    def before_bytes(self, batch: int, extent: int) -> float:
-        """What a step of this shape allocates before its first block (on what it held at its start)."""
-        return self.before.predict(batch, extent, self.policy.quadratic_prior)
-
     def tail_bytes(self, batch: int, extent: int) -> float:
         fit = self.tail_resident if self.grads_resident and self.tail_resident else self.tail
         return fit.predict(batch, extent)
@@ -473,7 +465,6 @@ class CostModel:
             "head": self.head.state_dict(),
             "tail": self.tail.state_dict(),
             "tail_resident": self.tail_resident.state_dict(),
-            "before": self.before.state_dict(),
             "head_costs": self.head_costs.state_dict() if self.head_costs is not None else None,
             "elem_size": self.elem_size,
             "steps_learned": self.steps_learned,
@@ -498,7 +489,6 @@ class CostModel:
         self.head = Fit.from_state(state["head"])
         self.tail = Fit.from_state(state["tail"])
         self.tail_resident = Fit.from_state(state["tail_resident"])
-        self.before = Fit.from_state(state["before"]) if "before" in state else Fit()  # a state saved before it
         if self.head_costs is not None and state.get("head_costs"):
             self.head_costs.load_state_dict(state["head_costs"])
         self.elem_size = int(state["elem_size"])

@@ -175,7 +175,7 @@ class Reacher:
         return (rows + [head], 0.0) if head else (rows, self.costs.head_bytes(batch, extent))
 
     def fits(self, batch: int, length: int) -> bool:
-        room = self.limit - self.start - self.costs.before_bytes(batch, length * self.width)
+        room = self.limit - self.start
         if room <= 0 or self.costs.tail_bytes(batch, length * self.width) > room:
             return False
         rows, final = self.rows(batch, length)
@@ -198,10 +198,9 @@ class Reacher:
         if batch <= 0 or length <= 0:
             return Reach(batch, length, self.start, self.limit, self.start, (), None, False, *self.measured_figures)
         rows, final = self.rows(batch, length)
-        before = self.costs.before_bytes(batch, length * self.width)
-        result = solve(rows, self.limit - self.start - before, final, BINS)
+        result = solve(rows, self.limit - self.start, final, BINS)
         chosen = picked(rows, result.modes)
-        peak = before + max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
+        peak = max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
         modes, head = result.modes, None
         if self.costs.head_costs is not None:
             modes, head = result.modes[:-1], result.modes[-1].label

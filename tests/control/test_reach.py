@@ -1,7 +1,6 @@
 """How long can I go? `longest_sequence` and `largest_batch`, after calibration."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,52 +138,3 @@ def test_the_figures_survive_a_resume():
     with adaptmem.manage(llama(layers=3, hidden=64, dropout=0.0), device=dev) as again:
         again.load_state_dict(state)
         assert again.longest_sequence().length == expected
-
-
-class _MaskedBlock(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x))) * mask[:, :, :1]
-
-
-class _Masked(torch.nn.Module):
-    """Embeddings, then a (batch, length, length) float mask made before the blocks and handed to each
-    (as a model that materializes its attention mask does): what the step holds before its first block
-    grows with the length squared."""
-
-    def __init__(self, width: int = 64, blocks: int = 3, vocab: int = 256) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, width)
-        self.layers = torch.nn.ModuleList(_MaskedBlock(width) for _ in range(blocks))
-        self.head = torch.nn.Linear(width, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        mask = torch.ones(ids.shape[0], ids.shape[1], ids.shape[1])
-        for layer in self.layers:
-            x = layer(x, mask)
-        return SimpleNamespace(loss=torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), ids.flatten()))
-
-
-def test_what_a_step_holds_before_its_first_block_counts_in_the_longest_length():
-    """The plans start at the first block, with what came before it held; the longest length adds
-    what a step allocates before its first block, learned by length (here quadratic), so a step at
-    the predicted length, and at 90% of it, fits."""
-    torch.manual_seed(0)
-    model = _Masked()
-    ids = lambda s: {"ids": torch.randint(0, 256, (1, s), generator=torch.Generator().manual_seed(s))}
-    mem, dev, opt = _calibrated(model, ids, [64, 128, 64, 128], 24 * MiB, head=None)
-    with mem, dev:
-        reach = mem.longest_sequence()
-        before = mem._controller.costs.before_bytes(1, reach.length * 64)
-        assert before > 4 * reach.length**2  # the mask, 4 bytes a length squared
-        assert reach.peak_bytes - reach.start_bytes > before
-        for length in (int(0.9 * reach.length), reach.length):
-            mem.run_step(lambda: model(**ids(length)).loss.backward())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        assert mem.summary()["ooms"] == 0
-        assert mem.last_step["observed_peak_bytes"] <= dev.capacity_bytes
