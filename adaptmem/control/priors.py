@@ -52,10 +52,12 @@ class Priors:
     "Share of activations OFFLOAD leaves on the device: tensors under min_bytes."
 
     unpacked_share: float = 0.5
-    """Share of a packing mode's moved bytes live at once in its block's backward where each saved
-    tensor comes back only as autograd reads it (decoded, or copied back with no prefetch) and goes
-    once its node has run: on the stand-in, a Llama-like block's COMPRESS backward held 0.38 of them,
-    COMPRESS+OFFLOAD's 0.45, OFFLOAD's 0.51."""
+    """Share of a compressing mode's moved bytes live at once in its block's backward, where each saved
+    tensor is decoded (and, with no prefetch, copied back) only as autograd reads it and goes once its
+    node has run: on the stand-in, a Llama-like block's COMPRESS backward held 0.38 of them,
+    COMPRESS+OFFLOAD's 0.45 (OFFLOAD's 0.51; its guess keeps every tensor back at once: it is tried on
+    a block and measured, and a plan's reach at long lengths is carried from that measurement by how
+    this guess grows, which the lower share made steeper)."""
 
     measured_margin_share: float = 0.2
     "Share of the policy's prior_margin applied to figures that follow from measurements."
@@ -242,7 +244,7 @@ def offload(lat: Latents, a: Assumptions) -> Figures:
     return Figures(
         a.guess * held,
         a.guess * _transient(lat),
-        a.guess * (a.brought_back(move) + lat.backward_temp + a.prefetched(move)),
+        a.guess * (move + lat.backward_temp + a.prefetched(move)),
         a.transfer_s(move),
         move,
     )

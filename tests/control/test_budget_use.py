@@ -58,7 +58,8 @@ def test_when_no_plan_fits_a_buckets_top_the_input_itself_is_planned_for_without
     book, seen = mem._controller.plans, 104 * 64  # a longer input in the same bucket, not measured
     key = book.bucket(2, seen)
     assert key[1] > seen and not book.costs.measured(2, seen)
-    at_top, at_seen = (min(book.predict((m,) * book.n, 2, e, 0) for m in book.allowed) for e in (key[1], seen))
+    tightest = tuple(Mode.CHECKPOINT for _ in range(book.n))
+    at_top, at_seen = (book.predict(tightest, 2, e, 0) for e in (key[1], seen))
     aim = (at_top + at_seen) / 2  # fits the input, not the top
     budget = int(max(aim * book.decider.bias / book.decider.headroom, aim / book.policy.max_headroom))
     with caplog.at_level("WARNING", logger="adaptmem"):
@@ -104,7 +105,7 @@ def test_a_plan_over_a_lowered_aim_but_within_the_budget_is_not_called_a_batch_t
         run_steps(mem, model, seq=96, n=3)
         book = mem._controller.plans
         assert book.costs.measured(2, 96 * 64)
-        tightest = min(book.predict((m,) * book.n, 2, 96 * 64, 0) for m in book.allowed)
+        tightest = book.predict(tuple(Mode.CHECKPOINT for _ in range(book.n)), 2, 96 * 64, 0)
         mem._controller.decider.after_oom()
         headroom = book.decider.headroom
         messages = {}

@@ -51,12 +51,12 @@ def test_a_mode_no_block_ran_is_tried_on_one_block_once_measured_and_counted_in_
     after = [p for p in mem.events.of_type("plan") if p["step"] == tried[0]["step"] + 1]
     assert after and "trial" not in after[0]["reason"]
 
-    # without trials no step offloads, OFFLOAD's figures stay the guess (with its margin), and the
-    # longest sequence is predicted under checkpointing alone
+    # without trials no step offloads, OFFLOAD's backward stays the guess (all its tensors back at
+    # once), and the longest sequence is predicted under checkpointing alone
     guessed, short = _trained(False)
     assert not any("OFFLOAD" in s["plan"] for s in guessed.events.of_type("step"))
     assert Mode.OFFLOAD in reach.plan and Mode.OFFLOAD not in short.plan
-    assert reach.length > 1.2 * short.length, (reach, short)
+    assert reach.length > 1.3 * short.length, (reach, short)
 
 
 def test_no_mode_is_tried_where_the_plan_has_every_block_in_its_fastest_mode():
