@@ -103,6 +103,27 @@ class LaunchBound(torch.nn.Module):
         return x.square().mean()
 
 
+def _steady_proxy(blocks: int, warm: int):
+    """(the proxy, its step function, its manager after `warm` managed steps); close the manager."""
+    import adaptmem
+
+    torch.manual_seed(0)
+    model, x = LaunchBound(blocks), torch.randn(2, 8, 32)
+
+    def work():
+        model(x).backward()
+
+    mem = adaptmem.manage(model, device="cpu", budget="95%")
+    try:
+        for _ in range(warm):
+            mem.run_step(work)
+            model.zero_grad(set_to_none=True)
+    except BaseException:
+        mem.close()
+        raise
+    return model, work, mem
+
+
 def launch_bound(blocks: int = 24, steps: int = 2000, rounds: int = 7, round_steps: int = 50) -> dict:
     """The manager's host time per steady step (ms), over `steps` steps (long enough for the measuring
     period to stretch as it does in training: one step in 10 to 320 is measured block by block), then
@@ -113,20 +134,10 @@ def launch_bound(blocks: int = 24, steps: int = 2000, rounds: int = 7, round_ste
     for its rounds (a twin made by copying ran 4% slower than the model itself)."""
     import statistics
 
-    import adaptmem
     from adaptmem.wrapping import get_instrumentation
 
-    torch.manual_seed(0)
-    model, x = LaunchBound(blocks), torch.randn(2, 8, 32)
-
-    def work():
-        model(x).backward()
-
-    mem = adaptmem.manage(model, device="cpu", budget="95%")
+    model, work, mem = _steady_proxy(blocks, warm=8)  # past calibration: the plan is held
     try:
-        for _ in range(8):  # past calibration: the plan is held
-            mem.run_step(work)
-            model.zero_grad(set_to_none=True)
         runtime = get_instrumentation(model).runtime
         ctl = mem._controller
         own, inside = Timed(), Timed()
@@ -253,20 +264,10 @@ def parts(blocks: int = 24, rounds: int = 24, round_steps: int = 40) -> dict:
       retry guard      run_step's guard alone (RNG, buffers, which gradients exist)
       step()           a marked step, its blocks watched (planning at the first block, the hook)
       run_step         the whole: the guard and a marked step"""
-    import adaptmem
     from adaptmem.wrapping import get_instrumentation
 
-    torch.manual_seed(0)
-    model, x = LaunchBound(blocks), torch.randn(2, 8, 32)
-
-    def work():
-        model(x).backward()
-
-    mem = adaptmem.manage(model, device="cpu", budget="95%")
+    model, work, mem = _steady_proxy(blocks, warm=300)  # past calibration and the first measured steps
     try:
-        for _ in range(300):  # past calibration and the first measured steps: the plan is held
-            mem.run_step(work)
-            model.zero_grad(set_to_none=True)
         runtime, ctl = get_instrumentation(model).runtime, mem._controller
         probe, recorder = ctl.recorder.probe, ctl.recorder
 
