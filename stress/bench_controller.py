@@ -253,7 +253,7 @@ def replan_ms(blocks: int = 24, repeats: int = 20, steady: int = 1000) -> dict:
     return {**{name: min(times) for name, times in took.items()}, "replans": len(made), "steady": steady}
 
 
-def parts(blocks: int = 24, rounds: int = 24, round_steps: int = 40) -> dict:
+def parts(blocks: int = 24, rounds: int = 24, round_steps: int = 40, warm: int = 300) -> dict:
     """What each part of the manager adds to the proxy's steady step: the unmanaged step (the same
     wrappers in the same modes, no manager watching) with one part added, against it alone, in
     rotated rounds ({part: [ratio per round]}). The parts, each within the next:
@@ -266,7 +266,7 @@ def parts(blocks: int = 24, rounds: int = 24, round_steps: int = 40) -> dict:
       run_step         the whole: the guard and a marked step"""
     from adaptmem.wrapping import get_instrumentation
 
-    model, work, mem = _steady_proxy(blocks, warm=300)  # past calibration and the first measured steps
+    model, work, mem = _steady_proxy(blocks, warm)  # past calibration and the first measured steps
     try:
         runtime, ctl = get_instrumentation(model).runtime, mem._controller
         probe, recorder = ctl.recorder.probe, ctl.recorder

@@ -516,6 +516,30 @@ def test_the_launch_bound_proxy_reports_host_time_by_stretch_for_its_interval():
     )
 
 
+def test_the_parts_of_the_manager_are_each_timed_against_the_unmanaged_step_and_leave_it_as_it_was():
+    """`--parts` adds each part to the same unmanaged step, a ratio per round; the parts that open and
+    close steps of their own leave none open, and the manager is closed after."""
+    from stress import bench_controller
+
+    made = []
+    steady = bench_controller._steady_proxy
+
+    def keep(*args, **kwargs):
+        made.append(steady(*args, **kwargs))
+        return made[-1]
+
+    bench_controller._steady_proxy = keep
+    try:
+        got = bench_controller.parts(blocks=4, rounds=2, round_steps=2, warm=12)
+    finally:
+        bench_controller._steady_proxy = steady
+    assert list(got) == ["probe readings", "recorder", "begin/end", "retry guard", "step()", "run_step"]
+    assert all(len(r) == 2 and all(x > 0 for x in r) for r in got.values())
+    ((_, _, mem),) = made
+    ctl = mem._controller
+    assert not ctl.now.open and ctl.recorder.sample is None and mem._closed
+
+
 def test_the_replan_timing_makes_every_latent_anew_after_learning_and_none_again(monkeypatch):
     """`--replan` times a plan made first after the cost model learned (every block's latents made
     anew) and one made again (all kept), alternately."""
