@@ -53,7 +53,7 @@ or more keep the policy's 97% and watermarks.
 
 from __future__ import annotations
 
-import itertools
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -113,11 +113,8 @@ class Decider:
         misses = self.misses
         if len(misses) < SPREAD_MIN:
             return None
-        sizes = sorted(map(abs, misses))
-        n = len(sizes)
-        median = sizes[n // 2] if n % 2 else (sizes[n // 2 - 1] + sizes[n // 2]) / 2  # as statistics.median
-        recent = max(map(abs, itertools.islice(reversed(misses), RECENT)))
-        spread = 1.4826 * median
+        spread = 1.4826 * statistics.median([abs(m) for m in misses])
+        recent = max(abs(m) for m in list(misses)[-RECENT:])
         return max(SPREAD_Z * spread, recent)
 
     @property

@@ -52,6 +52,7 @@ from adaptmem.modes import Mode
 from adaptmem.pytree import tensors_in
 from adaptmem.strategies import BlockCall
 from adaptmem.strategies.call import main_input
+from adaptmem.strategies.payloads import backward_entry
 from adaptmem.wrapping import BlockHandle, BlockRuntime
 
 
@@ -302,7 +303,7 @@ class StepRecorder:
     def _mark_last(self, output: Any) -> None:
         """A light step's last block ran (`BlockRuntime.mark`): its output's gradient is where
         backward begins."""
-        grad_out = next((t for t in tensors_in(output) if t.requires_grad), None)
+        grad_out = backward_entry(output)
         if grad_out is not None:
             on_gradient(grad_out, self._backward_began)
 
@@ -330,17 +331,12 @@ class StepRecorder:
             if sample is None or sample.overlapped:
                 return
             plan = sample.plan
-            fresh = {index: mode for index, mode, _ in ran}
-            if len(fresh) == len(ran) and plan.keys().isdisjoint(fresh):
-                plan.update(fresh)
-                self._quiet_stats += [stats for _, _, stats in ran if stats]  # NONE's sent nothing
-                return
             for index, mode, stats in ran:
                 if index in plan:  # a block run twice in one forward: only the peak counts
                     sample.overlapped = True
                     return
                 plan[index] = mode
-                if stats:
+                if stats:  # a block run as it is (NONE) sent nothing
                     self._quiet_stats.append(stats)
 
     def _make_bwd_hook(self, block: BlockSample | None):
