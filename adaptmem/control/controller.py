@@ -376,7 +376,7 @@ class Controller:
         """A block runs a second time in one step. After the first forward's backward, it is
         a second micro-batch: the step is closed and another opened with the same label.
         Before it (two forwards, then one backward), the second forward is planned for the
-        memory the first leaves free, and the step teaches only its peak."""
+        memory the first leaves free, and the step teaches only the first forward's blocks."""
         if self.recorder.backward_done:
             label = self.now.label
             self.end_step()

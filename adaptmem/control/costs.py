@@ -181,7 +181,12 @@ class CostModel:
 
     # ---------------------------------------------------------------- learn
     def learn(self, sample: StepSample) -> None:
-        if not sample.blocks or sample.batch * sample.extent == 0 or sample.overlapped:
+        """What a step measured block by block shows. One with two forwards before its backward
+        (`overlapped`) shows the first forward's blocks whole, but for what the second changed
+        around them: its backward ran first and allocated every weight's gradient, so the first's
+        blocks' backward starts tell nothing of the gradients (`grad`) and allocate none of their
+        own; and the first's head and loss ran beside the second forward (not learned)."""
+        if not sample.blocks or sample.batch * sample.extent == 0:
             return
         b, s = sample.batch, sample.extent
         start0 = sample.blocks[0].start
@@ -193,11 +198,11 @@ class CostModel:
             if blk.index >= len(self.direct) or blk.held is None:
                 continue
             prefix += blk.held
-            self._learn_block(blk, b, s)
-            if blk.bwd_start is not None:
+            self._learn_block(blk, b, s, 0.0 if sample.overlapped else self.own_grads(blk.index))
+            if blk.bwd_start is not None and not sample.overlapped:
                 grad = self.grad_resident if sample.grads_resident else self.grad
                 grad[blk.index].add(b, s, blk.bwd_start - (start0 + prefix))
-        if sample.head_top and sample.backward_reached:
+        if sample.head_top and sample.backward_reached and not sample.overlapped:
             # (the head's peak is whole once the backward reached a block: a step that ran out of
             # memory before, in a block's forward or in the head, read a part of it)
             above = sample.head_top - (start0 + prefix)
@@ -213,7 +218,8 @@ class CostModel:
         self.steps_learned += 1
         self._latents = {}  # the fits changed
 
-    def _learn_block(self, blk: BlockSample, b: int, s: int) -> None:
+    def _learn_block(self, blk: BlockSample, b: int, s: int, own: float) -> None:
+        """`own`: the bytes of the block's weights' gradients its backward allocated."""
         mode, lat = blk.mode, self.latent[blk.index]
         x = blk.input_bytes
         lat["input_bytes"].add(b, s, x)
@@ -225,7 +231,6 @@ class CostModel:
         # a backward's transient less its weights' gradients, allocated there whatever the shape: fitted
         # as activations, they would grow with the tokens (NONE's backward, 3 MiB of them at 128 tokens,
         # was predicted at 22 MiB for 1750)
-        own = self.own_grads(blk.index)
         if complete:
             fits["backward_transient"].add(b, s, max(0, blk.bwd_peak - own))
         activations = _revealed_activations(blk)
@@ -436,7 +441,8 @@ class CostModel:
         if self.grads_resident and fit:
             return fit.predict(batch, extent)
         after = self._weights_after[index]
-        fresh = self.grad[index].predict(batch, extent, constant=after)
+        # none learned (every step ran two forwards): the later blocks' gradients, at least
+        fresh = self.grad[index].predict(batch, extent, constant=after) if self.grad[index] else after
         return max(0.0, fresh - after) if self.grads_resident else fresh
 
     def head_bytes(self, batch: int, extent: int, head: HeadChoice | None = None) -> float:

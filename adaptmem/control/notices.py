@@ -37,9 +37,11 @@ class Notices:
         """A step ran a second forward before its backward."""
         if self._once("overlap"):
             log.warning(
-                "adaptmem: a step ran a second forward before its backward; its second forward is "
-                "planned for the memory the first leaves, and the step teaches the cost model only "
-                "its peak. Mark each forward + backward as its own step where you can."
+                "adaptmem: a step ran a second forward before its backward (as a contrastive loss "
+                "does): its second forward is planned for the memory the first leaves, the next "
+                "steps' first forwards leave room for a second, and the cost model learns from the "
+                "first forward's blocks. This first such step, which nothing foretold, may go over "
+                "the budget."
             )
 
     def device_idle(self, probe: Any, sample: StepSample | None, step: int) -> None:

@@ -61,7 +61,7 @@ class Segment(enum.Enum):
 
     IDLE = "idle"  # no step open
     BEFORE_BLOCKS = "before blocks"  # from the step's start to the first block (embeddings)
-    OVERLAP = "overlap"  # a second forward ran before the first's backward: only the peak counts
+    OVERLAP = "overlap"  # from a second forward to the first one's backward: only the peak counts
     BLOCK = "block"  # a block's forward
     BETWEEN = "between"  # after a block's forward, before the next block's (or the head and loss)
     BACKWARD = "backward"  # a block's backward
@@ -174,15 +174,18 @@ class StepRecorder:
         first block's input (frozen embeddings) there is no mark after its backward: a
         forward that begins once every block's backward has begun comes after it."""
         sample = self.sample
-        if sample is None:
+        if sample is None or sample.overlapped:  # the forwards after a second one belong to its step
             return False
         if sample.tail_hooked:
             return sample.completed_once
         return bool(sample.blocks) and all(b.bwd_start is not None for b in sample.blocks)
 
     def overlap(self) -> None:
-        """A second forward began before the first one's backward: from here on the step is
-        only watched for its peak; its per-block figures are not learned."""
+        """A second forward began before the first one's backward: its blocks are not recorded,
+        and the step is watched for its peak. A step measured block by block goes on reading
+        the first forward's backward, which autograd runs after the second's (it takes nodes
+        made later first): the first forward's figures are whole, and are learned, all but the
+        head's (`CostModel.learn`)."""
         with self._lock:
             if self.sample is not None:
                 self._fold()
@@ -349,7 +352,7 @@ class StepRecorder:
         """The gradient of `block`'s output is ready: its backward begins (None: the
         first block's input gradient is ready, so the last block backward ended)."""
         with self._lock:
-            if self.sample is None or self.sample.overlapped:
+            if self.sample is None or (self.sample.overlapped and not self.sample.detailed):
                 return
             if self._seen_twice(block):
                 self.sample.double_backward = True  # a second backward (retain_graph / create_graph)

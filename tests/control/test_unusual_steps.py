@@ -40,12 +40,22 @@ def test_a_second_forward_after_backward_is_a_second_micro_batch(caplog):
     assert all(torch.equal(g, expected[n]) for n, g in grads_of(model).items())
 
 
-def test_two_forwards_before_one_backward_are_planned_together_and_not_learned_per_block(caplog):
-    a, b = tiny_batch(tiny(), seq=32), tiny_batch(tiny(), seq=40)
-    plain = tiny()
-    torch.manual_seed(1)
-    (plain(**a).loss + plain(**b).loss).backward()
+def _learned(mem) -> dict:
+    """{(block, mode, quantity): {shape: bytes}} of the manager's cost model."""
+    return {
+        (i, mode.label, q): dict(fit.points)
+        for i, fits in enumerate(mem._controller.costs.direct)
+        for mode, per_mode in fits.items()
+        for q, fit in per_mode.items()
+        if not q.endswith("s")  # bytes, not times
+    }
+
+
+def _two_steps(second, caplog):
+    """A manager's figures after an ordinary step and then `second(model, a, b)`, and the gradients."""
+    torch.manual_seed(0)
     model = tiny()
+    a, b = tiny_batch(model, seq=32), tiny_batch(model, seq=40)
     dev = device()
     dev.track(model)
     with caplog.at_level(logging.WARNING, logger="adaptmem"), dev:
@@ -53,16 +63,36 @@ def test_two_forwards_before_one_backward_are_planned_together_and_not_learned_p
             with mem.step():  # a normal step first, so the second is planned from learned costs
                 model(**a).loss.backward()
             model.zero_grad(set_to_none=True)
-            learned = mem.steps_learned
             torch.manual_seed(1)
-            with mem.step():  # a contrastive-style step
-                (model(**a).loss + model(**b).loss).backward()
-            record = mem.last_step
-            assert mem.steps_learned == learned  # its per-block figures are mixed: not learned
-    assert record["prediction_error"] is None and record["observed_peak_bytes"] > 0
+            with mem.step():
+                second(model, a, b)
+            return mem.last_step, mem.steps_learned, _learned(mem), grads_of(model)
+
+
+def test_two_forwards_before_one_backward_are_planned_together_and_the_first_is_learned(caplog):
+    """A contrastive-style step: its peak is read, not predicted, and its first forward's blocks
+    teach what the same forward alone would: the same bytes held and the same forward peaks (the
+    backward's may read higher, the weights' gradients already there), with the gradients exact."""
+    plain = tiny()
+    a, b = tiny_batch(plain, seq=32), tiny_batch(plain, seq=40)
+    torch.manual_seed(1)
+    (plain(**a).loss + plain(**b).loss).backward()
+    alone, _, taught, _ = _two_steps(lambda model, a, b: model(**a).loss.backward(), caplog)
+    caplog.clear()
+    record, learned, got, grads = _two_steps(lambda model, a, b: (model(**a).loss + model(**b).loss).backward(), caplog)
+    assert record["plan"] == alone["plan"] and record["measured"] == "blocks"
+    assert learned == 2  # both steps
+    assert record["prediction_error"] is None and record["observed_peak_bytes"] > alone["observed_peak_bytes"]
     assert sum("second forward before its backward" in r.getMessage() for r in caplog.records) == 1
+    backward = {k for k in taught if k[2] == "backward_transient"}
+    assert backward and {k: v for k, v in got.items() if k not in backward} == {
+        k: v for k, v in taught.items() if k not in backward
+    }
+    assert all(got[k][shape] >= taught[k][shape] for k in backward for shape in taught[k])
+    # in NONE, over the gradient each weight's backward makes before adding it in place
+    assert all(got[k][shape] > taught[k][shape] for k in backward if k[1] == "NONE" for shape in taught[k])
     expected = grads_of(plain)
-    assert all(torch.equal(g, expected[n]) for n, g in grads_of(model).items())
+    assert all(torch.equal(g, expected[n]) for n, g in grads.items())
 
 
 def test_a_validation_forward_inside_a_step_changes_nothing():
@@ -243,3 +273,58 @@ def test_after_a_step_with_two_forwards_the_next_first_forward_leaves_room_for_t
         steps = mem.events.of_type("step")
     over = [r["label"] for r in steps if r["observed_peak_bytes"] > r["budget_bytes"]]
     assert set(over) <= {3}, over  # only the first step with two forwards, which nothing foretold
+
+
+class _Encoder(torch.nn.Module):
+    """Two views of a batch through one encoder and an InfoNCE loss of its own (no managed head)."""
+
+    def __init__(self, width: int = 64, blocks: int = 6) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(width),
+                torch.nn.Linear(width, 4 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(4 * width, width),
+            )
+            for _ in range(blocks)
+        )
+        self.proj = torch.nn.Linear(width, 32)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.proj(h.mean(1))
+
+
+def _info_nce(z1, z2):
+    z1, z2 = torch.nn.functional.normalize(z1, dim=-1), torch.nn.functional.normalize(z2, dim=-1)
+    return torch.nn.functional.cross_entropy(z1 @ z2.T / 0.1, torch.arange(len(z1)))
+
+
+def test_two_forwards_at_every_step_from_the_first_leave_the_calibration_plan():
+    """Contrastive training from the first step: the cost model learns from each measured step's
+    first forward, so the plan leaves the calibration plan (every block checkpointed) for one that
+    keeps some blocks' activations, and every step from the third keeps the budget."""
+    torch.manual_seed(0)
+    model = _Encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dev = SimulatedDevice(96 * 2**20)
+    dev.track(model)
+    with dev, adaptmem.manage(model, device=dev, budget="60%") as mem:
+        for i in range(12):
+            x = torch.randn(32, 128, 16)
+            with mem.step(label=i):
+                _info_nce(model(x + 0.1 * torch.randn_like(x)), model(x + 0.1 * torch.randn_like(x))).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        steps = mem.events.of_type("step")
+        costs, shape = mem._controller.costs, (steps[-1]["batch"], steps[-1]["sample_elements"])
+        # no backward start read with only the later blocks' gradients there: those, at least, are planned for
+        assert [costs.grad_bytes(i, *shape) for i in range(6)] == [(5 - i) * costs._weights[0] for i in range(6)]
+    assert steps[0]["plan"] == ["CHECKPOINT"] * 6
+    assert all("NONE" in r["plan"] for r in steps[2:]), [r["plan"] for r in steps]
+    assert all(r["observed_peak_bytes"] <= r["budget_bytes"] for r in steps[2:])
+    assert sum(r["measured"] == "peak" for r in steps) >= 6  # steady: most steps read only their peak
