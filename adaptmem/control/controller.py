@@ -217,7 +217,7 @@ class Controller:
     def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
         now = self.now
         if now.open and self.recorder.ran(handle.index):
-            self._second_forward()
+            self._second_forward(handle.index)
             now = self.now  # a second micro-batch: the step just opened for it
         shape = allocated = None
         if now.open and not self.recorder.forward_started:
@@ -372,7 +372,7 @@ class Controller:
         )
         raise StepOutOfMemoryError(message, list(attempts))
 
-    def _second_forward(self) -> None:
+    def _second_forward(self, index: int) -> None:
         """A block runs a second time in one step. After the first forward's backward, it is
         a second micro-batch: the step is closed and another opened with the same label.
         Before it (two forwards, then one backward), the second forward is planned for the
@@ -384,7 +384,7 @@ class Controller:
             return
         if not self.now.overlapping:
             self.now.overlapping = True
-            self.recorder.overlap()
+            self.recorder.overlap(index)
             self.notices.overlap()
 
     def _plan_second_forward(self, shape: InputShape) -> None:
@@ -396,6 +396,7 @@ class Controller:
             record = self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward", extent=shape.extent)
             self.plans.announce_unfit()
             self.apply(record)
+            self.now.later_plans.append([m.label for m in self.blocks.running()])
 
     def _replan_running_forward(self) -> int:
         """Blocks not yet run in the current forward get a plan for the new budget (with other
@@ -459,6 +460,7 @@ class Controller:
             headroom=round(self.decider.headroom, 4),
             alloc_retries=retries,
             plan=plan,
+            forward_plans=[plan, *self.now.later_plans] if self.now.later_plans else None,
             head=sample.head.label if sample.head is not None else None,
             plan_counts=counts,
             seconds=round(sample.seconds, 6),

@@ -38,10 +38,11 @@ class Notices:
         if self._once("overlap"):
             log.warning(
                 "adaptmem: a step ran a second forward before its backward (as a contrastive loss "
-                "does): its second forward is planned for the memory the first leaves, the next "
-                "steps' first forwards leave room for a second, and the cost model learns from the "
-                "first forward's blocks. This first such step, which nothing foretold, may go over "
-                "the budget."
+                "does). Once a step has been learned, a second forward is planned for the memory "
+                "the first leaves, and a step's first forward leaves room for as many as the step "
+                "before ran; the cost model learns from the first forward's blocks. The first such "
+                "step, which nothing foretold, may go over the budget (each forward's plan is in "
+                "the step's record, `forward_plans`)."
             )
 
     def device_idle(self, probe: Any, sample: StepSample | None, step: int) -> None:

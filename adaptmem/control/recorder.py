@@ -28,7 +28,8 @@ such a step's `blocks` hold the first only. The block that ran last in the step 
 (`BlockRuntime.marked`) hooks its output as it runs: backward has begun when its
 gradient arrives, and is taken from then on as through the blocks (a second forward
 after it is a second micro-batch). A forward that ran a block twice goes back to
-calling the recorder at every block from the next step on.
+calling the recorder at every block from the next step on; a second forward before the
+backward (the first block run again, which calls the controller) does not.
 On a device that runs asynchronously (CUDA) such a step is not waited for: only a
 step measured block by block synchronizes, to read its events' times, and a
 light step's `seconds` are the host's, from its start to its end. A wait at
@@ -97,7 +98,8 @@ class StepRecorder:
         self._quiet: list | None = None  # that list, while a light step runs
         self._folded = 0  # how much of it is in the sample
         self._quiet_stats: list[dict] = []  # their calls' stats, read at the step's end
-        self._may_quiet = False  # the last step ran each block once, in one forward
+        self._may_quiet = False  # the last step ran each block once in each forward, its forwards from its first block
+        self._again_at_first = False  # the open step's first block ran again before its backward (a second forward)
 
     # ---------------------------------------------------------------- steps
     def begin(self, *, grads_resident: bool = False) -> StepSample:
@@ -123,7 +125,8 @@ class StepRecorder:
             self._fold()
             sample.quiet_host = sum(stats.get("host", 0) for stats in self._quiet_stats)
             self._stop_quiet()
-            self._may_quiet = not sample.overlapped
+            self._may_quiet = not sample.overlapped or self._again_at_first
+            self._again_at_first = False
             self._close_segment()
             waited = sample.detailed or not getattr(self.probe.inner, "asynchronous", False)
             end_mark = None
@@ -180,17 +183,23 @@ class StepRecorder:
             return sample.completed_once
         return bool(sample.blocks) and all(b.bwd_start is not None for b in sample.blocks)
 
-    def overlap(self) -> None:
-        """A second forward began before the first one's backward: its blocks are not recorded,
+    def overlap(self, index: int) -> None:
+        """Block `index` ran again before the forward's backward: where it is the first block run,
+        a second forward began (the next step may be a light one all the same: its first block,
+        which calls the controller, sees a second forward begin); else a block ran twice in one
+        forward (the next step watches every block). The blocks run again are not recorded,
         and the step is watched for its peak. A step measured block by block goes on reading
         the first forward's backward, which autograd runs after the second's (it takes nodes
         made later first): the first forward's figures are whole, and are learned, all but the
         head's (`CostModel.learn`)."""
         with self._lock:
-            if self.sample is not None:
+            sample = self.sample
+            if sample is not None:
                 self._fold()
+                blocks = sample.blocks
+                self._again_at_first = not sample.overlapped and bool(blocks) and index == blocks[0].index
                 self._close_segment()
-                self.sample.overlapped = True
+                sample.overlapped = True
                 self._open = Segment.OVERLAP
 
     def block_start(

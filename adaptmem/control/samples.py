@@ -132,4 +132,5 @@ class StepState:
     plan_point_passed: bool = False  # with other ranks: this rank took part in the plan point's collectives
     overlapping: bool = False  # a second forward ran before this step's backward
     forwards: int = 1  # forwards run before the step's backward (the first block started anew)
+    later_plans: list = field(default_factory=list)  # the plans of the forwards after the first, as labels
     refused: bool = False  # given up at the plan point: no plan can fit it

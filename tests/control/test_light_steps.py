@@ -76,9 +76,15 @@ def _run(quiet: bool, monkeypatch) -> tuple[list[dict], list[int]]:
     moved = _Once(model.blocks[2].mlp, lambda: mem.set_budget(2 * budget))
     calls, records = [], []
     with dev, adaptmem.manage(model, budget=budget, device=TickingProbe(dev), policy=policy, head=None) as mem:
-        for step, seq in enumerate([128] * 14 + [96] * 6 + [128] * 6):
+        for step, seq in enumerate([128] * 14 + [96] * 6 + [128] * 6 + [64] * 8):
             oom.armed, moved.armed = step == 12, step == 22
-            calls.append(_calls_in_step(mem, lambda batch=tiny_batch(model, 4, seq): model(**batch).loss.backward()))
+            if step < 26:
+                fn = lambda batch=tiny_batch(model, 4, seq): model(**batch).loss.backward()
+            else:  # two forwards, one backward
+                fn = lambda a=tiny_batch(model, 4, seq), b=tiny_batch(model, 4, seq): (
+                    model(**a).loss + model(**b).loss
+                ).backward()
+            calls.append(_calls_in_step(mem, fn))
             model.zero_grad(set_to_none=True)
         records = [{k: v for k, v in r.items() if k not in ("time", "run")} for r in mem.events.records]
     return records, calls
@@ -96,6 +102,9 @@ def test_light_steps_record_decide_and_retry_as_if_every_block_called(monkeypatc
     moved = next(r["step"] for r in quiet if r["type"] == "budget")
     assert next(r for r in steps if r["step"] == moved)["measured"] == "peak"  # set inside a light step
     assert 1 in quiet_calls and 1 not in loud_calls  # the first block only, in light steps
+    pairs = steps[-8:]  # and in each forward of light steps with two
+    assert all(r["forward_plans"] for r in pairs) and sum(r["measured"] == "peak" for r in pairs) >= 4
+    assert [c for c, r in zip(quiet_calls[-8:], pairs) if r["measured"] == "peak"].count(2) >= 4
     assert quiet == loud
 
 

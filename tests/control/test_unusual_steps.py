@@ -81,6 +81,7 @@ def test_two_forwards_before_one_backward_are_planned_together_and_the_first_is_
     caplog.clear()
     record, learned, got, grads = _two_steps(lambda model, a, b: (model(**a).loss + model(**b).loss).backward(), caplog)
     assert record["plan"] == alone["plan"] and record["measured"] == "blocks"
+    assert alone["forward_plans"] is None and record["forward_plans"][0] == record["plan"]
     assert learned == 2  # both steps
     assert record["prediction_error"] is None and record["observed_peak_bytes"] > alone["observed_peak_bytes"]
     assert sum("second forward before its backward" in r.getMessage() for r in caplog.records) == 1
@@ -325,6 +326,8 @@ def test_two_forwards_at_every_step_from_the_first_leave_the_calibration_plan():
         # no backward start read with only the later blocks' gradients there: those, at least, are planned for
         assert [costs.grad_bytes(i, *shape) for i in range(6)] == [(5 - i) * costs._weights[0] for i in range(6)]
     assert steps[0]["plan"] == ["CHECKPOINT"] * 6
+    assert all(len(r["forward_plans"]) == 2 and r["forward_plans"][0] == r["plan"] for r in steps)
+    assert any(r["forward_plans"][1] != r["plan"] for r in steps[2:])  # the second planned for what the first left
     assert all("NONE" in r["plan"] for r in steps[2:]), [r["plan"] for r in steps]
     assert all(r["observed_peak_bytes"] <= r["budget_bytes"] for r in steps[2:])
     assert sum(r["measured"] == "peak" for r in steps) >= 6  # steady: most steps read only their peak
