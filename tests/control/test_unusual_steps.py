@@ -3,12 +3,13 @@ two forwards before one backward, a validation forward, the model's own checkpoi
 
 import logging
 
+import pytest
 import torch
 from helpers import hf_batch, llama, tiny, tiny_batch
 
 import adaptmem
 from adaptmem import Mode
-from adaptmem.testing import SimulatedDevice
+from adaptmem.testing import SimulatedDevice, measure_peak
 
 
 def device():
@@ -331,3 +332,27 @@ def test_two_forwards_at_every_step_from_the_first_leave_the_calibration_plan():
     assert all("NONE" in r["plan"] for r in steps[2:]), [r["plan"] for r in steps]
     assert all(r["observed_peak_bytes"] <= r["budget_bytes"] for r in steps[2:])
     assert sum(r["measured"] == "peak" for r in steps) >= 6  # steady: most steps read only their peak
+
+
+def test_measure_peak_takes_a_step_of_your_own():
+    """A step that is not one forward with a `.loss` (two forwards and a loss of its own) is sized with
+    `step=`: the peak the stand-in reads around the step run by hand, less with every block checkpointed."""
+    torch.manual_seed(0)
+    model = _Encoder()
+    x = torch.randn(16, 64, 16)
+
+    def step():
+        _info_nce(model(x), model(x + 0.1)).backward()
+
+    kept = measure_peak(model, step=step)
+    checkpointed = measure_peak(model, step=step, mode=Mode.CHECKPOINT)
+    dev = SimulatedDevice()
+    dev.track(model)
+    with dev:
+        step()
+    model.zero_grad(set_to_none=True)
+    assert kept == dev.peak_bytes and checkpointed < 0.6 * kept
+    with pytest.raises(ValueError, match="either make_batch .* or step= .*not neither"):
+        measure_peak(model)
+    with pytest.raises(ValueError, match="not both"):
+        measure_peak(model, lambda: {}, step=step)
