@@ -389,8 +389,14 @@ class Controller:
 
     def _plan_second_forward(self, shape: InputShape) -> None:
         """Plan a forward for what the step's first forward leaves free (not cached: a lone
-        forward of this shape starts with more room)."""
+        forward of this shape starts with more room). With other ranks, it runs the plan the
+        ranks agreed on for the first (planned for both forwards from the next step on): a plan
+        of one rank's own could differ from the others', whose re-gathers under FSDP2 it would
+        leave waiting."""
         with self.lock:
+            if not self.ranks.alone:
+                self.now.later_plans.append([m.label for m in self.blocks.running()])
+                return
             start = self.probe.allocated()
             bucket = self.plans.bucket(shape.batch, shape.extent)
             record = self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward", extent=shape.extent)

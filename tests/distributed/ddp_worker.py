@@ -2,8 +2,9 @@
 
 MODE "plain": DDP without adaptmem. MODE "managed": DDP under adaptmem.manage, the
 ranks given different device capacities, pressure injected on rank 1 only, and an
-out-of-memory error injected in backward on rank 0 at step 3. Writes the final
-parameters and the step records to OUT.
+out-of-memory error injected in backward on rank 0 at step 3. MODE "contrastive": as
+"managed", but each step runs two forwards before its backward, and no error is injected.
+Writes the final parameters and the step records to OUT.
 """
 
 import os
@@ -27,7 +28,10 @@ def main() -> None:
     batches = [tiny_batch(model, batch=2, seq=32 + 16 * ((i + rank) % 3)) for i in range(6)]
 
     def train(batch):
-        ddp(**batch).loss.backward()
+        if mode == "contrastive":  # two forwards, one backward
+            (ddp(**batch).loss + ddp(**batches[-1]).loss).backward()
+        else:
+            ddp(**batch).loss.backward()
 
     records = []
     if mode == "plain":
@@ -47,7 +51,7 @@ def main() -> None:
         fired = []
 
         def fail_in_backward(module, args, output):
-            if rank == 0 and len(records) == 2 and not fired:
+            if rank == 0 and len(records) == 2 and not fired and mode == "managed":
 
                 def fail(grad):
                     if not fired:
@@ -70,7 +74,8 @@ def main() -> None:
                 records.append(mem.last_step)
             summary = mem.summary()
         records = [
-            {k: r[k] for k in ("plan", "observed_peak_bytes", "budget_bytes", "attempt", "step")} for r in records
+            {k: r[k] for k in ("plan", "forward_plans", "observed_peak_bytes", "budget_bytes", "attempt", "step")}
+            for r in records
         ]
         records.append({"summary": {k: summary[k] for k in ("steps", "ooms", "ooms_recovered", "pressure_events")}})
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "records": records}, out)

@@ -25,3 +25,15 @@ def test_ranks_agree_and_retry_together(tmp_path):
         assert all(torch.equal(p, expected[n]) for n, p in managed[rank]["params"].items())
     for rank in range(2):
         assert all(s["observed_peak_bytes"] <= s["budget_bytes"] for s in steps[rank][1:]), steps[rank]
+
+
+def test_ranks_run_the_same_plan_in_each_forward_of_a_contrastive_step(tmp_path):
+    """Two forwards before one backward on each rank, their devices different and one pressed:
+    the second forward runs one plan on both ranks, as the first does."""
+    managed = run_ranks(WORKER, tmp_path, "contrastive")
+    steps = [[r for r in m["records"] if "plan" in r] for m in managed]
+    assert len(steps[0]) == len(steps[1]) == 6
+    assert all(s["forward_plans"] is not None and len(s["forward_plans"]) == 2 for s in steps[0] + steps[1])
+    assert [s["forward_plans"] for s in steps[0]] == [s["forward_plans"] for s in steps[1]]
+    for rank in range(2):  # from the second step, the first forward leaves room for the second
+        assert all(s["observed_peak_bytes"] <= s["budget_bytes"] for s in steps[rank][1:]), steps[rank]
