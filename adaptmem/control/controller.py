@@ -44,7 +44,7 @@ from adaptmem.control.budgeting import BudgetKeeper
 from adaptmem.control.costs import CostModel
 from adaptmem.control.decisions import ESCALATE, HOLD, Decider
 from adaptmem.control.events import EventLog
-from adaptmem.control.headcosts import HeadCosts
+from adaptmem.control.headcosts import KEPT, HeadCosts
 from adaptmem.control.notices import Notices, own_checkpointing
 from adaptmem.control.plans import RETRY_STEP, PlanBook, PlanRecord
 from adaptmem.control.priors import priors_for
@@ -63,7 +63,7 @@ from adaptmem.control.stats import RunStats
 from adaptmem.control.unfit import Trace, below_floor, refusal, unfittable
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.host import HostProbe
-from adaptmem.modes import Mode
+from adaptmem.modes import HeadMode, Mode
 from adaptmem.registrations import parameters_of
 from adaptmem.wrapping import BlockHandle, HeadHandle
 from adaptmem.wrapping.selection import class_name
@@ -139,6 +139,8 @@ class Controller:
             if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
                 self.retries.new_batch(self.trace())
             self.now = StepState(open=True, label=label, rng=rng_state())
+            if (head := self.blocks.head) is not None:
+                self.now.head_calls = (head.calls, head.chunked_calls)
             self.ranks.begin_attempt(self.model, self.blocks.handles, self.policy)
             if self.ranks.sharded is not None:
                 self.costs.pin_seen_bytes()  # its blocks' bytes hold their gathered parameters
@@ -162,6 +164,8 @@ class Controller:
                 self.rewind(self.retries.trace)
                 set_rng_state(self.now.rng)
                 return None
+            if error is None and sample is not None and sample.blocks:
+                self._head_ran(sample)
             if sample is not None and sample.blocks and sample.detailed and not sample.unmeasured:
                 if isinstance(error, torch.OutOfMemoryError):
                     self.retries.trace.before_learning(self.costs, self.lengths)
@@ -172,6 +176,20 @@ class Controller:
             if error is None and sample is not None:
                 return self._after_step(sample)
             return None
+
+    def _head_ran(self, sample: StepSample) -> None:
+        """The loss head as the step ran it: a head planned CHUNKED that made no chunked logits (a
+        Hugging Face model called without `labels=`, its loss the user's own from the logits, or a
+        head that cannot chunk) ran KEPT, and is recorded and learned so. While it runs so the plans
+        keep it (chunking it would price a saving that never comes)."""
+        head = self.blocks.head
+        if head is None:
+            return
+        calls, chunked = head.calls - self.now.head_calls[0], head.chunked_calls - self.now.head_calls[1]
+        planned = sample.head is not None and sample.head.mode is HeadMode.CHUNKED
+        if planned and not chunked:
+            sample.head = KEPT
+        self.plans.head_chunks(calls > 0 and (chunked > 0 or not planned))
 
     def abandon_step(self) -> None:
         """Closing with a step open: it ends unrecorded and unlearned."""

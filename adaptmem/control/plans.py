@@ -125,6 +125,7 @@ class PlanBook:
         self.fresh = True  # the last `choose` made its plan (False: it was the bucket's cached one)
         self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
         self.unfit: tuple | None = None  # the last plan's shortfall warning, until `announce_unfit`
+        self.head_can_chunk = True  # the loss head ran chunked where planned so, in the last step (`head_chunks`)
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -479,12 +480,24 @@ class PlanBook:
             advice,
         )
 
+    def head_chunks(self, can: bool) -> None:
+        """Whether the loss head can run chunked in the steps as they run now: False after a step in
+        which it was not called to make a loss (a model called without `labels=`) or, planned chunked,
+        ran kept. The plans keep it then (the cached ones, made otherwise, are dropped)."""
+        if can != self.head_can_chunk:
+            self.head_can_chunk = can
+            self.forget()
+
+    def _head_allowed(self) -> str:
+        return self.policy.head if self.head_can_chunk else "kept"
+
     def head_row(self, shape: Shape) -> list[Option]:
         """The loss head as the plan's last row: its bytes stand above every block's saved bytes."""
         costs = self.costs.head_costs
         if costs is None:
             return []
-        return [Option(choice, 0.0, need, seconds) for choice, need, seconds in costs.choices(*shape, self.policy.head)]
+        choices = costs.choices(*shape, self._head_allowed())
+        return [Option(choice, 0.0, need, seconds) for choice, need, seconds in choices]
 
     def _head_alone(self, shape: Shape, start: int, budget: int) -> HeadChoice:
         """The head's choice where the blocks' plan is not the planner's (calibration, static or the
@@ -505,7 +518,7 @@ class PlanBook:
         head = self._tighter_head(head)
         smallest = None
         costs = self.costs.head_costs
-        if head is not None and costs is not None and self.policy.head != "kept":
+        if head is not None and costs is not None and self._head_allowed() != "kept":
             # chunking a kept head changes the order of summation, where a retry of lossless modes is
             # exact: it is done once the blocks have nothing tighter, or a chunked head failed twice
             smallest = HeadChoice(HeadMode.CHUNKED, costs.chunks(costs.tokens(*shape))[0])

@@ -133,4 +133,5 @@ class StepState:
     overlapping: bool = False  # a second forward ran before this step's backward
     forwards: int = 1  # forwards run before the step's backward (the first block started anew)
     later_plans: list = field(default_factory=list)  # the plans of the forwards after the first, as labels
+    head_calls: tuple[int, int] = (0, 0)  # the loss head's training calls and chunked ones before the step
     refused: bool = False  # given up at the plan point: no plan can fit it

@@ -98,3 +98,33 @@ def test_a_chunks_bytes_are_learned_from_the_chunked_steps():
     assert costs.chunked_bytes(1, 4096 * hidden, 1024) == pytest.approx(
         costs._fixed(1, 4096 * hidden) + 1024 * vocab * 4, rel=0.05
     )
+
+
+@pytest.mark.parametrize("policy", ["balanced", "long-context"])  # the second chunks wherever it can
+def test_a_head_whose_loss_is_the_users_own_is_planned_and_recorded_as_it_runs(policy):
+    """A Hugging Face model called without `labels=`, its loss taken from the logits by the user: the
+    head cannot chunk (it runs as it is), so it is recorded and planned KEPT, and the steps where the
+    budget tightens are predicted as they run (planned chunked, one read 49% over its prediction)."""
+    model = hf_model("llama", vocab_size=8000)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    budget = 112 * MiB
+    with (
+        SimulatedDevice(capacity_bytes=budget) as dev,
+        adaptmem.manage(model, device=dev, budget=budget, policy=policy) as mem,
+    ):
+        for i, seq in enumerate([128, 256, 512, 640, 640, 768, 768]):
+            ids = torch.randint(0, 8000, (1, seq), generator=torch.Generator().manual_seed(i))
+
+            def step():
+                logits = model(input_ids=ids).logits
+                torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+
+            mem.run_step(step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        steps, plans = mem.events.of_type("step"), mem.events.of_type("plan")
+    assert [r["head"] for r in steps] == ["KEPT"] * 7
+    assert all(r["head"] == "KEPT" for r in plans if r["step"] > 1), [(r["step"], r["head"]) for r in plans]
+    assert all(r["observed_peak_bytes"] <= r["budget_bytes"] for r in steps)
+    assert steps[-1]["plan"] != ["NONE", "NONE"]  # the budget shaped the blocks' plan
+    assert all(abs(r["prediction_error"]) < 0.05 for r in steps[-2:])
