@@ -271,6 +271,7 @@ class Controller:
                 self.retries.new_batch(self.trace())
             own = start = self.recorder.probe.allocated()
             batch, extent, budget = shape.batch, shape.extent, self.budget
+            self.plans.forwards = self._forwards if now.open else 1
             if now.open and self._forwards > 1:
                 # the step before ran its forward again before its backward (a contrastive loss, two
                 # views): this first forward is planned as one of as many samples, so that the next
@@ -416,6 +417,7 @@ class Controller:
                 self.now.later_plans.append([m.label for m in self.blocks.running()])
                 return
             start = self.probe.allocated()
+            self.plans.forwards = 1
             bucket = self.plans.bucket(shape.batch, shape.extent)
             record = self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward", extent=shape.extent)
             self.plans.announce_unfit()
@@ -431,6 +433,7 @@ class Controller:
         batch, extent, start, done = state
         if len(done) >= len(self.blocks):
             return 0
+        self.plans.forwards = 1
         record = self.plans.make(
             self.plans.bucket(batch, extent), start, self.budget, fixed=done, reason="pressure", extent=extent
         )

@@ -126,6 +126,7 @@ class PlanBook:
         self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
         self.unfit: tuple | None = None  # the last plan's shortfall warning, until `announce_unfit`
         self.head_can_chunk = True  # the loss head ran chunked where planned so, in the last step (`head_chunks`)
+        self.forwards = 1  # forwards before one backward the plan being made is for (its batch counts them all)
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -463,13 +464,15 @@ class PlanBook:
             advice = "it is within the budget; plans aim higher again as steps run calm."
         else:
             advice = "lower the batch or input size, or raise the budget."
+        forwards = self.forwards if self.forwards > 1 and batch % self.forwards == 0 else 1
+        counted = f"{batch} ({batch // forwards} in each of {forwards} forwards before one backward)"
         log.warning(
-            "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %d x up to "
+            "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %s x up to "
             "%s each. Running %s%s, predicted at %s (%s over that%s)%s; %s",
             format_bytes(target),
             100 * self.decider.headroom,
             format_bytes(budget),
-            batch,
+            counted if forwards > 1 else batch,
             size,
             "a retry's plan, " if self.failed is not None else "" if bound and measured else "the tightest plan, ",
             plan_text(modes, head),

@@ -356,3 +356,21 @@ def test_measure_peak_takes_a_step_of_your_own():
         measure_peak(model)
     with pytest.raises(ValueError, match="not both"):
         measure_peak(model, lambda: {}, step=step)
+
+
+def test_a_plan_for_two_forwards_that_cannot_fit_says_how_its_batch_is_counted(caplog):
+    """The first forward of a step with two is planned for both forwards' samples: a warning that no
+    plan fits names the batch as the two forwards' together, and each one's."""
+    torch.manual_seed(0)
+    model = llama(layers=4, hidden=128, vocab=512)
+    dev = SimulatedDevice(56 * 2**20)
+    dev.track(model)
+    a, b = hf_batch(4, 256, 512), hf_batch(4, 256, 512)
+    policy = adaptmem.load_policy().model_copy(update={"head": "kept"})
+    with caplog.at_level(logging.WARNING, logger="adaptmem"), dev:
+        with adaptmem.manage(model, device=dev, budget="90%", policy=policy) as mem:
+            for _ in range(3):
+                mem.run_step(lambda: (model(**a).loss + model(**b).loss).backward())
+                model.zero_grad(set_to_none=True)
+    unfit = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+    assert unfit and all("for batch 8 (4 in each of 2 forwards before one backward) x up to 256" in m for m in unfit)
