@@ -271,7 +271,7 @@ class Controller:
                 self.retries.new_batch(self.trace())
             own = start = self.recorder.probe.allocated()
             batch, extent, budget = shape.batch, shape.extent, self.budget
-            self.plans.forwards = self._forwards if now.open else 1
+            self.plans.forwards = now.planned_forwards = self._forwards if now.open else 1
             if now.open and self._forwards > 1:
                 # the step before ran its forward again before its backward (a contrastive loss, two
                 # views): this first forward is planned as one of as many samples, so that the next
@@ -407,14 +407,20 @@ class Controller:
             self.notices.overlap()
 
     def _plan_second_forward(self, shape: InputShape) -> None:
-        """Plan a forward for what the step's first forward leaves free (not cached: a lone
-        forward of this shape starts with more room). With other ranks, it runs the plan the
-        ranks agreed on for the first (planned for both forwards from the next step on): a plan
-        of one rank's own could differ from the others', whose re-gathers under FSDP2 it would
-        leave waiting."""
+        """A forward after the first, before the backward. Where the first forward's plan was made
+        for it too (the step before ran as many), it runs that plan, whose prediction, made again
+        for both forwards' samples, is the step's. Else it is planned for what the first leaves free
+        (not cached: a lone forward of this shape starts with more room), but with other ranks,
+        where it runs the plan the ranks agreed on for the first: a plan of one rank's own could
+        differ from the others', whose re-gathers under FSDP2 it would leave waiting."""
         with self.lock:
-            if not self.ranks.alone:
-                self.now.later_plans.append([m.label for m in self.blocks.running()])
+            now = self.now
+            if now.forwards <= now.planned_forwards or not self.ranks.alone:
+                if now.forwards <= now.planned_forwards and now.predicted is not None:
+                    now.predicted = self.plans.predict(
+                        self.blocks.modes, shape.batch * now.forwards, shape.extent, now.start, self.blocks.head_choice
+                    )
+                now.later_plans.append([m.label for m in self.blocks.running()])
                 return
             start = self.probe.allocated()
             self.plans.forwards = 1
@@ -453,7 +459,7 @@ class Controller:
         retried = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
         self._alloc_retries = retries
         decision = self._decide(sample, retried, calibrating)
-        pred, error = (None, None) if sample.overlapped else (self.now.predicted, None)
+        pred, error = self._step_predicted(sample), None
         if pred is not None and observed > 0:
             error = (pred - observed) / observed
         self.stats.stepped(observed, decision, error)
@@ -494,13 +500,23 @@ class Controller:
             measured="blocks" if sample.detailed else "peak",
         )
 
+    def _step_predicted(self, sample: StepSample) -> float | None:
+        """The step's predicted peak, where a plan made for the step as it ran predicted it: not
+        where a forward ran that the first forward's plan was not made for (the first step with
+        two before its backward, which planned the second for what the first left; a block run
+        twice in one forward), nor in one forward planned for several (the step before ran them)."""
+        now = self.now
+        if now.forwards != now.planned_forwards or (sample.overlapped and now.forwards == 1):
+            return None
+        return now.predicted
+
     def _decide(self, sample: StepSample, retried: bool, calibrating: bool) -> str:
         """Hold, escalate, relax or recover, on the step's peak against the budget (noting first how
         far it landed from where the plan aimed it)."""
         observed, now = sample.peak, self.now
         if self.policy.static_plan != "none" or sample.unmeasured:  # nothing to decide on: hold
             return HOLD
-        if now.predicted is not None and not (calibrating or sample.overlapped) and observed > now.start:
+        if self._step_predicted(sample) is not None and not calibrating and observed > now.start:
             if self.decider.note_miss(now.predicted - now.start, observed - now.start, self.budget):
                 self.plans.forget()  # they aimed at the fill as it was
         if self._beyond_any_plan(observed):
@@ -524,7 +540,11 @@ class Controller:
         if pred is not None and decision == HOLD and not (calibrating or sample.unmeasured) and observed > now.start:
             # aim again with the predictions' bias taken out
             rebias = self.decider.learn_bias(pred - now.start, observed - now.start)
-        missed = pred is not None and abs(pred - observed) > self.policy.replan_tolerance * self.budget
+        # a step of several forwards is predicted as one forward of all their samples, a shape no step
+        # measures (each forward is measured alone): measuring it again would not teach its figures
+        missed = (
+            pred is not None and now.forwards == 1 and abs(pred - observed) > self.policy.replan_tolerance * self.budget
+        )
         if decision == ESCALATE:  # the next step has something to teach: measure it block by block
             self.measuring.again()
         elif missed:

@@ -38,11 +38,12 @@ class Notices:
         if self._once("overlap"):
             log.warning(
                 "adaptmem: a step ran a second forward before its backward (as a contrastive loss "
-                "does). Once a step has been learned, a second forward is planned for the memory "
-                "the first leaves, and a step's first forward leaves room for as many as the step "
-                "before ran; the cost model learns from the first forward's blocks. The first such "
-                "step, which nothing foretold, may go over the budget (each forward's plan is in "
-                "the step's record, `forward_plans`)."
+                "does). From the next step, a step's first forward is planned for as many forwards "
+                "as the step before ran, and they all run its plan; this one's second forward is "
+                "planned for the memory the first leaves (once a step has been learned). The cost "
+                "model learns from each step's first forward. This first such step, which nothing "
+                "foretold, may go over the budget (each forward's plan is in the step's record, "
+                "`forward_plans`)."
             )
 
     def device_idle(self, probe: Any, sample: StepSample | None, step: int) -> None:

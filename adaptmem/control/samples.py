@@ -132,6 +132,7 @@ class StepState:
     plan_point_passed: bool = False  # with other ranks: this rank took part in the plan point's collectives
     overlapping: bool = False  # a second forward ran before this step's backward
     forwards: int = 1  # forwards run before the step's backward (the first block started anew)
+    planned_forwards: int = 1  # forwards the first forward's plan was made for (its batch counted them all)
     later_plans: list = field(default_factory=list)  # the plans of the forwards after the first, as labels
     head_calls: tuple[int, int] = (0, 0)  # the loss head's training calls and chunked ones before the step
     refused: bool = False  # given up at the plan point: no plan can fit it
