@@ -167,6 +167,8 @@ class Controller:
             if error is None and sample is not None and sample.blocks:
                 self._head_ran(sample)
             if sample is not None and sample.blocks and sample.detailed and not sample.unmeasured:
+                if self.now.alike and 1 < self.now.forwards == self.now.planned_forwards:
+                    sample.forwards = self.now.forwards  # its head is learned from them all
                 if isinstance(error, torch.OutOfMemoryError):
                     self.retries.trace.before_learning(self.costs, self.lengths)
                 self.costs.learn(sample)
@@ -415,6 +417,13 @@ class Controller:
         differ from the others', whose re-gathers under FSDP2 it would leave waiting."""
         with self.lock:
             now = self.now
+            first = self.recorder.sample
+            now.alike = (
+                now.alike
+                and now.forwards <= now.planned_forwards
+                and first is not None
+                and (first.batch, first.extent) == (shape.batch, shape.extent)
+            )
             if now.forwards <= now.planned_forwards or not self.ranks.alone:
                 if now.forwards <= now.planned_forwards and now.predicted is not None:
                     now.predicted = self.plans.predict(

@@ -185,7 +185,9 @@ class CostModel:
         (`overlapped`) shows the first forward's blocks whole, but for what the second changed
         around them: its backward ran first and allocated every weight's gradient, so the first's
         blocks' backward starts tell nothing of the gradients (`grad`) and allocate none of their
-        own; and the first's head and loss ran beside the second forward (not learned)."""
+        own; and the first's head and loss ran beside the second forward: where the forwards ran
+        alike (`forwards`), the head is learned at all their samples from the peak between the
+        second's start and the first's backward, the one a step of them all peaks at (`_learn_head`)."""
         if not sample.blocks or sample.batch * sample.extent == 0:
             return
         b, s = sample.batch, sample.extent
@@ -205,11 +207,13 @@ class CostModel:
         if sample.head_top and sample.backward_reached and not sample.overlapped:
             # (the head's peak is whole once the backward reached a block: a step that ran out of
             # memory before, in a block's forward or in the head, read a part of it)
-            above = sample.head_top - (start0 + prefix)
-            if self.head_costs is not None and sample.head is not None:
-                self.head_costs.learn(sample.head, b, s, above)
-            else:
-                self.head.add(b, s, above)
+            self._learn_head(sample, b, s, sample.head_top - (start0 + prefix))
+        elif sample.overlapped and sample.forwards > 1 and sample.overlap_top and sample.backward_reached:
+            # forwards alike, their backward run from the last: from the second's start to the first's
+            # backward, the peak stands above every forward's blocks, as a lone forward of all their
+            # samples stands above its blocks, which is how such a step is planned
+            n = sample.forwards
+            self._learn_head(sample, b * n, s, sample.overlap_top - (start0 + n * prefix))
         if sample.completed:
             # above the first block's start, where plans add it: from the step's start, what runs before
             # the blocks (a ResNet's stem) was counted twice
@@ -217,6 +221,13 @@ class CostModel:
             tail.add(b, s, max(sample.tail_top, start0) - start0)
         self.steps_learned += 1
         self._latents = {}  # the fits changed
+
+    def _learn_head(self, sample: StepSample, b: int, s: int, above: float) -> None:
+        """The head and loss's peak above the blocks' saved bytes, at batch `b`."""
+        if self.head_costs is not None and sample.head is not None:
+            self.head_costs.learn(sample.head, b, s, above)
+        else:
+            self.head.add(b, s, above)
 
     def _learn_block(self, blk: BlockSample, b: int, s: int, own: float) -> None:
         """`own`: the bytes of the block's weights' gradients its backward allocated."""

@@ -424,6 +424,8 @@ class StepRecorder:
             current._marks["bwd1"] = self.probe.mark()
         elif self._open is Segment.TAIL:
             sample.tail_top = max(sample.tail_top, top)
+        elif self._open is Segment.OVERLAP:
+            sample.overlap_top = max(sample.overlap_top, top)
         return now
 
     def _finish(self, sample: StepSample, end_mark: Any, waited: bool) -> None:

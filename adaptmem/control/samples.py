@@ -62,6 +62,8 @@ class StepSample:
     start: int = 0  # allocated at step start
     head_top: int = 0  # peak from the last block's end to the first block backward
     tail_top: int = 0  # peak after the last block backward
+    overlap_top: int = 0  # peak from a second forward's start to the first forward's backward
+    forwards: int = 1  # forwards alike (shape, plan) before the backward, where the head is learned from them
     peak: int = 0  # the step's peak
     blocks: list[BlockSample] = field(default_factory=list)
     plan: dict[int, Mode] = field(default_factory=dict)
@@ -133,6 +135,7 @@ class StepState:
     overlapping: bool = False  # a second forward ran before this step's backward
     forwards: int = 1  # forwards run before the step's backward (the first block started anew)
     planned_forwards: int = 1  # forwards the first forward's plan was made for (its batch counted them all)
+    alike: bool = True  # every forward after the first had its shape and ran its plan
     later_plans: list = field(default_factory=list)  # the plans of the forwards after the first, as labels
     head_calls: tuple[int, int] = (0, 0)  # the loss head's training calls and chunked ones before the step
     refused: bool = False  # given up at the plan point: no plan can fit it
