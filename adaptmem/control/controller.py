@@ -396,8 +396,9 @@ class Controller:
     def _second_forward(self, index: int) -> None:
         """A block runs a second time in one step. After the first forward's backward, it is
         a second micro-batch: the step is closed and another opened with the same label.
-        Before it (two forwards, then one backward), the second forward is planned for the
-        memory the first leaves free, and the step teaches only the first forward's blocks."""
+        Before it (two forwards, then one backward), it is a second forward of the step
+        (`_plan_second_forward`), and a step measured block by block teaches its first forward's
+        blocks (and, where its forwards ran alike, its head at their samples)."""
         if self.recorder.backward_done:
             label = self.now.label
             self.end_step()
