@@ -606,3 +606,15 @@ def test_the_per_mode_table_matches_runs_by_mode_not_by_position(tmp_path):
     assert rows["COMPRESS"] == "| COMPRESS | 61.0%, 2.66x | 59.0%, 2.23x |"
     assert rows["OFFLOAD"] == "| OFFLOAD | - | 21.0%, 3.73x |"
     assert list(rows) == ["NONE", "COMPRESS", "OFFLOAD"]
+
+
+def test_the_two_forwards_loops_report_each_forwards_plan_against_a_budget_between_their_peaks():
+    from stress.two_forwards import report, run
+
+    got = run("infonce", steps=3)
+    assert got["checkpointed"] < got["budget"] < got["kept"] and len(got["steps"]) == 3
+    lines = report("infonce", got)
+    assert lines[0].startswith("infonce: budget") and len(lines) == 5
+    assert all(" | " in line and "of budget" in line for line in lines[1:4])  # both forwards' plans
+    assert lines[2].split()[2] == lines[2].split()[4]  # from the second step, one plan for both forwards
+    assert lines[-1].startswith("  largest peak")
