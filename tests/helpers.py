@@ -6,7 +6,8 @@ import torch
 
 from adaptmem import Mode
 from adaptmem.demo.tiny import TinyConfig, TinyTransformer, random_batch
-from adaptmem.testing import measure_peak
+from adaptmem.devices.simulated import SimulatedProbe
+from adaptmem.testing import SimulatedDevice, measure_peak
 
 
 def tiny(**overrides) -> TinyTransformer:
@@ -323,3 +324,16 @@ def int8_codes(t: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, tor
     groups = torch.nn.functional.pad(flat, (0, (-flat.numel()) % group_size)).view(-1, group_size)
     scales = groups.abs().amax(1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
     return (groups / scales).round().clamp(-127, 127).to(torch.int8), scales
+
+
+class TickingProbe(SimulatedProbe):
+    """The stand-in's probe on a clock that moves one tick a reading: the same steps time alike in
+    every run, however loaded the machine, so two runs plan alike."""
+
+    def __init__(self, device: SimulatedDevice) -> None:
+        super().__init__(device)
+        self.ticks = 0.0
+
+    def mark(self) -> float:
+        self.ticks += 1e-3
+        return self.ticks

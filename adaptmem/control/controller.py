@@ -128,7 +128,7 @@ class Controller:
         self.now = StepState()  # the step in hand, from begin_step to end_step
         self.lock = threading.RLock()
         self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
-        self._forwards = 1  # forwards the last step ran before its backward
+        self.forwards = 1  # forwards the last step ran before its backward (kept in the state)
         self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
 
     # ------------------------------------------------------------ the step
@@ -159,7 +159,7 @@ class Controller:
         with self.lock:
             self.now.open = False
             if not refused and sample is not None and sample.blocks:
-                self._forwards = self.now.forwards
+                self.forwards = self.now.forwards
             if refused:  # given up before a block ran: the batch leaves no trace
                 self.rewind(self.retries.trace)
                 set_rng_state(self.now.rng)
@@ -273,12 +273,12 @@ class Controller:
                 self.retries.new_batch(self.trace())
             own = start = self.recorder.probe.allocated()
             batch, extent, budget = shape.batch, shape.extent, self.budget
-            self.plans.forwards = now.planned_forwards = self._forwards if now.open else 1
-            if now.open and self._forwards > 1:
+            self.plans.forwards = now.planned_forwards = self.forwards if now.open else 1
+            if now.open and self.forwards > 1:
                 # the step before ran its forward again before its backward (a contrastive loss, two
                 # views): this first forward is planned as one of as many samples, so that the next
                 # ones, planned for what it leaves, find room
-                batch *= self._forwards
+                batch *= self.forwards
             agree = self.ranks.agree is not None and now.open
             if agree:  # every rank plans for the largest shape and allocation, the smallest budget
                 self.ranks.plan_point()
@@ -407,7 +407,8 @@ class Controller:
         if not self.now.overlapping:
             self.now.overlapping = True
             self.recorder.overlap(index)
-            self.notices.overlap()
+            if self.now.planned_forwards == 1:  # not foretold by the step before (nor a resumed state)
+                self.notices.overlap()
 
     def _plan_second_forward(self, shape: InputShape) -> None:
         """A forward after the first, before the backward. Where the first forward's plan was made

@@ -39,11 +39,10 @@ class Notices:
             log.warning(
                 "adaptmem: a step ran a second forward before its backward (as a contrastive loss "
                 "does). From the next step, a step's first forward is planned for as many forwards "
-                "as the step before ran, and they all run its plan; this one's second forward is "
-                "planned for the memory the first leaves (once a step has been learned). The cost "
-                "model learns from each step's first forward. This first such step, which nothing "
-                "foretold, may go over the budget (each forward's plan is in the step's record, "
-                "`forward_plans`)."
+                "as the step before ran, and they all run its plan; in this step, which nothing "
+                "foretold, the second forward was planned for the memory the first left, and the "
+                "step may go over the budget. The cost model learns from each step's first forward "
+                "(each forward's plan is in the step's record, `forward_plans`)."
             )
 
     def device_idle(self, probe: Any, sample: StepSample | None, step: int) -> None:

@@ -30,6 +30,8 @@ def controller_state(ctl: Controller) -> dict[str, Any]:
         "budget": ctl.budget,
         "lengths": ctl.lengths.state_dict(),
         "counters": ctl.stats.counters(),
+        "forwards": ctl.forwards,
+        "head_can_chunk": ctl.plans.head_can_chunk,
     }
 
 
@@ -50,6 +52,8 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
         ctl.budgets.resume(state["budget"])
         ctl.stats.load_counters(state["counters"])
         ctl.lengths.load_state_dict(state["lengths"])
+        ctl.forwards = int(state.get("forwards", 1))  # (states saved before these were kept)
+        ctl.plans.head_can_chunk = bool(state.get("head_can_chunk", True))
         head = state.get("current_head")
         ctl.blocks.apply(
             tuple(Mode.parse(m) for m in state["current"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TickingProbe
 
 import adaptmem
 from adaptmem import HeadMode
@@ -110,7 +111,7 @@ def test_a_head_whose_loss_is_the_users_own_is_planned_and_recorded_as_it_runs(p
     budget = 112 * MiB
     with (
         SimulatedDevice(capacity_bytes=budget) as dev,
-        adaptmem.manage(model, device=dev, budget=budget, policy=policy) as mem,
+        adaptmem.manage(model, device=TickingProbe(dev), budget=budget, policy=policy) as mem,
     ):
         for i, seq in enumerate([128, 256, 512, 640, 640, 768, 768]):
             ids = torch.randint(0, 8000, (1, seq), generator=torch.Generator().manual_seed(i))
@@ -122,9 +123,19 @@ def test_a_head_whose_loss_is_the_users_own_is_planned_and_recorded_as_it_runs(p
             mem.run_step(step)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        steps, plans = mem.events.of_type("step"), mem.events.of_type("plan")
+        steps, plans, state = mem.events.of_type("step"), mem.events.of_type("plan"), mem.state_dict()
     assert [r["head"] for r in steps] == ["KEPT"] * 7
     assert all(r["head"] == "KEPT" for r in plans if r["step"] > 1), [(r["step"], r["head"]) for r in plans]
     assert all(r["observed_peak_bytes"] <= r["budget_bytes"] for r in steps)
     assert steps[-1]["plan"] != ["NONE", "NONE"]  # the budget shaped the blocks' plan
     assert all(abs(r["prediction_error"]) < 0.05 for r in steps[-2:])
+    # a manager resumed from its state knows it too: its first step, at a length not planned for
+    # before, whose head the plans would chunk, is planned kept and predicted as it runs
+    ids = torch.randint(0, 8000, (1, 800), generator=torch.Generator().manual_seed(7))
+    with (
+        SimulatedDevice(capacity_bytes=budget) as dev,
+        adaptmem.MemoryManager(model, device=TickingProbe(dev), budget=budget, policy=policy, state=state) as mem,
+    ):
+        mem.run_step(step)
+        resumed = mem.last_step
+    assert resumed["head"] == "KEPT" and abs(resumed["prediction_error"]) < 0.05

@@ -6,26 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import budget_between, tiny, tiny_batch
+from helpers import TickingProbe, budget_between, tiny, tiny_batch
 
 import adaptmem
 from adaptmem.config.policy import load_policy
 from adaptmem.control.recorder import StepRecorder
-from adaptmem.devices.simulated import SimulatedProbe
 from adaptmem.testing import SimulatedDevice
-
-
-class TickingProbe(SimulatedProbe):
-    """The stand-in's probe on a clock that moves one tick a reading: the same steps time alike in
-    every run, so two runs plan alike."""
-
-    def __init__(self, device: SimulatedDevice) -> None:
-        super().__init__(device)
-        self.ticks = 0.0
-
-    def mark(self) -> float:
-        self.ticks += 1e-3
-        return self.ticks
 
 
 class _Once:
