@@ -253,6 +253,8 @@ class StepRecorder:
     def block_end(self, handle: BlockHandle, call: BlockCall, output: Any) -> None:
         with self._lock:
             sample = self.sample
+            if sample is not None and sample.overlapped and call.stats:  # a second forward's: what it sent
+                self._quiet_stats.append(call.stats)
             if sample is None or not sample.blocks or sample.overlapped:
                 return
             block = sample.blocks[-1]
@@ -339,17 +341,17 @@ class StepRecorder:
         with self._lock:
             ran = quiet[self._folded :]  # a copy: the training thread may append as we read
             self._folded += len(ran)
+            # what each call sent to the host, a second forward's too (a block run as it is sent nothing)
+            self._quiet_stats.extend(stats for _, _, stats in ran if stats)
             sample = self.sample
             if sample is None or sample.overlapped:
                 return
             plan = sample.plan
-            for index, mode, stats in ran:
+            for index, mode, _ in ran:
                 if index in plan:  # a block run twice in one forward: only the peak counts
                     sample.overlapped = True
                     return
                 plan[index] = mode
-                if stats:  # a block run as it is (NONE) sent nothing
-                    self._quiet_stats.append(stats)
 
     def _make_bwd_hook(self, block: BlockSample | None):
         def hook(grad: Any) -> None:

@@ -77,7 +77,7 @@ class StepSample:
     grads_resident: bool = False  # the weights' gradients were allocated before the step (accumulation)
     head: Any = None  # the loss head's HeadChoice in this step (None: no managed head)
     seconds: float = 0.0
-    quiet_host: int = 0  # bytes sent to the host by blocks run without a BlockSample (a light step's)
+    quiet_host: int = 0  # bytes sent to the host by calls without a BlockSample (a light step's, a second forward's)
 
     @property
     def tokens(self) -> int:

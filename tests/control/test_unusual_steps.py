@@ -447,3 +447,23 @@ def test_a_resumed_manager_plans_its_first_step_for_the_forwards_the_saved_run_r
     assert first["forward_plans"] == [first["plan"], first["plan"]] and last["forward_plans"][0] == last["plan"]
     assert first["prediction_error"] is not None and first["observed_peak_bytes"] <= first["budget_bytes"]
     assert not [r for r in caplog.records if "second forward" in r.getMessage()]
+
+
+def test_a_step_with_two_forwards_counts_what_both_sent_to_the_host():
+    """Every block offloaded: a step of two forwards of one batch sends twice what a step of one
+    does, measured block by block or read for its peak (its record's `host_bytes`)."""
+    model = tiny(n_layers=4)
+    dev = SimulatedDevice(capacity_bytes=2**30)
+    dev.track(model)
+    a = tiny_batch(model, seq=64)
+    policy = adaptmem.load_policy().model_copy(update={"modes": ("OFFLOAD",), "measure_every": 3})
+    with dev, adaptmem.manage(model, budget=2**29, device=TickingProbe(dev), policy=policy, head=None) as mem:
+        for i in range(12):
+            with mem.step():
+                (model(**a).loss.backward() if i < 3 else (model(**a).loss + model(**a).loss).backward())
+            model.zero_grad(set_to_none=True)
+        steps = mem.events.of_type("step")
+    one = steps[2]["host_bytes"]
+    assert one > 0 and all(r["plan"] == ["OFFLOAD"] * 4 for r in steps)
+    assert {r["measured"] for r in steps[4:]} == {"blocks", "peak"}  # both kinds of step
+    assert [r["host_bytes"] for r in steps[4:]] == [2 * one] * 8
