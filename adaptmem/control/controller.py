@@ -273,7 +273,7 @@ class Controller:
                 self.retries.new_batch(self.trace())
             own = start = self.recorder.probe.allocated()
             batch, extent, budget = shape.batch, shape.extent, self.budget
-            self.plans.forwards = now.planned_forwards = self.forwards if now.open else 1
+            now.planned_forwards = self.forwards if now.open else 1
             if now.open and self.forwards > 1:
                 # the step before ran its forward again before its backward (a contrastive loss, two
                 # views): this first forward is planned as one of as many samples, so that the next
@@ -296,7 +296,7 @@ class Controller:
                 record = replace(record, modes=modes, head=head)
             if now.open:
                 self._refuse_unfittable(record, shape, start)
-            self.plans.announce_unfit()
+            self.plans.announce_unfit(now.planned_forwards)
             self.apply(record, reason=None if self.plans.fresh else "cached")
             if now.open:
                 self.recorder.measure_blocks(self.measuring.worth(record))
@@ -418,28 +418,23 @@ class Controller:
         where it runs the plan the ranks agreed on for the first: a plan of one rank's own could
         differ from the others', whose re-gathers under FSDP2 it would leave waiting."""
         with self.lock:
-            now = self.now
-            first = self.recorder.sample
-            now.alike = (
-                now.alike
-                and now.forwards <= now.planned_forwards
-                and first is not None
-                and (first.batch, first.extent) == (shape.batch, shape.extent)
-            )
-            if now.forwards <= now.planned_forwards or not self.ranks.alone:
-                if now.forwards <= now.planned_forwards and now.predicted is not None:
-                    now.predicted = self.plans.predict(
-                        self.blocks.modes, shape.batch * now.forwards, shape.extent, now.start, self.blocks.head_choice
-                    )
-                now.later_plans.append([m.label for m in self.blocks.running()])
-                return
-            start = self.probe.allocated()
-            self.plans.forwards = 1
-            bucket = self.plans.bucket(shape.batch, shape.extent)
-            record = self.plans.make(bucket, start, self.budget, fixed={}, reason="second forward", extent=shape.extent)
-            self.plans.announce_unfit()
-            self.apply(record)
-            self.now.later_plans.append([m.label for m in self.blocks.running()])
+            now, first = self.now, self.recorder.sample
+            planned = now.forwards <= now.planned_forwards  # the first forward's plan was made for this one
+            same = first is not None and (first.batch, first.extent) == (shape.batch, shape.extent)
+            now.alike = now.alike and planned and same
+            if not planned and self.ranks.alone:
+                start = self.probe.allocated()
+                bucket = self.plans.bucket(shape.batch, shape.extent)
+                record = self.plans.make(
+                    bucket, start, self.budget, fixed={}, reason="second forward", extent=shape.extent
+                )
+                self.plans.announce_unfit()
+                self.apply(record)
+            elif planned and now.predicted is not None:
+                now.predicted = self.plans.predict(
+                    self.blocks.modes, shape.batch * now.forwards, shape.extent, now.start, self.blocks.head_choice
+                )
+            now.later_plans.append([m.label for m in self.blocks.running()])
 
     def _replan_running_forward(self) -> int:
         """Blocks not yet run in the current forward get a plan for the new budget (with other
@@ -450,7 +445,6 @@ class Controller:
         batch, extent, start, done = state
         if len(done) >= len(self.blocks):
             return 0
-        self.plans.forwards = 1
         record = self.plans.make(
             self.plans.bucket(batch, extent), start, self.budget, fixed=done, reason="pressure", extent=extent
         )

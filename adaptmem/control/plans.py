@@ -126,7 +126,6 @@ class PlanBook:
         self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
         self.unfit: tuple | None = None  # the last plan's shortfall warning, until `announce_unfit`
         self.head_can_chunk = True  # the loss head ran chunked where planned so, in the last step (`head_chunks`)
-        self.forwards = 1  # forwards before one backward the plan being made is for (its batch counts them all)
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -426,12 +425,13 @@ class PlanBook:
         self.trials.add(mode)
         return modes[:i] + (mode,) + modes[i + 1 :], mode, start + peak
 
-    def announce_unfit(self) -> None:
+    def announce_unfit(self, forwards: int = 1) -> None:
         """Warn that the plan just made is predicted not to fit, once it is known to run: a retry's
-        plan given up before it ran was announced as running ("Running a retry's plan, ...")."""
+        plan given up before it ran was announced as running ("Running a retry's plan, ...").
+        `forwards`: the forwards before one backward it was made for (its batch counts them all)."""
         pending, self.unfit = self.unfit, None
         if pending is not None:
-            self._warn_unfit(*pending)
+            self._warn_unfit(*pending, forwards)
 
     def _warn_unfit(
         self,
@@ -442,6 +442,7 @@ class PlanBook:
         modes: tuple[Mode, ...],
         head: HeadChoice | None,
         bound: bool,
+        forwards: int,
     ) -> None:
         """Once per shape bucket (whatever the gradient state; a size first extrapolated warns again once
         measured): no plan is predicted to fit, and the plan that runs, as it runs (a retry's included)."""
@@ -464,7 +465,7 @@ class PlanBook:
             advice = "it is within the budget; plans aim higher again as steps run calm."
         else:
             advice = "lower the batch or input size, or raise the budget."
-        forwards = self.forwards if self.forwards > 1 and batch % self.forwards == 0 else 1
+        forwards = forwards if forwards > 1 and batch % forwards == 0 else 1
         counted = f"{batch} ({batch // forwards} in each of {forwards} forwards before one backward)"
         log.warning(
             "adaptmem: no plan is predicted to fit %s (%.0f%% of the budget %s) for batch %s x up to "
