@@ -27,8 +27,15 @@ from adaptmem.testing import SimulatedDevice, measure_peak
 from stress.benchkit import plan_label
 
 
-def _dpo(steps: int):
-    """(model, step function, its batches)."""
+def log_probs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Each sequence's summed log-probability of its tokens after the first, from the logits."""
+    logits = model(input_ids=ids).logits[:, :-1]
+    return torch.gather(F.log_softmax(logits.float(), -1), 2, ids[:, 1:, None]).squeeze(-1).sum(-1)
+
+
+def dpo_loop(steps: int):
+    """(model, step function, its batches): a Llama run on a chosen and on a rejected batch, a
+    preference loss from their logits."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -47,17 +54,16 @@ def _dpo(steps: int):
     gen = torch.Generator().manual_seed(0)
     batches = [tuple(torch.randint(0, 2000, (4, 192), generator=gen) for _ in range(2)) for _ in range(steps)]
 
-    def log_probs(ids):
-        logits = model(input_ids=ids).logits[:, :-1]
-        return torch.gather(F.log_softmax(logits.float(), -1), 2, ids[:, 1:, None]).squeeze(-1).sum(-1)
-
     def step(chosen, rejected):
-        (-F.logsigmoid(0.1 * (log_probs(chosen) - log_probs(rejected)))).mean().backward()
+        (-F.logsigmoid(0.1 * (log_probs(model, chosen) - log_probs(model, rejected)))).mean().backward()
 
     return model, step, batches
 
 
 class Encoder(torch.nn.Module):
+    """Six residual MLP blocks over (batch, positions, 16) inputs, pooled and projected: an encoder
+    for contrastive losses, with no loss head of a language model's."""
+
     def __init__(self, width: int = 64, blocks: int = 6) -> None:
         super().__init__()
         self.inp = torch.nn.Linear(16, width)
@@ -79,21 +85,26 @@ class Encoder(torch.nn.Module):
         return self.proj(h.mean(1))
 
 
-def _infonce(steps: int):
+def info_nce(z1: torch.Tensor, z2: torch.Tensor, temperature: float = 0.1) -> torch.Tensor:
+    """InfoNCE of two views' embeddings: each one's pair is its own row."""
+    z1, z2 = F.normalize(z1, dim=-1), F.normalize(z2, dim=-1)
+    return F.cross_entropy(z1 @ z2.T / temperature, torch.arange(len(z1)))
+
+
+def infonce_loop(steps: int):
+    """(model, step function, its batches): the encoder on two noisy views of each batch."""
     torch.manual_seed(0)
     model = Encoder()
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(32, 128, 16, generator=gen),) for _ in range(steps)]
 
     def step(x):
-        z1 = F.normalize(model(x + 0.1 * torch.randn_like(x)), dim=-1)
-        z2 = F.normalize(model(x + 0.1 * torch.randn_like(x)), dim=-1)
-        F.cross_entropy(z1 @ z2.T / 0.1, torch.arange(len(x))).backward()
+        info_nce(model(x + 0.1 * torch.randn_like(x)), model(x + 0.1 * torch.randn_like(x))).backward()
 
     return model, step, batches
 
 
-LOOPS = {"dpo": _dpo, "infonce": _infonce}
+LOOPS = {"dpo": dpo_loop, "infonce": infonce_loop}
 
 
 def run(name: str, steps: int = 12) -> dict:

@@ -10,6 +10,7 @@ from helpers import TickingProbe, hf_batch, llama, tiny, tiny_batch
 import adaptmem
 from adaptmem import Mode
 from adaptmem.testing import SimulatedDevice, measure_peak
+from stress.two_forwards import Encoder, dpo_loop, info_nce
 
 
 def device():
@@ -277,41 +278,12 @@ def test_after_a_step_with_two_forwards_the_next_first_forward_leaves_room_for_t
     assert set(over) <= {3}, over  # only the first step with two forwards, which nothing foretold
 
 
-class _Encoder(torch.nn.Module):
-    """Two views of a batch through one encoder and an InfoNCE loss of its own (no managed head)."""
-
-    def __init__(self, width: int = 64, blocks: int = 6) -> None:
-        super().__init__()
-        self.inp = torch.nn.Linear(16, width)
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(
-                torch.nn.LayerNorm(width),
-                torch.nn.Linear(width, 4 * width),
-                torch.nn.GELU(),
-                torch.nn.Linear(4 * width, width),
-            )
-            for _ in range(blocks)
-        )
-        self.proj = torch.nn.Linear(width, 32)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.proj(h.mean(1))
-
-
-def _info_nce(z1, z2):
-    z1, z2 = torch.nn.functional.normalize(z1, dim=-1), torch.nn.functional.normalize(z2, dim=-1)
-    return torch.nn.functional.cross_entropy(z1 @ z2.T / 0.1, torch.arange(len(z1)))
-
-
 def test_two_forwards_at_every_step_from_the_first_leave_the_calibration_plan():
     """Contrastive training from the first step: the cost model learns from each measured step's
     first forward, so the plan leaves the calibration plan (every block checkpointed) for one that
     keeps some blocks' activations, and every step from the third keeps the budget."""
     torch.manual_seed(0)
-    model = _Encoder()
+    model = Encoder()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     dev = SimulatedDevice(96 * 2**20)
     dev.track(model)
@@ -319,7 +291,7 @@ def test_two_forwards_at_every_step_from_the_first_leave_the_calibration_plan():
         for i in range(12):
             x = torch.randn(32, 128, 16)
             with mem.step(label=i):
-                _info_nce(model(x + 0.1 * torch.randn_like(x)), model(x + 0.1 * torch.randn_like(x))).backward()
+                info_nce(model(x + 0.1 * torch.randn_like(x)), model(x + 0.1 * torch.randn_like(x))).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         steps = mem.events.of_type("step")
@@ -340,11 +312,11 @@ def test_measure_peak_takes_a_step_of_your_own():
     """A step that is not one forward with a `.loss` (two forwards and a loss of its own) is sized with
     `step=`: the peak the stand-in reads around the step run by hand, less with every block checkpointed."""
     torch.manual_seed(0)
-    model = _Encoder()
+    model = Encoder()
     x = torch.randn(16, 64, 16)
 
     def step():
-        _info_nce(model(x), model(x + 0.1)).backward()
+        info_nce(model(x), model(x + 0.1)).backward()
 
     kept = measure_peak(model, step=step)
     checkpointed = measure_peak(model, step=step, mode=Mode.CHECKPOINT)
@@ -378,29 +350,13 @@ def test_a_plan_for_two_forwards_that_cannot_fit_says_how_its_batch_is_counted(c
     assert unfit and all("for batch 8 (4 in each of 2 forwards before one backward) x up to 256" in m for m in unfit)
 
 
-def _log_probs(model, ids):
-    """Each sequence's summed log-probability of its tokens after the first, from the logits."""
-    logits = model(input_ids=ids).logits[:, :-1]
-    return torch.gather(torch.log_softmax(logits.float(), -1), 2, ids[:, 1:, None]).squeeze(-1).sum(-1)
-
-
 def test_a_preference_loss_over_two_forwards_is_planned_from_what_its_steps_showed():
     """A DPO-style step: a language model run on the chosen and on the rejected sequences, its loss
     taken from their logits. Its head and loss, which no prior foretells, are learned from the steps
     (the peak from the second forward's start to the first's backward, above both forwards' blocks):
     the steps come to be predicted within 10% (priced by the prior, 90% over, every step of the run
     checkpointed every block), and the plan leaves every block checkpointed."""
-    from tests.strategies.test_head import hf_model
-
-    model = hf_model("llama", vocab_size=2000, max_position_embeddings=512, num_hidden_layers=4)
-    gen = torch.Generator().manual_seed(0)
-    pairs = [tuple(torch.randint(0, 2000, (4, 192), generator=gen) for _ in range(2)) for _ in range(8)]
-
-    def step(chosen, rejected):
-        (
-            -torch.nn.functional.logsigmoid(0.1 * (_log_probs(model, chosen) - _log_probs(model, rejected)))
-        ).mean().backward()
-
+    model, step, pairs = dpo_loop(8)
     kept = measure_peak(model, step=lambda: step(*pairs[0]))
     checkpointed = measure_peak(model, step=lambda: step(*pairs[0]), mode=Mode.CHECKPOINT)
     budget = int(checkpointed + 0.5 * (kept - checkpointed))
@@ -424,13 +380,13 @@ def test_a_resumed_manager_plans_its_first_step_for_the_forwards_the_saved_run_r
     first step for both forwards (one plan, predicted), where it would plan for one and fit the
     second into what was left, and does not warn of a second forward it was told of."""
     torch.manual_seed(0)
-    model = _Encoder()
+    model = Encoder()
     dev = SimulatedDevice(96 * 2**20)
     dev.track(model)
     x = torch.randn(32, 128, 16)
 
     def step():
-        _info_nce(model(x + 0.1), model(x - 0.1)).backward()
+        info_nce(model(x + 0.1), model(x - 0.1)).backward()
 
     with dev:
         with adaptmem.manage(model, device=TickingProbe(dev), budget="60%") as mem:
