@@ -256,18 +256,30 @@ def _reject_nesting(chosen: list[tuple[str, nn.Module]], blocks: BlockSelection)
         inner_ids = {id(m) for m in outer.modules() if m is not outer}
         for inner_name, inner in chosen:
             if id(inner) in inner_ids:
-                hint = (
-                    (
-                        f" (blocks={blocks!r} is a regex on the whole name, not a glob: it matched both; for "
-                        f"one level, e.g. blocks={_regex_for(inner_name)!r})"
-                    )
-                    if isinstance(blocks, str)
-                    else ""
-                )
+                hint = _nesting_hint(blocks, inner_name) if isinstance(blocks, str) else ""
                 raise ValueError(
                     f"block {outer_name or '<root>'!r} contains block {inner_name!r}: "
                     f"a selection must not nest; select one level (e.g. only the layers){hint}"
                 )
+
+
+def _nesting_hint(pattern: str, inner_name: str) -> str:
+    """Why a regex took both levels: a glob read as a regex, or a name matched by its dotted suffix."""
+    if re.fullmatch(pattern, inner_name):
+        return (
+            f" (blocks={pattern!r} is a regex on the whole name, not a glob: it matched both; for "
+            f"one level, e.g. blocks={_regex_for(inner_name)!r})"
+        )
+    suffix = next(
+        inner_name[i + 1 :]
+        for i, ch in enumerate(inner_name)
+        if ch == "." and re.fullmatch(pattern, inner_name[i + 1 :])
+    )
+    return (
+        f" (blocks={pattern!r} matches a whole name or any dotted suffix of one, and {inner_name!r} ends "
+        f"in {suffix!r}; for whole names only, pass a filter: "
+        f"blocks=lambda module, name: re.fullmatch({pattern!r}, name) is not None)"
+    )
 
 
 # ---------------------------------------------------------------- helpers

@@ -1,4 +1,5 @@
 import ast
+import re
 
 import pytest
 import torch
@@ -120,6 +121,18 @@ def test_a_regex_that_nests_is_answered_with_one_for_a_single_level():
     assert "block 'blocks' contains block 'blocks.0'" in str(err.value)
     suggested = ast.literal_eval(str(err.value).split("e.g. blocks=")[-1].rstrip(")"))
     assert names(model, suggested) == [f"blocks.{i}" for i in range(4)]
+
+
+def test_a_regex_that_nests_by_a_dotted_suffix_says_so_and_gives_a_filter_that_works():
+    """`^[0-3]$` on a Sequential of Sequentials takes `0` by its whole name and `0.0` by its
+    suffix `0`: the error says which, and the filter it offers selects the four stages."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(4)])
+    with pytest.raises(ValueError, match="any dotted suffix") as err:
+        find_blocks(model, r"^[0-3]$")
+    text = str(err.value)
+    assert "'0.0' ends in '0'" in text and "not a glob" not in text
+    suggested = eval("lambda module, name: " + text.split("blocks=lambda module, name: ")[-1][:-1], {"re": re})
+    assert names(model, suggested) == ["0", "1", "2", "3"]
 
 
 def test_foreign_module_and_bad_types():
