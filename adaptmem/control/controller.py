@@ -176,6 +176,7 @@ class Controller:
             if isinstance(error, torch.OutOfMemoryError):
                 return self._record_oom(error, sample)
             if error is None and sample is not None:
+                self.lengths.started(sample)
                 return self._after_step(sample)
             return None
 
@@ -684,6 +685,7 @@ class Controller:
                 self.plans,
                 self.budgets.user if fits is None else fits,
                 0 if self.now.open else self.probe.allocated(),
+                self.lock,
             )
 
     def trace(self) -> Trace:

@@ -29,6 +29,8 @@ never seen is predicted before it runs.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 
 from adaptmem.config.policy import Policy
@@ -142,6 +144,16 @@ class CostModel:
     def expect_gradients(self, resident: bool) -> None:
         """The step about to be planned starts with (True) or without the weights' gradients."""
         self._grads_resident = resident
+
+    @contextlib.contextmanager
+    def expecting(self, resident: bool) -> Iterator[None]:
+        """Figures of a step that starts with (True) or without the weights' gradients, inside; the
+        state planned before, after."""
+        before, self._grads_resident = self._grads_resident, resident
+        try:
+            yield
+        finally:
+            self._grads_resident = before
 
     def snapshot(self) -> tuple:
         """Everything learned, to put back with `restore` (a batch given up leaves no trace)."""
@@ -336,9 +348,13 @@ class CostModel:
         )
 
     def own_grads(self, index: int) -> float:
-        """The gradients of block `index`'s own weights, allocated in its backward (none where they
-        are resident from the step before)."""
-        return 0.0 if self.grads_resident else float(self._weights[index])
+        """The gradients of block `index`'s own weights, allocated in its backward: kept where none
+        were there before, added into the resident ones and freed where the step accumulates. A
+        Llama's layer peaked as high in its backward either way; taken as none when resident,
+        the steps that accumulate taught each block's transient its weights' gradients at one
+        size and not at another, and the fit through them predicted a length that ran out of
+        memory in the first step's backward."""
+        return float(self._weights[index])
 
     def latents(self, index: int, batch: int, extent: int) -> Latents:
         """Block `index`'s latents at a shape; kept until the cost model learns or is loaded (a plan
@@ -448,10 +464,9 @@ class CostModel:
         """What block `index`'s backward starts with beyond the saved tensors, in a step of the
         state planned (`grads_resident`): learned in that state, or, for a first step that finds
         the gradients resident, what a step allocating them starts with less the later blocks' ones."""
-        fit = self.grad_resident[index]
+        fit, after = self.grad_resident[index], self._weights_after[index]
         if self.grads_resident and fit:
-            return fit.predict(batch, extent)
-        after = self._weights_after[index]
+            return _resident(fit, self.grad[index], batch, extent, constant=after)
         # none learned (every step ran two forwards): the later blocks' gradients, at least
         fresh = self.grad[index].predict(batch, extent, constant=after) if self.grad[index] else after
         return max(0.0, fresh - after) if self.grads_resident else fresh
@@ -466,8 +481,10 @@ class CostModel:
         return self.head.predict(batch, extent)
 
     def tail_bytes(self, batch: int, extent: int) -> float:
-        fit = self.tail_resident if self.grads_resident and self.tail_resident else self.tail
-        return fit.predict(batch, extent)
+        """The peak after the blocks' backward, above the first block's start, in the state planned."""
+        if self.grads_resident and self.tail_resident:
+            return _resident(self.tail_resident, self.tail, batch, extent)
+        return self.tail.predict(batch, extent)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -531,3 +548,16 @@ def _revealed_activations(blk: BlockSample) -> float | None:
     if mode is Mode.NONE:
         return blk.held - blk.input_bytes - max(0, blk.output_bytes - blk.input_bytes)
     return None
+
+
+def _resident(resident: Fit, fresh: Fit, batch: int, extent: int, constant: float = 0.0) -> float:
+    """A figure of a step that starts with the weights' gradients resident (accumulation): its own
+    fit's, or, where that state was seen at one size and the other at more, the other's figure
+    shifted by the difference measured where both were seen. What the resident gradients change
+    does not grow with the shape; a figure from one size scaled with the tokens read the tail four
+    times over six times past it (an embedding's gradient is most of it), and a second micro-batch
+    at a new length was planned as unfit."""
+    if fresh.sizes < 2 or resident.sizes >= 2:
+        return resident.predict(batch, extent)
+    shift = sum(y - fresh.predict(b, e, constant=constant) for (b, e), y in resident.points.items())
+    return max(0.0, fresh.predict(batch, extent, constant=constant) + shift / len(resident.points))

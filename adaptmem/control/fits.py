@@ -81,6 +81,11 @@ class Fit:
         return self._extents
 
     @property
+    def sizes(self) -> int:
+        """How many sizes (elements a batch, batch x extent) the points hold."""
+        return len({b * e for b, e in self.points})
+
+    @property
     def settled(self) -> bool:
         """Some observation here is more than a provisional one."""
         return any(n > 0 for n in self.counts.values())
@@ -124,7 +129,7 @@ class Fit:
 
     def _base(self, tokens: int, constant: float) -> float:
         pts = [(b * s, y) for (b, s), y in self.points.items()]
-        if len({t for t, _ in pts}) < 2:
+        if self.sizes < 2:
             t0, y0 = max(pts)
             fixed = min(constant, max(y0, 0.0))
             return fixed + (y0 - fixed) * max(1.0, tokens / t0) if y0 > 0 else y0

@@ -171,7 +171,10 @@ class PlanBook:
         if record.extent > record.seen and known(self.costs, record.key[0], record.seen):
             return True
         if not record.feasible:
-            return False
+            # nothing was predicted to fit: what the step taught may make a plan fit (a head chunked
+            # finer, priced from another size, was not the tightest; measured, it fitted at 65% of
+            # the tightest's peak, where the plan held ran out of memory at the next step)
+            return True
         # without the plan's head: with a managed head that leaves the head's bytes out (its own cost
         # model learns them). Counted in, the kept head's prediction at 70% of the benchmark's budget
         # rose past the fill and had the head chunked where keeping it (0.975 of the budget) was faster

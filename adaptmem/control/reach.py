@@ -20,6 +20,7 @@ counted: at long lengths it is far below the step's peak.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -92,13 +93,15 @@ class Reach:
 class LengthsSeen:
     """What a run's steps showed of its sequences: the main input's elements per token (its
     hidden size), the longest length measured and the most tokens in one measured step, and
-    the largest allocation a step started from (weights, optimizer state)."""
+    the largest allocation a step started from (weights, optimizer state), without the weights'
+    gradients and, where a step found them there (accumulation), with them."""
 
     def __init__(self) -> None:
         self.width = 0
         self.measured_length = 0
         self.measured_tokens = 0
         self.start = 0
+        self.start_resident = 0  # 0: no step started with the gradients resident
 
     def learn(self, sample) -> None:
         """A step measured block by block: tokens are dimension 1 of a (batch, tokens, hidden) input."""
@@ -107,10 +110,17 @@ class LengthsSeen:
                 self.width, self.measured_length, self.measured_tokens = sample.width, 0, 0
             self.measured_length = max(self.measured_length, sample.seq)
             self.measured_tokens = max(self.measured_tokens, sample.batch * sample.seq)
-        if sample.completed:
+
+    def started(self, sample) -> None:
+        """A step that ran to its end, measured block by block or not: what it started from. (An
+        optimizer's state appears at its first step, after the run's first micro-batches, and the
+        steps after that may all be light ones.)"""
+        if sample.grads_resident:
+            self.start_resident = max(self.start_resident, sample.start)
+        else:
             self.start = max(self.start, sample.start)
 
-    def reacher(self, costs, plans, limit: int, allocated: int) -> Reacher:
+    def reacher(self, costs, plans, limit: int, allocated: int, lock=None) -> Reacher:
         if not costs.known:
             raise RuntimeError(
                 "nothing is measured yet: run a training step or more under this manager first "
@@ -126,9 +136,14 @@ class LengthsSeen:
             costs,
             plans,
             width=self.width,
-            start=max(self.start, allocated),
+            starts=[
+                (resident, max(start, allocated))
+                for resident, start in ((False, self.start), (True, self.start_resident))
+                if not resident or start
+            ],
             limit=limit,
             measured=(self.measured_length, self.measured_tokens),
+            lock=lock,
         )
 
     def state_dict(self) -> dict:
@@ -137,12 +152,14 @@ class LengthsSeen:
             "measured_length": self.measured_length,
             "measured_tokens": self.measured_tokens,
             "start": self.start,
+            "start_resident": self.start_resident,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.width, self.measured_length = state.get("width", 0), state.get("measured_length", 0)
         self.measured_tokens = state.get("measured_tokens", self.measured_length)  # a state saved before it
         self.start = state.get("start", 0)
+        self.start_resident = state.get("start_resident", 0)  # a state saved before it: none
 
 
 def end_record(ctl) -> dict | None:
@@ -159,27 +176,44 @@ def end_record(ctl) -> dict | None:
 
 class Reacher:
     """Answers for one manager's cost model and plans; `width` is the main input's elements
-    per token (its hidden size)."""
+    per token (its hidden size).
 
-    def __init__(self, costs, plans, *, width: int, start: int, limit: int, measured: tuple[int, int]) -> None:
+    `starts`: (whether the weights' gradients are resident, the allocation a step starts from) for
+    each state the run's steps started in. A run that accumulates gradients runs steps of both, and
+    a shape fits where it fits in each: the first micro-batch allocates the gradients in its
+    backward, the others start with them."""
+
+    def __init__(
+        self, costs, plans, *, width: int, starts: list, limit: int, measured: tuple[int, int], lock=None
+    ) -> None:
         self.costs, self.plans = costs, plans
-        self.width, self.start, self.limit = width, start, limit
+        # held while the cost model is asked in a state other than the one it plans (the manager's)
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.width, self.starts, self.limit = width, starts, limit
         self.measured_length, self.measured_tokens = measured  # the longest sample, the most tokens a step
+
+    @property
+    def start(self) -> int:
+        return max(start for _, start in self.starts)
 
     def rows(self, batch: int, length: int) -> tuple[list[list[Option]], float]:
         """The planner's rows for this shape (the head's last, where it is managed) and the bytes
-        after the blocks that no choice changes."""
+        after the blocks that no choice changes, in the gradients' state the cost model expects."""
         extent = length * self.width
         rows = self.costs.options(batch, extent, self.plans.allowed, dict(self.plans.pinned))
         head = self.plans.head_row((batch, extent))
         return (rows + [head], 0.0) if head else (rows, self.costs.head_bytes(batch, extent))
 
     def fits(self, batch: int, length: int) -> bool:
-        room = self.limit - self.start
-        if room <= 0 or self.costs.tail_bytes(batch, length * self.width) > room:
-            return False
-        rows, final = self.rows(batch, length)
-        return feasible(rows, room, final, BINS)
+        for resident, start in self.starts:
+            with self.lock, self.costs.expecting(resident):
+                room = self.limit - start
+                if room <= 0 or self.costs.tail_bytes(batch, length * self.width) > room:
+                    return False
+                rows, final = self.rows(batch, length)
+                if not feasible(rows, room, final, BINS):
+                    return False
+        return True
 
     def longest(self, batch: int) -> Reach:
         if not isinstance(batch, int) or batch < 1:
@@ -194,25 +228,32 @@ class Reacher:
         return self.reach(batch, length)
 
     def reach(self, batch: int, length: int) -> Reach:
-        """The plan predicted to fit this shape, as adaptmem would choose it (the cheapest that fits)."""
+        """The plan predicted to fit this shape, as adaptmem would choose it (the cheapest that fits),
+        in the gradients' state whose peak is the higher."""
         if batch <= 0 or length <= 0:
             return Reach(batch, length, self.start, self.limit, self.start, (), None, False, *self.measured_figures)
-        rows, final = self.rows(batch, length)
-        result = solve(rows, self.limit - self.start, final, BINS)
-        chosen = picked(rows, result.modes)
-        peak = max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
-        modes, head = result.modes, None
+        highest = None
+        for resident, start in self.starts:
+            with self.lock, self.costs.expecting(resident):
+                rows, final = self.rows(batch, length)
+                result = solve(rows, self.limit - start, final, BINS)
+                chosen = picked(rows, result.modes)
+                peak = start + max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
+            if highest is None or peak > highest[0]:
+                highest = (peak, start, result.modes)
+        peak, start, modes = highest
+        head = None
         if self.costs.head_costs is not None:
-            modes, head = result.modes[:-1], result.modes[-1].label
+            modes, head = modes[:-1], modes[-1].label
         extrapolated = not self.costs.measured(batch, length * self.width) and (
             length > self.measured_length or batch * length > self.measured_tokens
         )
         return Reach(
             batch,
             length,
-            int(self.start + peak),
+            int(peak),
             self.limit,
-            self.start,
+            start,
             tuple(modes),
             head,
             extrapolated,

@@ -81,6 +81,68 @@ def test_the_predicted_length_trains():
         assert mem.last_step["observed_peak_bytes"] <= dev.capacity_bytes
 
 
+def _accumulating(capacity=96 * MiB, vocab=8192):
+    """A Llama (4 layers, its embedding most of its weights) on a stand-in, a manager, AdamW, and a
+    step of two micro-batches of 4 (`step(seq)`); the step's peaks go to `peaks`."""
+    model = llama(layers=4, hidden=64, dropout=0.0, vocab=vocab)
+    dev = SimulatedDevice(capacity)
+    dev.track(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    mem = adaptmem.manage(model, device=dev)
+    peaks = []
+
+    def step(seq, micro=2):
+        for _ in range(micro):
+            mem.run_step(lambda: model(**hf_batch(4, seq, vocab=vocab)).loss.backward())
+            peaks.append(mem.last_step["observed_peak_bytes"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, dev, opt, mem, step, peaks
+
+
+def test_the_predicted_length_trains_when_the_steps_accumulate_gradients():
+    """Accumulating two micro-batches a step, the answer holds for both: the first allocates the
+    weights' gradients in its backward, the second starts with them. Steps run at the length
+    predicted, continuing the run, without running out of memory. (Both failed before: a
+    micro-batch's own gradients taken as none when resident taught the blocks' transients two
+    ways, and the length predicted ran out of memory in the first micro-batch's backward; a plan
+    predicted unfit was kept after the step taught a finer chunk of the head that fits, and the
+    next step ran out of memory.)"""
+    _, dev, _, mem, step, peaks = _accumulating()
+    with dev, mem:
+        for seq in (64, 128, 64, 128):
+            step(seq)
+        reach = mem.longest_sequence(4)
+        assert reach.length > 4 * 128 and reach.start_bytes <= reach.peak_bytes <= reach.limit_bytes
+        peaks.clear()
+        for _ in range(3):
+            step(reach.length)
+        assert mem.summary()["ooms"] == 0
+        assert len(peaks) == 6 and max(peaks) <= dev.capacity_bytes
+
+
+def test_a_run_that_accumulates_is_answered_for_the_micro_batch_that_needs_more():
+    """Each state a step starts in has its start (the optimizer's state in both, the gradients in
+    the second micro-batch's, learned from light steps too), and the answer is the shorter of the
+    two, whichever state the last step planned."""
+    model, dev, _, mem, step, _ = _accumulating()
+    with dev, mem:
+        for seq in (64, 128, 64, 128):
+            step(seq)
+        step(64, micro=1)  # the last step planned allocates the gradients (and the optimizer drops them)
+        lengths, grads = mem._controller.lengths, sum(p.numel() * p.element_size() for p in model.parameters())
+        assert lengths.start_resident == lengths.start + grads
+        both = mem.longest_sequence(4)
+        alone = {}
+        for state in mem._controller.reacher(None).starts:
+            reacher = mem._controller.reacher(None)
+            reacher.starts = [state]
+            alone[state[0]] = reacher.longest(4)
+        assert alone[True].length < alone[False].length  # here, the second micro-batch needs more
+        assert both.length == alone[True].length and both.start_bytes == lengths.start_resident
+
+
 def test_asking_before_a_step_or_with_bad_figures_says_what_to_do():
     model = llama(layers=2, hidden=64, dropout=0.0)
     dev = SimulatedDevice(64 * MiB)
