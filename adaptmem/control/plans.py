@@ -172,7 +172,7 @@ class PlanBook:
             return True
         if not record.feasible:
             # nothing was predicted to fit: what the step taught may make a plan fit (a head chunked
-            # finer, priced from another size, was not the tightest; measured, it fitted at 65% of
+            # finer, priced from another size, was not the tightest; measured, it peaked at 71% of
             # the tightest's peak, where the plan held ran out of memory at the next step)
             return True
         # without the plan's head: with a managed head that leaves the head's bytes out (its own cost
