@@ -120,7 +120,7 @@ class PlanBook:
         # policy stay as they were: steady-state steps ask for the same plan's prediction each step
         self._predicted: dict[tuple, float] = {}
         self._predicted_for: tuple[int, Policy] | None = None
-        self._warned: set[tuple[Shape, bool]] = set()  # (bucket, its size measured) warned of a shortfall
+        self._warned: set[tuple[Shape, bool, bool]] = set()  # (bucket, its size measured, within the budget) warned of
         self._planned: set[Key] = set()  # buckets planned for before (their plans may have been dropped since)
         self.fresh = True  # the last `choose` made its plan (False: it was the bucket's cached one)
         self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
@@ -373,6 +373,16 @@ class PlanBook:
                 bound = tail > result.peak
             peak = max(result.peak, tail)
             result = replace(result, peak=peak, feasible=False, shortfall=peak - aim)
+        elif head_row and not result.feasible:
+            # nothing fits: the head in its smallest chunks too. The tightest peak can be the blocks'
+            # (extrapolated, with margins), and the cheapest head under it took chunks whose logits,
+            # 64 MiB at 3,200 tokens, ran out of memory where the blocks would have fitted
+            tightest = min(head_row, key=lambda o: (o.need, o.seconds))
+            chosen = picked(options, result.modes[:-1]) + [tightest]
+            peak = predicted_peak(chosen, final)
+            result = replace(
+                result, modes=result.modes[:-1] + (tightest.mode,), peak=peak, shortfall=max(0.0, peak - aim)
+            )
         rows = options + ([head_row] if head_row else [])
         free = not bound and all(m is min(row, key=lambda o: o.seconds).mode for row, m in zip(rows, result.modes))
         modes, head = (result.modes[:-1], result.modes[-1]) if head_row else (result.modes, None)
@@ -451,14 +461,17 @@ class PlanBook:
         measured): no plan is predicted to fit, and the plan that runs, as it runs (a retry's included)."""
         batch, extent = shape
         measured = self.costs.measured(batch, extent)
-        if (key[:2], measured) in self._warned:
-            return
-        self._warned.add((key[:2], measured))
-        target = self.decider.headroom * budget
         predicted = self.predict(modes, batch, extent, start, head)
+        within = predicted <= budget  # over the aim only: an out-of-memory error lowers the aim for a while
+        # once each way: a shape warned of as within the budget that comes to run over it (the
+        # optimizer's state, allocated after the first steps, raised every later micro-batch 10% over
+        # it) is warned of again
+        if (key[:2], measured, within) in self._warned:
+            return
+        self._warned.add((key[:2], measured, within))
+        target = self.decider.headroom * budget
         width = self.width
         size = f"{extent // width:,} tokens" if width and extent % width == 0 else f"{extent:,} input elements"
-        within = predicted <= budget  # over the aim only: an out-of-memory error lowers the aim for a while
         if not measured:
             advice = (
                 "this size has not run yet, so its figures are extrapolated from other sizes (with a margin); "

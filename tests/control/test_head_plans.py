@@ -139,3 +139,27 @@ def test_a_head_whose_loss_is_the_users_own_is_planned_and_recorded_as_it_runs(p
         mem.run_step(step)
         resumed = mem.last_step
     assert resumed["head"] == "KEPT" and abs(resumed["prediction_error"]) < 0.05
+
+
+def test_where_no_plan_fits_the_head_runs_in_its_smallest_chunks():
+    """Past the longest length predicted, no plan fits: the plan that runs is the tightest, its head
+    too. The tightest peak was the blocks' (extrapolated, with margins), and the cheapest head
+    under it took chunks of 1,024 tokens: it ran out of memory twice before the retries came down
+    to the smallest."""
+    from helpers import hf_batch, llama
+
+    vocab = 8192
+    model = llama(layers=4, hidden=64, dropout=0.0, vocab=vocab)
+    dev = SimulatedDevice(96 * MiB)
+    dev.track(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    with dev, adaptmem.manage(model, device=dev, budget="80%") as mem:
+        for seq in (128, 128, 256, 256):
+            mem.run_step(lambda: model(**hf_batch(2, seq, vocab=vocab)).loss.backward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        length = int(1.4 * mem.longest_sequence(2).length)
+        mem.run_step(lambda: model(**hf_batch(2, length, vocab=vocab)).loss.backward())
+        smallest = mem._controller.costs.head_costs.chunks(2 * length)[0]
+        assert mem.last_step["head"] == f"CHUNKED:{smallest}" and mem.last_step["attempt"] == 0
+        assert mem.summary()["ooms"] == 0
