@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from transformers import TrainerCallback
@@ -107,6 +108,7 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
         self.retrying = False  # AdaptMemTrainerMixin runs each micro-batch through run_step
         self.micro = 0  # the micro-batch within the current optimizer step
         self._token = uuid.uuid4().hex
+        self._trained: Callable[[], Any] = _nothing  # the model the last `train()` managed
         _LIVE[self._token] = self
 
     # ------------------------------------------------------------ lifecycle
@@ -115,7 +117,12 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
             return
         self._own_checkpointing_off(model)
         saved = self.pending_state or _saved_state(state, type(self).__name__)
-        if saved is None and getattr(state, "global_step", 0) > 0:
+        if saved is None and self.final_state is not None and self._trained() is model:
+            # this callback trains the same model again (a second `train()`, or another Trainer): the run
+            # goes on, as a second fit does under Lightning. Started cold, a run continued at a longer
+            # length calibrated again, ran 16% over its budget, and one batch was given up
+            saved = self.final_state
+        elif saved is None and getattr(state, "global_step", 0) > 0:
             log.warning(
                 "adaptmem: the Trainer resumed at step %d from a checkpoint that holds no adaptmem state "
                 "(no %s entry with a manager state in its trainer_state.json stateful_callbacks: saved "
@@ -126,6 +133,7 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
             )
         self.manager = MemoryManager(model, **self.options, state=saved)
         self.pending_state = self.final_state = None
+        self._trained = weakref.ref(model) if model is not None else _nothing
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.manager is None or self.manager.closed:
@@ -221,6 +229,10 @@ class AdaptMemTrainerMixin:
         return callback.manager.run_step(
             super().training_step, model, inputs, num_items_in_batch, label=callback.label(self.state)
         )
+
+
+def _nothing() -> None:
+    return None
 
 
 def _publish(state: Any, callback: AdaptMemTrainerCallback) -> None:

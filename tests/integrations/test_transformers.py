@@ -124,6 +124,30 @@ def test_state_is_saved_with_the_checkpoint_and_restored_on_resume(tmp_path):
     assert rebuilt.manager.summary()["steps"] == 6
 
 
+def test_a_callback_that_trains_the_same_model_again_goes_on_with_its_run(tmp_path):
+    """A second `train()` of the same model with the same callback (another Trainer, a longer length
+    next) continues the run: its run id, its steps, what it learned; no calibration again. Another
+    model with that callback starts a run of its own."""
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    callback = AdaptMemTrainerCallback(budget="1GiB", device=dev)
+    model = llama(layers=3, hidden=64)
+
+    def fit(model, out):
+        RetryingTrainer(
+            model=model, args=hf_arguments(tmp_path / out, max_steps=2), train_dataset=Samples(), callbacks=[callback]
+        ).train()
+        reasons = [e["reason"] for e in callback.manager.events.of_type("plan")]
+        return callback.manager.summary(), reasons
+
+    first, reasons = fit(model, "a")
+    assert reasons[0] == "calibrate"
+    again, reasons = fit(model, "b")
+    assert again["run"] == first["run"] and again["steps"] == 2 * first["steps"] > 0
+    assert "calibrate" not in reasons
+    other, reasons = fit(llama(layers=2, hidden=64), "c")
+    assert other["run"] != first["run"] and other["steps"] == first["steps"] and reasons[0] == "calibrate"
+
+
 def test_the_models_own_checkpointing_is_switched_off_with_one_line(tmp_path, caplog):
     callback = AdaptMemTrainerCallback(budget="1GiB", device=SimulatedDevice(capacity_bytes=2**31))
     with caplog.at_level(logging.WARNING, logger="adaptmem"):
