@@ -375,7 +375,7 @@ class Controller:
             predicted=predicted,
             budget=self.budget,
             limit=available,
-            longest=lambda batch: self.reacher(None).longest(batch),
+            longest=self._longest_without_this_batch,
             elsewhere=elsewhere,
         )
         self.now.refused = True
@@ -698,6 +698,22 @@ class Controller:
             self.blocks.head_choice,
             self._replan_when_warm,
         )
+
+    def _longest_without_this_batch(self, batch: int):
+        """The longest length `longest_sequence` answers once the batch refused leaves no trace: from the
+        cost model as it was before the batch first ran out of memory. (From what the failed attempt
+        taught, a refusal named 1,245 tokens, and `longest_sequence` 2,089 right after it.)"""
+        before = self.retries.trace
+        if before is None or before.costs is None:
+            return self.reacher(None).longest(batch)
+        now = self.costs.snapshot(), self.lengths.state_dict()
+        self.costs.restore(before.costs)
+        self.lengths.load_state_dict(before.lengths)
+        try:
+            return self.reacher(None).longest(batch)
+        finally:
+            self.costs.restore(now[0])
+            self.lengths.load_state_dict(now[1])
 
     def rewind(self, trace: Trace) -> None:
         """Put back the state `trace` took (and the cost model, if the batch learned from a failure)."""

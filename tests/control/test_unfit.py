@@ -37,6 +37,7 @@ def run(arch: str, outlier_at: int | None, room: int = 24 * MiB):
                     mem.run_step(lambda: model(**hf_batch(1, OUTLIER[arch], VOCAB)).loss.backward())
                 except StepOutOfMemoryError as err:  # skip the batch and go on
                     caught = err
+                    caught.asked_after = mem.longest_sequence(1).length
                 opt.zero_grad(set_to_none=True)
                 with host_allocations():
                     around = (
@@ -66,7 +67,8 @@ def test_an_outlier_fails_fast_and_later_plans_are_as_without_it(arch):
     assert len(err.attempts) <= 1
     text = str(err)
     assert f"batch 1 x {OUTLIER[arch]:,} tokens" in text and "floor" in text and "budget" in text
-    assert "longest sequence predicted to fit at batch 1" in text
+    # the length named is the one longest_sequence answers right after: the batch left no trace
+    assert f"longest sequence predicted to fit at batch 1: {err.asked_after:,} tokens" in text
     assert isinstance(err, torch.OutOfMemoryError)
     # no trace: weights, gradients, optimizer, RNG and the controller's learned state as before the batch
     assert_same_state(after[0], before[0])
