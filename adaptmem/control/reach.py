@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from adaptmem.config.units import format_bytes
+from adaptmem.control.fits import Fit
 from adaptmem.control.planner import Option, feasible, picked, predicted_peak
 from adaptmem.control.planner import plan as solve
 from adaptmem.modes import Mode
@@ -53,7 +54,7 @@ class Reach:
     length: int
     peak_bytes: int  # the predicted peak of `plan` at this shape (weights and optimizer state included)
     limit_bytes: int  # what it had to fit
-    start_bytes: int  # allocated when a step starts (weights, optimizer state), included in the peak
+    start_bytes: int  # allocated as its first block starts (weights, optimizer state, embeddings), in the peak
     plan: tuple[Mode, ...]
     head: str | None  # the loss head's choice ("KEPT", "CHUNKED:<tokens>"), None without a managed head
     extrapolated: bool
@@ -102,6 +103,9 @@ class LengthsSeen:
         self.measured_tokens = 0
         self.start = 0
         self.start_resident = 0  # 0: no step started with the gradients resident
+        # allocated from the step's start to its first block's (embeddings, position tables, masks):
+        # it grows with the batch and the length, where the start does not
+        self.before = Fit("act")
 
     def learn(self, sample) -> None:
         """A step measured block by block: tokens are dimension 1 of a (batch, tokens, hidden) input."""
@@ -110,6 +114,8 @@ class LengthsSeen:
                 self.width, self.measured_length, self.measured_tokens = sample.width, 0, 0
             self.measured_length = max(self.measured_length, sample.seq)
             self.measured_tokens = max(self.measured_tokens, sample.batch * sample.seq)
+        if sample.blocks and sample.batch * sample.extent > 0:
+            self.before.add(sample.batch, sample.extent, max(0, sample.blocks[0].start - sample.start))
 
     def started(self, sample) -> None:
         """A step that ran to its end, measured block by block or not: what it started from. (An
@@ -144,6 +150,7 @@ class LengthsSeen:
             limit=limit,
             measured=(self.measured_length, self.measured_tokens),
             lock=lock,
+            before=self.before.predict,
         )
 
     def state_dict(self) -> dict:
@@ -153,6 +160,7 @@ class LengthsSeen:
             "measured_tokens": self.measured_tokens,
             "start": self.start,
             "start_resident": self.start_resident,
+            "before": self.before.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -160,6 +168,7 @@ class LengthsSeen:
         self.measured_tokens = state.get("measured_tokens", self.measured_length)  # a state saved before it
         self.start = state.get("start", 0)
         self.start_resident = state.get("start_resident", 0)  # a state saved before it: none
+        self.before = Fit.from_state(state["before"]) if "before" in state else Fit("act")
 
 
 def end_record(ctl) -> dict | None:
@@ -184,9 +193,20 @@ class Reacher:
     backward, the others start with them."""
 
     def __init__(
-        self, costs, plans, *, width: int, starts: list, limit: int, measured: tuple[int, int], lock=None
+        self,
+        costs,
+        plans,
+        *,
+        width: int,
+        starts: list,
+        limit: int,
+        measured: tuple[int, int],
+        lock=None,
+        before=None,
     ) -> None:
         self.costs, self.plans = costs, plans
+        # the bytes from a step's start to its first block's, at (batch, elements a sample)
+        self.before = before if before is not None else (lambda batch, extent: 0.0)
         # held while the cost model is asked in a state other than the one it plans (the manager's)
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.width, self.starts, self.limit = width, starts, limit
@@ -205,9 +225,10 @@ class Reacher:
         return (rows + [head], 0.0) if head else (rows, self.costs.head_bytes(batch, extent))
 
     def fits(self, batch: int, length: int) -> bool:
+        before = self.before(batch, length * self.width)
         for resident, start in self.starts:
             with self.lock, self.costs.expecting(resident):
-                room = self.limit - start
+                room = self.limit - start - before
                 if room <= 0 or self.costs.tail_bytes(batch, length * self.width) > room:
                     return False
                 rows, final = self.rows(batch, length)
@@ -232,8 +253,9 @@ class Reacher:
         in the gradients' state whose peak is the higher."""
         if batch <= 0 or length <= 0:
             return Reach(batch, length, self.start, self.limit, self.start, (), None, False, *self.measured_figures)
-        highest = None
+        highest, before = None, int(self.before(batch, length * self.width))
         for resident, start in self.starts:
+            start += before
             with self.lock, self.costs.expecting(resident):
                 rows, final = self.rows(batch, length)
                 result = solve(rows, self.limit - start, final, BINS)

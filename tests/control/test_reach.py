@@ -83,7 +83,7 @@ def test_the_predicted_length_trains():
 
 def _accumulating(capacity=96 * MiB, vocab=8192):
     """A Llama (4 layers, its embedding most of its weights) on a stand-in, a manager, AdamW, and a
-    step of two micro-batches of 4 (`step(seq)`); the step's peaks go to `peaks`."""
+    step of two micro-batches of 4 (`step(seq)`, or of `batch=`); the step's peaks go to `peaks`."""
     model = llama(layers=4, hidden=64, dropout=0.0, vocab=vocab)
     dev = SimulatedDevice(capacity)
     dev.track(model)
@@ -91,9 +91,9 @@ def _accumulating(capacity=96 * MiB, vocab=8192):
     mem = adaptmem.manage(model, device=dev)
     peaks = []
 
-    def step(seq, micro=2):
+    def step(seq, micro=2, batch=4):
         for _ in range(micro):
-            mem.run_step(lambda: model(**hf_batch(4, seq, vocab=vocab)).loss.backward())
+            mem.run_step(lambda: model(**hf_batch(batch, seq, vocab=vocab)).loss.backward())
             peaks.append(mem.last_step["observed_peak_bytes"])
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -122,6 +122,28 @@ def test_the_predicted_length_trains_when_the_steps_accumulate_gradients():
         assert len(peaks) == 6 and max(peaks) <= dev.capacity_bytes
 
 
+def test_the_largest_batch_counts_what_runs_before_the_first_block():
+    """Far past the batch the run has measured, what runs before the first block (the embeddings'
+    output, the position tables, the mask: all growing with the batch) is counted, learned from the
+    steps measured, where a step's start holds none of it. Left out, a batch predicted to fit ran
+    out of memory in its second micro-batch's backward and was given up. A little under the answer,
+    the steps train (an error in the second micro-batch's backward, 20 times past the batch
+    measured, is retried)."""
+    _, dev, _, mem, step, peaks = _accumulating()
+    with dev, mem:
+        for seq in (64, 128, 64, 128):
+            step(seq)
+        reach, lengths = mem.largest_batch(128), mem._controller.lengths
+        before = lengths.before.predict(reach.batch, 128 * lengths.width)
+        assert reach.batch > 4 and before == pytest.approx(reach.batch / 4 * lengths.before.predict(4, 128 * 64))
+        assert reach.start_bytes == lengths.start_resident + int(before)
+        peaks.clear()
+        for _ in range(2):
+            step(128, batch=int(0.95 * reach.batch))  # a little under it, as the README advises
+        assert len(peaks) == 4 and max(peaks) <= dev.capacity_bytes
+        assert mem.summary()["ooms"] == mem.summary()["ooms_recovered"]
+
+
 def test_a_run_that_accumulates_is_answered_for_the_micro_batch_that_needs_more():
     """Each state a step starts in has its start (the optimizer's state in both, the gradients in
     the second micro-batch's, learned from light steps too), and the answer is the shorter of the
@@ -140,7 +162,8 @@ def test_a_run_that_accumulates_is_answered_for_the_micro_batch_that_needs_more(
             reacher.starts = [state]
             alone[state[0]] = reacher.longest(4)
         assert alone[True].length < alone[False].length  # here, the second micro-batch needs more
-        assert both.length == alone[True].length and both.start_bytes == lengths.start_resident
+        before = int(lengths.before.predict(4, both.length * lengths.width))  # the embeddings' output, ...
+        assert both.length == alone[True].length and both.start_bytes == lengths.start_resident + before > 0
 
 
 def test_asking_before_a_step_or_with_bad_figures_says_what_to_do():
