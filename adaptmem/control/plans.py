@@ -373,10 +373,12 @@ class PlanBook:
                 bound = tail > result.peak
             peak = max(result.peak, tail)
             result = replace(result, peak=peak, feasible=False, shortfall=peak - aim)
-        elif head_row and not result.feasible:
+        elif head_row and not result.feasible and self.failed is None:
             # nothing fits: the head in its smallest chunks too. The tightest peak can be the blocks'
             # (extrapolated, with margins), and the cheapest head under it took chunks whose logits,
-            # 64 MiB at 3,200 tokens, ran out of memory where the blocks would have fitted
+            # 64 MiB at 3,200 tokens, ran out of memory where the blocks would have fitted. (A retry's
+            # head is the retry's to choose: a kept head is chunked only once the blocks have nothing
+            # tighter, as chunking it changes the order of summation.)
             tightest = min(head_row, key=lambda o: (o.need, o.seconds))
             chosen = picked(options, result.modes[:-1]) + [tightest]
             peak = predicted_peak(chosen, final)
