@@ -2,12 +2,15 @@
 
     python -m stress.reach_accuracy                     # Qwen3 and Starcoder2 from configs (a few minutes each)
     python -m stress.reach_accuracy --arch qwen3 --json runs/reach.json
+    python -m stress.reach_accuracy --arch qwen3 --batch 2 --accumulate 2   # two micro-batches a step
 
 For each architecture (4 layers, hidden 256, vocab 8000, random weights, AdamW, batch 1) on a
 `SimulatedDevice` of `DEVICE_MIB`: a run calibrates on `CALIBRATION` lengths (twice each), then
-asks `MemoryManager.longest_sequence(1)`. Empirically, a length L trains when a fresh run with the
-same calibration goes on with two steps at L and no `StepOutOfMemoryError`; the longest such L
-is bisected to within 1% (the search starts from the prediction, so it costs a few runs).
+asks `MemoryManager.longest_sequence(batch)`. Empirically, a length L trains when a fresh run with
+the same calibration goes on with two steps at L and no `StepOutOfMemoryError`; the longest such L
+is bisected to within 1% (the search starts from the prediction, so it costs a few runs). With
+`--accumulate N` every optimizer step is N micro-batches, each a managed step: the first allocates
+the weights' gradients, the others start with them.
 
 Target: the prediction within 5% of the empirical longest, and never above it by more than that.
 """
@@ -53,46 +56,48 @@ def build(arch: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
-def batch(length: int) -> dict:
-    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+def batch(length: int, size: int = 1) -> dict:
+    ids = torch.randint(0, VOCAB, (size, length), generator=torch.Generator().manual_seed(length))
     return {"input_ids": ids, "labels": ids}
 
 
-def run(arch: str, lengths: list[int], *, ask: bool = False):
-    """Train one step at each length under adaptmem's default policy; the prediction when `ask`."""
+def run(arch: str, lengths: list[int], *, ask: bool = False, size: int = 1, micro: int = 1):
+    """Train one optimizer step of `micro` micro-batches of `size` at each length under adaptmem's
+    default policy; the prediction when `ask`."""
     model = build(arch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     device = SimulatedDevice(DEVICE_MIB << 20)
     device.track(model)
     with device, adaptmem.manage(model, device=device) as mem:
         for length in lengths:
-            mem.run_step(lambda: model(**batch(length)).loss.backward())
+            for _ in range(micro):
+                mem.run_step(lambda: model(**batch(length, size)).loss.backward())
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return mem.longest_sequence(1) if ask else None
+        return mem.longest_sequence(size) if ask else None
 
 
-def trains(arch: str, length: int) -> bool:
+def trains(arch: str, length: int, **shape) -> bool:
     try:
-        run(arch, list(CALIBRATION) * 2 + [length, length])
+        run(arch, list(CALIBRATION) * 2 + [length, length], **shape)
         return True
     except torch.OutOfMemoryError:  # StepOutOfMemoryError is one
         return False
 
 
-def empirical(arch: str, guess: int) -> tuple[int, int]:
+def empirical(arch: str, guess: int, **shape) -> tuple[int, int]:
     """(longest that trained, shortest that did not), bisected to within 1%."""
     low, high = guess, guess
-    while not trains(arch, low):
+    while not trains(arch, low, **shape):
         high, low = low, low * 3 // 4
     if high == low:
         high = low * 5 // 4
-        while trains(arch, high):
+        while trains(arch, high, **shape):
             low, high = high, high * 5 // 4
     while high - low > max(8, low // 100):
         mid = (low + high) // 2
         began = time.perf_counter()
-        good = trains(arch, mid)
+        good = trains(arch, mid, **shape)
         log(
             f"  {arch}: {mid:,} tokens {'trains' if good else 'runs out of memory'} "
             f"({time.perf_counter() - began:.0f} s)"
@@ -105,16 +110,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", choices=ARCHS, help="architectures (default: all)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--batch", type=int, default=1, help="samples a micro-batch (default 1)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches an optimizer step (default 1)")
     args = parser.parse_args(argv)
+    if args.batch < 1 or args.accumulate < 1:
+        parser.error("--batch and --accumulate must be at least 1")
+    shape = {"size": args.batch, "micro": args.accumulate}
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     import logging
 
     logging.getLogger("adaptmem").setLevel(logging.ERROR)  # the bisection runs out of memory on purpose
     rows, ok = [], True
     for arch in args.arch or ARCHS:
-        reach = run(arch, list(CALIBRATION) * 2, ask=True)
+        reach = run(arch, list(CALIBRATION) * 2, ask=True, **shape)
         log(f"{arch}: predicted {reach}")
-        low, high = empirical(arch, reach.length)
+        low, high = empirical(arch, reach.length, **shape)
         ratio = reach.length / low
         met = 1 - TOLERANCE <= ratio <= 1 + TOLERANCE
         ok &= met
@@ -136,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"device_mib": DEVICE_MIB, "calibration": CALIBRATION, "rows": rows}, indent=2))
+        figures = {"device_mib": DEVICE_MIB, "calibration": CALIBRATION, **shape, "rows": rows}
+        args.json.write_text(json.dumps(figures, indent=2))
     return 0 if ok else 1
 
 
