@@ -96,7 +96,7 @@ def longest_batch(
     long = rows(batch, length)
     failed = hf_checkpointing_fails(model, dev, long)
     print(
-        f"  a batch of {batch} x {length:,} tokens ({length / max(hf, 1):.1f}x HF's longest), "
+        f"  a batch of {batch} x {length:,} tokens ({length / max(hf, 1):.2f}x HF's longest), "
         f"{SHARE:.0%} of adaptmem's predicted longest:"
     )
     print(f"    HF gradient checkpointing: {'out of memory: ' + failed if failed else 'fitted after all'}")
