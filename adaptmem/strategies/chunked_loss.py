@@ -46,11 +46,36 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
-def _casts_only(epilogue: tuple) -> bool:
-    """The epilogue only casts to float32 (Hugging Face's ``.float()``), or is empty."""
-    return all(
-        func is torch.Tensor.to and args == (LOGITS, torch.float32) and not kwargs for func, args, kwargs in epilogue
-    )
+_SCALES = {
+    torch.Tensor.mul: "mul",
+    torch.Tensor.__mul__: "mul",
+    torch.Tensor.__rmul__: "mul",
+    torch.mul: "mul",
+    torch.Tensor.div: "div",
+    torch.Tensor.__truediv__: "div",
+    torch.div: "div",
+}
+
+
+def _direct_steps(epilogue: tuple, dtype: torch.dtype) -> tuple | None:
+    """The epilogue as scalings of float32 logits, `(("mul" | "div", number), ...)` in order, where
+    it is casts to float32 and products or quotients by a number made in float32 (Granite's
+    ``logits / logits_scaling``, Cohere's ``logits * logit_scale``), or empty; else None. Such an
+    epilogue runs in place on the chunk's one buffer: through autograd a Granite's chunk held about
+    four buffers of its logits' size."""
+    steps, current = [], dtype
+    for func, args, kwargs in epilogue:
+        if func is torch.Tensor.to and args == (LOGITS, torch.float32) and not kwargs:
+            current = torch.float32
+            continue
+        op = _SCALES.get(func)
+        if op is None or kwargs or len(args) != 2 or args[0] is not LOGITS or current != torch.float32:
+            return None
+        number = args[1]
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or (op == "div" and number == 0):
+            return None
+        steps.append((op, number))
+    return tuple(steps)
 
 
 def _chunk_losses(
@@ -60,7 +85,9 @@ def _chunk_losses(
     also each chunk's gradients, accumulated into it (scaled by `grad_rows` per token, if given)."""
     n = hidden.shape[0]
     per_token = spec.reduction == "none"
-    direct = _casts_only(spec.epilogue) and spec.label_smoothing == 0.0
+    autocast, autocast_dtype = _autocast_state(hidden.device.type)
+    steps = _direct_steps(spec.epilogue, autocast_dtype if autocast else hidden.dtype)  # the logits' dtype
+    direct = steps is not None and spec.label_smoothing == 0.0
     losses = [] if per_token else None
     total = None
     for start in range(0, n, spec.chunk):
@@ -69,7 +96,7 @@ def _chunk_losses(
         rows = grad_rows[start:end] if grad_rows is not None else None
         z = F.linear(h, weight, bias)
         if direct:
-            loss, g = _direct_chunk(z, t, spec.ignore_index, per_token, grads is not None, rows)
+            loss, g = _direct_chunk(z, t, spec.ignore_index, per_token, grads is not None, rows, steps)
         else:
             loss, g = _autograd_chunk(z, t, spec, per_token, grads is not None, rows)
         del z
@@ -85,12 +112,14 @@ def _chunk_losses(
     return total if total is not None else hidden.new_zeros(())
 
 
-def _direct_chunk(z, t, ignore_index, per_token, want_grad, rows):
+def _direct_chunk(z, t, ignore_index, per_token, want_grad, rows, steps=()):
     """Cross-entropy of one chunk in float32 and its gradient written over the chunk's logits
-    (softmax less the one-hot): one chunk-sized buffer, where autograd would hold four
-    (the logits, their log-softmax, its gradient and theirs)."""
+    (softmax less the one-hot, through the epilogue's scalings `steps`): one chunk-sized buffer,
+    where autograd would hold four (the logits, their log-softmax, its gradient and theirs)."""
     compute = z.dtype
     zf = z.float() if compute != torch.float32 else z
+    for op, number in steps:
+        zf.mul_(number) if op == "mul" else zf.div_(number)
     lse = torch.logsumexp(zf, dim=1)
     valid = t != ignore_index
     index = torch.where(valid, t, 0).unsqueeze(1)
@@ -101,6 +130,8 @@ def _direct_chunk(z, t, ignore_index, per_token, want_grad, rows):
     g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))
     scale = valid.to(g.dtype) if rows is None else valid.to(g.dtype) * rows.to(g.dtype)
     g.mul_(scale.unsqueeze(1))
+    for op, number in reversed(steps):  # the scalings' own gradients, as autograd takes them
+        g.mul_(number) if op == "mul" else g.div_(number)
     if compute != torch.float32:
         g = g.to(compute)  # the gradient the projection's backward sees, as autocast's cast back gives it
     return (loss if per_token else loss.sum()), g

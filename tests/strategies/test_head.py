@@ -47,6 +47,8 @@ def hf_model(kind: str, **extra):
         "mistral": ("MistralConfig", "MistralForCausalLM", small),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", small),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**small, "head_dim": 16, "final_logit_softcapping": 30.0}),
+        "granite": ("GraniteConfig", "GraniteForCausalLM", {**small, "logits_scaling": 4.0}),
+        "cohere": ("CohereConfig", "CohereForCausalLM", {**small, "logit_scale": 0.0625}),
         "gpt2": (
             "GPT2Config",
             "GPT2LMHeadModel",
@@ -93,7 +95,7 @@ def chunked(model, chunk: int = 16):
     return head
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma2", "granite", "cohere", "gpt2", "gpt_neox"])
 def test_a_chunked_head_gives_the_loss_and_gradients_of_the_model_within_the_bound(kind):
     model = hf_model(kind)
     reference = copy.deepcopy(model)
@@ -208,10 +210,13 @@ def test_a_model_of_ones_own_takes_one_line_and_its_logits_answer_clearly():
         assert relative(p.grad, q.grad) <= BOUND, n
 
 
-def test_a_chunked_head_never_makes_the_whole_logits():
+@pytest.mark.parametrize("kind", ["llama", "granite"])
+def test_a_chunked_head_never_makes_the_whole_logits(kind):
     """At 1024 tokens and a vocabulary of 8000, one logits tensor is 31 MiB: the chunked step's
-    whole peak stays under it, while the kept step holds several."""
-    model = hf_model("llama", vocab_size=8000)
+    whole peak stays well under it, while the kept step holds several. Granite's logits are scaled
+    (`logits / logits_scaling`): the scaling runs in place on the chunk's one buffer, where
+    through autograd a chunk held about four of them."""
+    model = hf_model(kind, vocab_size=8000)
     batch = labels_for(batch=1, seq=1024, vocab=8000)
     one_step(model, batch)  # gradients allocated, as after the first step
     logits_bytes = 1024 * 8000 * 4
@@ -226,7 +231,9 @@ def test_a_chunked_head_never_makes_the_whole_logits():
             peaks[mode] = dev.peak_bytes - base
         adaptmem.restore(model)
     assert peaks[HeadMode.KEPT] > 2 * logits_bytes
-    assert peaks[HeadMode.CHUNKED] < logits_bytes, peaks
+    # the chunk's one buffer (4 MB) beside the step's own bytes: 16.3 MB on both; through autograd,
+    # Granite's chunks made it 28.6 MB
+    assert peaks[HeadMode.CHUNKED] < 0.6 * logits_bytes, peaks
 
 
 def test_without_labels_or_outside_training_the_head_runs_as_it_is():
