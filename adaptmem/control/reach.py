@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from adaptmem.config.units import format_bytes
@@ -224,16 +225,22 @@ class Reacher:
         head = self.plans.head_row((batch, extent))
         return (rows + [head], 0.0) if head else (rows, self.costs.head_bytes(batch, extent))
 
-    def fits(self, batch: int, length: int) -> bool:
-        before = self.before(batch, length * self.width)
+    def _states(self, batch: int, length: int) -> Iterator[tuple[bool, int]]:
+        """Each state the run's steps start in, with the cost model asked in it: (whether the
+        gradients are resident, the allocation as the first block starts at this shape)."""
+        before = int(self.before(batch, length * self.width))
         for resident, start in self.starts:
             with self.lock, self.costs.expecting(resident):
-                room = self.limit - start - before
-                if room <= 0 or self.costs.tail_bytes(batch, length * self.width) > room:
-                    return False
-                rows, final = self.rows(batch, length)
-                if not feasible(rows, room, final, BINS):
-                    return False
+                yield resident, start + before
+
+    def fits(self, batch: int, length: int) -> bool:
+        for _, start in self._states(batch, length):
+            room = self.limit - start
+            if room <= 0 or self.costs.tail_bytes(batch, length * self.width) > room:
+                return False
+            rows, final = self.rows(batch, length)
+            if not feasible(rows, room, final, BINS):
+                return False
         return True
 
     def longest(self, batch: int) -> Reach:
@@ -253,14 +260,12 @@ class Reacher:
         in the gradients' state whose peak is the higher."""
         if batch <= 0 or length <= 0:
             return Reach(batch, length, self.start, self.limit, self.start, (), None, False, *self.measured_figures)
-        highest, before = None, int(self.before(batch, length * self.width))
-        for resident, start in self.starts:
-            start += before
-            with self.lock, self.costs.expecting(resident):
-                rows, final = self.rows(batch, length)
-                result = solve(rows, self.limit - start, final, BINS)
-                chosen = picked(rows, result.modes)
-                peak = start + max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
+        highest = None
+        for _, start in self._states(batch, length):
+            rows, final = self.rows(batch, length)
+            result = solve(rows, self.limit - start, final, BINS)
+            chosen = picked(rows, result.modes)
+            peak = start + max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
             if highest is None or peak > highest[0]:
                 highest = (peak, start, result.modes)
         peak, start, modes = highest
