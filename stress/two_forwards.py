@@ -107,12 +107,18 @@ def infonce_loop(steps: int):
 LOOPS = {"dpo": dpo_loop, "infonce": infonce_loop}
 
 
+def halfway(model: torch.nn.Module, step, args: tuple) -> tuple[int, int, int]:
+    """(budget, peak with every block kept, with every block checkpointed) of `step(*args)`: the
+    budget halfway between the two peaks."""
+    kept = measure_peak(model, step=lambda: step(*args))
+    checkpointed = measure_peak(model, step=lambda: step(*args), mode=Mode.CHECKPOINT)
+    return int(checkpointed + 0.5 * (kept - checkpointed)), kept, checkpointed
+
+
 def run(name: str, steps: int = 12) -> dict:
     """The loop's step records, its budget and its two measured peaks."""
     model, step, batches = LOOPS[name](steps)
-    kept = measure_peak(model, step=lambda: step(*batches[0]))
-    checkpointed = measure_peak(model, step=lambda: step(*batches[0]), mode=Mode.CHECKPOINT)
-    budget = int(checkpointed + 0.5 * (kept - checkpointed))
+    budget, kept, checkpointed = halfway(model, step, batches[0])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     dev = SimulatedDevice(capacity_bytes=2 * budget)
     dev.track(model)

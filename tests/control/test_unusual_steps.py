@@ -10,7 +10,7 @@ from helpers import TickingProbe, hf_batch, llama, tiny, tiny_batch
 import adaptmem
 from adaptmem import Mode
 from adaptmem.testing import SimulatedDevice, measure_peak
-from stress.two_forwards import Encoder, dpo_loop, info_nce
+from stress.two_forwards import Encoder, dpo_loop, halfway, info_nce
 
 
 def device():
@@ -357,9 +357,7 @@ def test_a_preference_loss_over_two_forwards_is_planned_from_what_its_steps_show
     the steps come to be predicted within 10% (priced by the prior, 90% over, every step of the run
     checkpointed every block), and the plan leaves every block checkpointed."""
     model, step, pairs = dpo_loop(8)
-    kept = measure_peak(model, step=lambda: step(*pairs[0]))
-    checkpointed = measure_peak(model, step=lambda: step(*pairs[0]), mode=Mode.CHECKPOINT)
-    budget = int(checkpointed + 0.5 * (kept - checkpointed))
+    budget, _, _ = halfway(model, step, pairs[0])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     dev = SimulatedDevice(capacity_bytes=2 * budget)
     dev.track(model)
