@@ -55,18 +55,25 @@ _SCALES = {
     torch.Tensor.__truediv__: "div",
     torch.div: "div",
 }
+_TANH = (torch.tanh, torch.Tensor.tanh)
 
 
 def _direct_steps(epilogue: tuple, dtype: torch.dtype) -> tuple | None:
-    """The epilogue as scalings of float32 logits, `(("mul" | "div", number), ...)` in order, where
-    it is casts to float32 and products or quotients by a number made in float32 (Granite's
-    ``logits / logits_scaling``, Cohere's ``logits * logit_scale``), or empty; else None. Such an
-    epilogue runs in place on the chunk's one buffer: through autograd a Granite's chunk held about
-    four buffers of its logits' size."""
+    """The epilogue as maps of float32 logits, `(("mul" | "div", number) | ("tanh", None), ...)` in
+    order, where it is casts to float32, products or quotients by a number and at most one ``tanh``,
+    made in float32 (Granite's ``logits / logits_scaling``, Cohere's ``logits * logit_scale``, Gemma
+    2's soft-cap ``tanh(logits / c) * c``), or empty; else None. Such an epilogue runs in place on
+    the chunk's buffer (and a second, the ``tanh``'s output, kept for its gradient): through autograd
+    a Granite's chunk held about four buffers of its logits' size, a Gemma 2's five."""
     steps, current = [], dtype
     for func, args, kwargs in epilogue:
         if func is torch.Tensor.to and args == (LOGITS, torch.float32) and not kwargs:
             current = torch.float32
+            continue
+        if func in _TANH and args == (LOGITS,) and not kwargs and current == torch.float32:
+            if any(op == "tanh" for op, _ in steps):
+                return None
+            steps.append(("tanh", None))
             continue
         op = _SCALES.get(func)
         if op is None or kwargs or len(args) != 2 or args[0] is not LOGITS or current != torch.float32:
@@ -114,12 +121,18 @@ def _chunk_losses(
 
 def _direct_chunk(z, t, ignore_index, per_token, want_grad, rows, steps=()):
     """Cross-entropy of one chunk in float32 and its gradient written over the chunk's logits
-    (softmax less the one-hot, through the epilogue's scalings `steps`): one chunk-sized buffer,
-    where autograd would hold four (the logits, their log-softmax, its gradient and theirs)."""
+    (softmax less the one-hot, through the epilogue's maps `steps`): one chunk-sized buffer (two
+    with a ``tanh``), where autograd would hold four (the logits, their log-softmax, its gradient
+    and theirs) or more."""
     compute = z.dtype
     zf = z.float() if compute != torch.float32 else z
+    kept = None  # the tanh's output, for its gradient
     for op, number in steps:
-        zf.mul_(number) if op == "mul" else zf.div_(number)
+        if op == "tanh":
+            kept = zf.tanh_()
+            zf = kept.clone()
+        else:
+            zf.mul_(number) if op == "mul" else zf.div_(number)
     lse = torch.logsumexp(zf, dim=1)
     valid = t != ignore_index
     index = torch.where(valid, t, 0).unsqueeze(1)
@@ -130,15 +143,19 @@ def _direct_chunk(z, t, ignore_index, per_token, want_grad, rows, steps=()):
     g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))
     scale = valid.to(g.dtype) if rows is None else valid.to(g.dtype) * rows.to(g.dtype)
     g.mul_(scale.unsqueeze(1))
-    for op, number in reversed(steps):  # the scalings' own gradients, as autograd takes them
-        g.mul_(number) if op == "mul" else g.div_(number)
+    for op, number in reversed(steps):  # the maps' own gradients, as autograd takes them
+        if op == "tanh":
+            g.mul_(kept.square_().neg_().add_(1))  # 1 - tanh^2
+        else:
+            g.mul_(number) if op == "mul" else g.div_(number)
     if compute != torch.float32:
         g = g.to(compute)  # the gradient the projection's backward sees, as autocast's cast back gives it
     return (loss if per_token else loss.sum()), g
 
 
 def _autograd_chunk(z, t, spec, per_token, want_grad, rows):
-    """Any other epilogue (a soft-cap, a scale) or label smoothing: autograd through it, per chunk."""
+    """Any other epilogue (a soft-cap or a scale in a lower precision than float32) or label
+    smoothing: autograd through it, per chunk."""
     with torch.enable_grad():
         leaf = z.detach().requires_grad_(want_grad)
         loss = F.cross_entropy(

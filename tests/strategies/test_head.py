@@ -236,6 +236,27 @@ def test_a_chunked_head_never_makes_the_whole_logits(kind):
     assert peaks[HeadMode.CHUNKED] < 0.6 * logits_bytes, peaks
 
 
+def test_a_soft_capped_chunk_holds_one_buffer_more_than_a_plain_one():
+    """Gemma 2's logits are soft-capped (`tanh(logits / c) * c`): in float32 the cap runs in place on
+    the chunk's buffer, with the tanh's output kept beside it for its gradient, one more buffer of
+    the chunk's size (16.4 MB over the uncapped model's peak here). Through autograd it held four
+    more (65.5 MB over), and one chunk as large as the batch peaked over the whole logits kept."""
+    chunk_bytes = 128 * 32000 * 4  # a vocabulary of 32,000: the head, not the attention, sets the peak
+    batch = labels_for(batch=1, seq=512, vocab=32000)
+    peaks = {}
+    for cap in (None, 30.0):
+        model = hf_model("gemma2", vocab_size=32000, final_logit_softcapping=cap)
+        one_step(model, batch)  # gradients allocated, as after the first step
+        adaptmem.instrument(model)
+        head = adaptmem.get_head(model)
+        head.mode, head.chunk_tokens = HeadMode.CHUNKED, 128
+        with SimulatedDevice() as dev:
+            base = dev.allocated_bytes
+            one_step(model, batch)
+            peaks[cap] = dev.peak_bytes - base
+    assert peaks[30.0] - peaks[None] <= 1.1 * chunk_bytes, (peaks, chunk_bytes)
+
+
 def test_without_labels_or_outside_training_the_head_runs_as_it_is():
     model = hf_model("llama")
     head = chunked(model)
