@@ -469,6 +469,7 @@ class Controller:
         if pred is not None and observed > 0:
             error = (pred - observed) / observed
         self.stats.stepped(observed, decision, error)
+        self._ran(sample)
         self._learn_from(sample, decision, pred, calibrating)
         self.plans.succeeded()
         self.retries.succeeded()
@@ -504,6 +505,17 @@ class Controller:
             plan_counts=counts,
             seconds=round(sample.seconds, 6),
             measured="blocks" if sample.detailed else "peak",
+        )
+
+    def _ran(self, sample: StepSample) -> None:
+        """Tell the plans what ran this step's shape to its end, and its peak (`PlanBook.ran`): one
+        forward, each block once, its peak read (alone: with other ranks the plan is theirs too)."""
+        n, now = len(self.blocks), self.now
+        if now.forwards != 1 or sample.overlapped or sample.unmeasured or len(sample.plan) != n or not self.ranks.alone:
+            return
+        modes = tuple(sample.plan[i] for i in range(n))
+        self.plans.ran(
+            (sample.batch, sample.extent), sample.grads_resident, modes, sample.head, sample.peak - now.start
         )
 
     def _step_predicted(self, sample: StepSample) -> float | None:

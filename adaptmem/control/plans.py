@@ -56,6 +56,9 @@ MAX_CACHED_PLANS = 64
 #: A retry's plan is predicted lower than every plan that failed by at least this fraction of the
 #: lowest one's predicted bytes above the step's start.
 RETRY_STEP = 0.01
+#: Shapes whose tightest plan that ran to its end is kept (`PlanBook.ran`); past it the least
+#: recently run is dropped.
+MAX_RAN = 64
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,11 @@ class PlanBook:
         self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
         self.unfit: tuple | None = None  # the last plan's shortfall warning, until `announce_unfit`
         self.head_can_chunk = True  # the loss head ran chunked where planned so, in the last step (`head_chunks`)
+        # per (batch, extent, gradients resident): the plan (and head) of the lowest peak that ran a step
+        # of that shape to its end, and that peak above the first block's start (`ran`)
+        self.ran_at: OrderedDict[tuple[int, int, bool], tuple[tuple[Mode, ...], HeadChoice | None, float]] = (
+            OrderedDict()
+        )
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -211,15 +219,60 @@ class PlanBook:
         """The batch runs for the `attempt`-th time (0: its first run; retries name their plans by it)."""
         self.attempt = attempt
 
+    def ran(self, shape: Shape, resident: bool, modes: tuple[Mode, ...], head: HeadChoice | None, above: float) -> None:
+        """A step of `shape` ran `modes` (and `head`) to its end, peaking `above` bytes over its first
+        block's start. The plan of the lowest peak at each shape is kept (the same plan again updates
+        its peak): where the figures predict no plan to fit that shape, or a plan fails on it, a plan
+        that ran there is what the evidence says fits (`_ran_here`)."""
+        key = (*shape, resident)
+        kept = self.ran_at.pop(key, None)
+        if kept is None or above <= kept[2] or (modes, head) == kept[:2]:
+            kept = (modes, head, above)
+        self.ran_at[key] = kept
+        while len(self.ran_at) > MAX_RAN:
+            self.ran_at.popitem(last=False)
+
+    def _ran_here(self, shape: Shape) -> tuple[tuple[Mode, ...], HeadChoice | None, float] | None:
+        """Of the plans kept by `ran` for this shape or one as large in both batch and elements (a plan
+        that ran a larger shape peaks no higher on this one), in the gradients' state planned, the one
+        of the lowest peak; not one that failed in this batch, nor one whose head would chunk a head the
+        failed attempt kept (a retry keeps the order of summation of lossless modes), nor one that runs
+        blocks pinned since otherwise. None where there is none, or where it would offload more than
+        the host's share the policy allows."""
+        batch, extent = shape
+        resident, failed = self.costs.grads_resident, self.failed_head
+        best = None
+        for (b, e, r), entry in self.ran_at.items():
+            if r is not resident or b < batch or e < extent or (entry[0], entry[1]) in self.tried:
+                continue
+            modes, head, above = entry
+            if any(modes[i] is not m for i, m in self.pinned.items()):
+                continue
+            if (
+                failed is not None
+                and failed.mode is HeadMode.KEPT
+                and head is not None
+                and head.mode is not HeadMode.KEPT
+            ):
+                continue
+            if best is None or above < best[2]:
+                best = entry
+        if best is not None:  # and offloads no more than the host may hold now
+            rows = self.costs.options(batch, extent, self.allowed, {})
+            if sum(o.host for o in picked(rows, best[0])) > self._host_limit():
+                return None
+        return best
+
     def snapshot(self) -> tuple:
-        """The cached plans, the shortfalls warned of and the modes tried, to put back with `restore`."""
-        return self.cache.copy(), set(self._warned), set(self.trials)
+        """The cached plans, the shortfalls warned of, the modes tried and the plans that ran, to put
+        back with `restore`."""
+        return self.cache.copy(), set(self._warned), set(self.trials), self.ran_at.copy()
 
     def restore(self, snapshot: tuple, *, costs_changed: bool) -> None:
         """Put back a `snapshot`. `costs_changed`: the cost model went back too, so the predictions
         kept for its last state are dropped."""
-        cache, warned, trials = snapshot
-        self.cache, self._warned, self.trials = cache.copy(), set(warned), set(trials)
+        cache, warned, trials, ran = snapshot
+        self.cache, self._warned, self.trials, self.ran_at = cache.copy(), set(warned), set(trials), ran.copy()
         if costs_changed:
             self._predicted_for = None
 
@@ -260,6 +313,14 @@ class PlanBook:
                 if tried is not None:
                     modes, trial, predicted = tried
                     reason = f"{reason}, trial {trial.label}"
+            ran = self._ran_here(shape) if not feasible and not replanning and self.failed is None else None
+            if ran is not None and start + ran[2] < predicted:
+                # no plan is predicted to fit, and one ran this shape lower than the tightest predicted:
+                # what ran beats what is extrapolated (a Gemma 2 whose batch trained under 4 x OFFLOAD
+                # was planned 4 x CHECKPOINT+OFFLOAD, predicted tighter, and given up after its retries)
+                modes, head, predicted = ran[0], ran[1], start + ran[2]
+                shortfall = max(0.0, predicted - start - self._aim(start, budget))
+                reason = f"{reason}, ran here before"
             unmeasured = trial is None and p.try_modes and any(guessed(self.costs, m) for m in set(modes))
         if head is None and self.costs.head_costs is not None:
             head = self._head_alone(shape, start, budget)
@@ -330,6 +391,10 @@ class PlanBook:
         `foreseen`: it ran although no plan was predicted to fit (it was the tightest)."""
         self.failed_unforeseen = (not self.tried or self.failed_unforeseen) and not foreseen
         self.failed, self.failed_head = executed, head
+        if shape is not None:  # a plan that ran this shape before and failed on it now is no evidence
+            key = (*shape, self.costs.grads_resident)
+            if self.ran_at.get(key, (None, None))[:2] == (executed, head):
+                del self.ran_at[key]
         self.tried.add((executed, head))
         self.cache.clear()
         if shape is not None and shape[0] * shape[1] > 0:
@@ -532,10 +597,15 @@ class PlanBook:
     def _retry(
         self, modes: tuple[Mode, ...], head: HeadChoice | None, shape: Shape
     ) -> tuple[tuple[Mode, ...], HeadChoice | None, bool]:
-        """A retry's plan: the first candidate not tried and predicted lower than what failed (the
-        planner's own plan made no looser than the failed one, each block a rung up, uniform plans by
-        predicted peak), with the head no looser than the failed one's, then with the head in its
-        smallest chunks. True third when none is lower (the tightest is returned, to be given up)."""
+        """A retry's plan: a plan that ran this shape (or a larger one) to its end before, where there
+        is one not tried (`_ran_here`); else the first candidate not tried and predicted lower than
+        what failed (the planner's own plan made no looser than the failed one, each block a rung up,
+        uniform plans by predicted peak), with the head no looser than the failed one's, then with the
+        head in its smallest chunks. True third when none is lower (the tightest is returned, to be
+        given up)."""
+        ran = self._ran_here(shape)
+        if ran is not None:  # a plan that ran this shape to its end before: tried first, whatever predicted
+            return ran[0], ran[1], False
         blocks = self._tighter_than_failed(modes, shape)
         head = self._tighter_head(head)
         smallest = None
@@ -603,6 +673,22 @@ class PlanBook:
         return sorted(rungs, key=lambda m: self.predict(tuple(m for _ in range(self.n)), *shape, start) or 0.0)
 
     # ----------------------------------------------------------------- resume
+    def ran_state(self) -> list:
+        """`ran_at` for a saved state: [batch, extent, resident, modes, head, bytes above the start]."""
+        return [
+            [b, e, r, [m.label for m in modes], head.label if head is not None else None, above]
+            for (b, e, r), (modes, head, above) in self.ran_at.items()
+        ]
+
+    def load_ran_state(self, state: list) -> None:
+        self.ran_at = OrderedDict(
+            (
+                (int(b), int(e), bool(r)),
+                (tuple(Mode.parse(m) for m in modes), HeadChoice.parse(h) if h else None, above),
+            )
+            for b, e, r, modes, h, above in state
+        )
+
     def state_dict(self) -> list:
         return [
             [

@@ -32,6 +32,7 @@ def controller_state(ctl: Controller) -> dict[str, Any]:
         "counters": ctl.stats.counters(),
         "forwards": ctl.forwards,
         "head_can_chunk": ctl.plans.head_can_chunk,
+        "ran": ctl.plans.ran_state(),
     }
 
 
@@ -54,6 +55,7 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
         ctl.lengths.load_state_dict(state["lengths"])
         ctl.forwards = int(state.get("forwards", 1))  # (states saved before these were kept)
         ctl.plans.head_can_chunk = bool(state.get("head_can_chunk", True))
+        ctl.plans.load_ran_state(state.get("ran", []))
         head = state.get("current_head")
         ctl.blocks.apply(
             tuple(Mode.parse(m) for m in state["current"]),

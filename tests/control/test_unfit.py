@@ -245,3 +245,53 @@ def test_a_plan_whose_blocks_never_ran_it_here_is_refused_only_far_beyond_the_de
     assert not unfittable(record, start, limit, measured=False, ran=True)
     far = PlanRecord(predicted=start + 80 * MiB, **plan)
     assert unfittable(far, start, limit, measured=True, ran=False)  # 80 MiB, halved, is still over
+
+
+def test_a_plan_that_ran_a_shape_is_run_where_the_figures_fit_none_and_retried_first(monkeypatch):
+    """Predictions past the sizes measured may rank plans wrongly (a Gemma 2 whose 2 x 2,048 batch had
+    trained under 4 x OFFLOAD was planned 4 x CHECKPOINT+OFFLOAD, predicted tighter, and given up
+    after three retries that climbed the ladder away from OFFLOAD). The plan of the lowest peak that
+    ran a shape to its end is kept: where no plan is predicted to fit that shape, or one as large in
+    both batch and length, it runs in place of the tightest predicted, and it is a retry's first
+    plan; once it fails there it is no longer taken for one that fits."""
+    from helpers import tiny, tiny_batch
+
+    from adaptmem import Mode
+
+    model = tiny(n_layers=4)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    none, off, ck = Mode.NONE, Mode.OFFLOAD, Mode.CHECKPOINT
+    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
+        for _ in range(3):  # calibrated with every block checkpointed, then every block in NONE
+            mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
+            model.zero_grad(set_to_none=True)
+        last, ctl = mem.last_step, mem._controller
+        plans, shape = ctl.plans, (2, 64 * 64)
+        assert tuple(Mode.parse(m) for m in last["plan"]) == (none,) * 4
+        ran = plans.ran_at[(*shape, False)]  # the plan of the lowest peak that ran, and that peak above its start
+        assert ran[0] == (ck,) * 4 and 0 < ran[2] < last["observed_peak_bytes"] - ctl.now.start
+        worked = (off, none, off, none)
+        plans.ran(shape, False, worked, None, 1024)  # lower than what ran before (and any prediction): kept
+        plans.ran(shape, False, (none, ck, ck, ck), None, 2048)  # higher: not
+        kept = dict(plans.ran_at)
+        mem.load_state_dict(mem.state_dict())  # a resumed run keeps them
+        assert dict(plans.ran_at) == kept and kept[(*shape, False)] == (worked, None, 1024)
+        monkeypatch.setattr(plans, "_aim", lambda start, budget: 1.0)  # no plan is predicted to fit
+        key, start = plans.bucket(*shape), 100 * MiB
+        first = plans.make(key, start, mem.budget, fixed={}, reason="replan", extent=shape[1])
+        assert first.modes == worked and first.predicted == start + 1024 and "ran here before" in first.reason
+        smaller = plans.make(plans.bucket(2, 32 * 64), start, mem.budget, fixed={}, reason="replan", extent=32 * 64)
+        assert smaller.modes == worked  # a plan that ran a larger shape peaks no higher on a smaller one
+        larger = plans.make(plans.bucket(2, 128 * 64), start, mem.budget, fixed={}, reason="replan", extent=128 * 64)
+        assert larger.modes != worked or "ran here before" not in larger.reason
+        plans.start_attempt(1)
+        plans.failure((ck,) * 4, None, shape, foreseen=True)
+        retry = plans.make(key, start, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert retry.modes == worked  # tried first, whatever is predicted
+        plans.start_attempt(2)
+        plans.failure(worked, None, shape, foreseen=True)
+        assert (*shape, False) not in plans.ran_at  # failed here: no longer evidence
+        again = plans.make(key, start, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert again.modes != worked
+        plans.succeeded()
