@@ -41,11 +41,11 @@ from adaptmem.wrapping import (
     find_blocks,
     find_head,
     get_instrumentation,
-    instrument,
     restore,
     tell_observer,
     unwrap,
 )
+from adaptmem.wrapping.attach import _instrument
 
 
 class MemoryManager:
@@ -88,13 +88,14 @@ class MemoryManager:
         self.handles: list[BlockHandle] = (
             list(existing.handles)
             if reuse
-            else instrument(
+            else _instrument(
                 model,
                 blocks,
                 compress=CompressOptions(
                     codec=p.compress_codec, group_size=p.compress_group_size, compile=p.compress_compile
                 ),
                 head=head,
+                managed=True,
             )
         )
         self._user_modes = None if existing is None else tuple(h.mode for h in self.handles)

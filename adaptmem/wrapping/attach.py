@@ -244,6 +244,21 @@ def instrument(
     selection returns the same handles; a different selection is an error
     (restore first).
     """
+    return _instrument(model, blocks, mode=mode, compress=compress, offload=offload, head=head)
+
+
+def _instrument(
+    model: nn.Module,
+    blocks: BlockSelection = "auto",
+    *,
+    mode: Mode | str = Mode.NONE,
+    compress: CompressOptions | None = None,
+    offload: OffloadOptions | None = None,
+    head: HeadSelection = "auto",
+    managed: bool = False,
+) -> list[BlockHandle]:
+    """`instrument`; `managed`: for a manager, which runs the blocks a model checkpoints itself in
+    NONE and says so at the step that finds them (no warning of a recompute twice here)."""
     model = unwrap(model)
     chosen = find_blocks(model, blocks)
     found_head = find_head(model, head)
@@ -281,7 +296,8 @@ def instrument(
         for i, (name, module) in enumerate(chosen)
     ]
     for handle in handles:
-        _warn_if_hf_checkpointing(handle, runtime)
+        if not managed:
+            _warn_if_hf_checkpointing(handle, runtime)
         module = handle.module
         module.__dict__["forward"] = _BlockForward(module, handle, module.__dict__.get("forward"))
     head_handle = attach_head(found_head, runtime) if found_head is not None else None

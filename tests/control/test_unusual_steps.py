@@ -163,6 +163,28 @@ def test_the_models_own_checkpointing_switched_on_later_is_noticed(caplog):
     assert all(torch.equal(got[n], expected[n]) for n in expected)
 
 
+def test_the_models_own_checkpointing_on_before_managing_is_told_once_as_it_is_handled(caplog):
+    """Managed, a block the model checkpoints itself runs in NONE: nothing is recomputed twice, and
+    the one warning says so. (Instrumenting, the warning told a manager's user of a recompute twice
+    under adaptmem's modes, which the manager never runs, and a second warning then said otherwise.)
+    Instrumented without a manager, where the user sets the modes, the recompute twice is warned of."""
+    model = llama(layers=3)
+    model.gradient_checkpointing_enable()
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        with adaptmem.manage(model, budget="1GiB", device=device()) as mem:
+            with mem.step():
+                model(**hf_batch(seq=48)).loss.backward()
+            assert set(mem.plan.values()) == {Mode.NONE}
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("now checkpoint themselves" in m for m in messages) == 1
+    assert not any("recomputed twice" in m for m in messages), messages
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        adaptmem.instrument(model)
+    assert any("recomputed twice" in r.getMessage() for r in caplog.records)
+    adaptmem.restore(model)
+
+
 def test_steps_not_measured_block_by_block_still_see_where_backward_got_to():
     """After the first steps, a step is measured block by block only now and then; the others hook
     the backward of the last block only. With the embeddings frozen (no gradient marks
