@@ -377,6 +377,7 @@ class Controller:
             limit=available,
             longest=self._longest_without_this_batch,
             elsewhere=elsewhere,
+            failed_here=(record.modes, record.head) in self.plans.tried,
         )
         self.now.refused = True
         self.events.emit(

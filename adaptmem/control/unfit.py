@@ -106,10 +106,12 @@ def refusal(
     limit: int | None,
     longest: Callable[[int], Any],
     elsewhere: bool = False,
+    failed_here: bool = False,
 ) -> str:
     """The message of a refused step: what was asked, what the tightest plan needs (`predicted`),
     the budget and the device's usable memory (`limit`), and what fits (`longest(batch)`, a `Reach`).
-    `elsewhere`: another rank gave the batch up, and every rank does."""
+    `elsewhere`: another rank gave the batch up, and every rank does. `failed_here`: the tightest
+    plan is one that ran out of memory in this step (its prediction is wrong at this size)."""
     size = f"batch {batch} x {seq:,} tokens" if seq else f"batch {batch} x {extent:,} input elements"
     if elsewhere:
         why = "another rank found no plan predicted lower than those that ran out of memory there"
@@ -125,7 +127,8 @@ def refusal(
     lines = [
         f"adaptmem: {size} cannot fit under any plan ({why}); given up without running again.",
         f"  tightest plan: {counts}{head}; predicted peak now "
-        + (format_bytes(predicted) if predicted is not None else "unknown"),
+        + (format_bytes(predicted) if predicted is not None else "unknown")
+        + ("; it ran out of memory in this step all the same" if failed_here else ""),
         f"  floor (allocated as the first block starts: weights, optimizer state, and what ran before it, "
         f"such as the embeddings): {format_bytes(start)}",
         f"  budget {format_bytes(budget)}" + (f"; device usable {format_bytes(limit)}" if limit is not None else ""),

@@ -176,6 +176,13 @@ def test_a_refusal_never_names_a_longest_length_at_or_above_the_one_it_refused()
 
     assert "The longest sequence predicted to fit at batch 2: 240 tokens." in text(240)
     assert "longest sequence" not in text(389) and "Split or truncate this batch" in text(389)
+    # the tightest plan by the figures may be one that failed in the step: the message says so
+    failed = refusal(
+        record, 2, 295 * 128, 295, 10 * 2**20, [], predicted=2**23, budget=2**24, limit=2**25,
+        longest=lambda batch: SimpleNamespace(length=240), failed_here=True,
+    )  # fmt: skip
+    assert "predicted peak now 8.00 MiB; it ran out of memory in this step all the same" in failed
+    assert "all the same" not in text(240)
 
 
 def test_with_no_plan_predicted_lower_a_retry_runs_one_tighter_in_every_block_before_giving_up(monkeypatch):
