@@ -330,6 +330,9 @@ class PlanBook:
             reason = "nothing lower" if exhausted else f"retry {self.attempt}"
             if self.costs.known:  # the retry's own plan, not the planner's it replaced
                 predicted = self.predict(modes, *shape, start, head)
+                ran = self._ran_here(shape)
+                if ran is not None and ran[:2] == (modes, head):  # no higher than where it ran
+                    predicted = min(predicted, start + ran[2])
         for i, mode in fixed.items():
             modes = modes[:i] + (mode,) + modes[i + 1 :]
         self.unfit = (key, shape, start, budget, modes, head, bound) if warn and not feasible else None

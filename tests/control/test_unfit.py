@@ -295,7 +295,7 @@ def test_a_plan_that_ran_a_shape_is_run_where_the_figures_fit_none_and_retried_f
         plans.start_attempt(1)
         plans.failure((ck,) * 4, None, shape, foreseen=True)
         retry = plans.make(key, start, mem.budget, fixed={}, reason="retry", extent=shape[1])
-        assert retry.modes == worked  # tried first, whatever is predicted
+        assert retry.modes == worked and retry.predicted == start + 1024  # tried first, as high as it ran
         plans.start_attempt(2)
         plans.failure(worked, None, shape, foreseen=True)
         assert (*shape, False) not in plans.ran_at  # failed here: no longer evidence
