@@ -394,10 +394,12 @@ class PlanBook:
         `foreseen`: it ran although no plan was predicted to fit (it was the tightest)."""
         self.failed_unforeseen = (not self.tried or self.failed_unforeseen) and not foreseen
         self.failed, self.failed_head = executed, head
-        if shape is not None:  # a plan that ran this shape before and failed on it now is no evidence
-            key = (*shape, self.costs.grads_resident)
-            if self.ran_at.get(key, (None, None))[:2] == (executed, head):
-                del self.ran_at[key]
+        if shape is not None:  # a plan that ran this shape, or a larger one, and failed here is no evidence
+            resident = self.costs.grads_resident
+            for key, entry in list(self.ran_at.items()):
+                b, e, r = key
+                if r is resident and b >= shape[0] and e >= shape[1] and entry[:2] == (executed, head):
+                    del self.ran_at[key]
         self.tried.add((executed, head))
         self.cache.clear()
         if shape is not None and shape[0] * shape[1] > 0:

@@ -297,8 +297,10 @@ def test_a_plan_that_ran_a_shape_is_run_where_the_figures_fit_none_and_retried_f
         retry = plans.make(key, start, mem.budget, fixed={}, reason="retry", extent=shape[1])
         assert retry.modes == worked and retry.predicted == start + 1024  # tried first, as high as it ran
         plans.start_attempt(2)
+        plans.ran((2, 128 * 64), False, worked, None, 4096)  # it ran a larger shape too
         plans.failure(worked, None, shape, foreseen=True)
-        assert (*shape, False) not in plans.ran_at  # failed here: no longer evidence
+        assert (*shape, False) not in plans.ran_at  # failed here: no longer evidence, here or larger
+        assert (2, 128 * 64, False) not in plans.ran_at
         again = plans.make(key, start, mem.budget, fixed={}, reason="retry", extent=shape[1])
         assert again.modes != worked
         plans.succeeded()
