@@ -613,6 +613,9 @@ class PlanBook:
             return ran[0], ran[1], False
         blocks = self._tighter_than_failed(modes, shape)
         head = self._tighter_head(head)
+        guess = self._guessed_uniform(head)
+        if guess is not None:
+            return guess, head, False
         smallest = None
         costs = self.costs.head_costs
         if head is not None and costs is not None and self._head_allowed() != "kept":
@@ -642,8 +645,31 @@ class PlanBook:
         rank = ladder_ranks(self.allowed)
         for b, h in untried:
             if all(b != f and all(rank.get(m, 0) >= rank.get(g, 0) for m, g in zip(b, f)) for f, _ in self.tried):
-                return b, h, False
+                # unless a uniform plan not tried is predicted lower than it: the ladder's top need
+                # not hold the least (CHECKPOINT+OFFLOAD recomputes a block whole in backward)
+                lower = self.predict(b, *at, 0, h) * (1 - RETRY_STEP)
+                uniform = [c for c in untried if len(set(c[0])) == 1 and self.predict(c[0], *at, 0, c[1]) < lower]
+                return (
+                    (*min(uniform, key=lambda c: self.predict(c[0], *at, 0, c[1])), False) if uniform else (b, h, False)
+                )
         return (*min(candidates, key=lambda c: self.predict(c[0], *at, 0, c[1])), True)
+
+    def _guessed_uniform(self, head: HeadChoice | None) -> tuple[Mode, ...] | None:
+        """Every block in a lossless mode whose figures are still a guess (no block has run it: a guess
+        made to err high, which ranks its plans last), no looser than any block of the plan that failed,
+        where that plan has not failed yet: a retry tries it before the plans the figures rank. On a
+        mixture of experts OFFLOAD, never run, peaked at 90.2 MiB where CHECKPOINT+OFFLOAD, the ladder's
+        top, peaked as CHECKPOINT did (118.7: it recomputes a block whole in backward); its retries
+        climbed to the top and a batch that 4 x OFFLOAD fitted at 78% of the budget was given up."""
+        if not self.policy.try_modes or self.failed is None:
+            return None
+        rank = ladder_ranks(self.allowed)
+        tightest = max(rank.get(m, 0) for m in self.failed)
+        for mode in reversed(ladder(self.allowed)):
+            plan = tuple(mode for _ in range(self.n))
+            if rank[mode] >= tightest and guessed(self.costs, mode) and (plan, head) not in self.tried:
+                return plan
+        return None
 
     def _tighter_head(self, head: HeadChoice | None) -> HeadChoice | None:
         """After an OOM a chunked head's chunk is no larger than the failed one's. A kept head stays

@@ -304,3 +304,45 @@ def test_a_plan_that_ran_a_shape_is_run_where_the_figures_fit_none_and_retried_f
         again = plans.make(key, start, mem.budget, fixed={}, reason="retry", extent=shape[1])
         assert again.modes != worked
         plans.succeeded()
+
+
+def test_a_retry_tries_every_block_in_a_mode_never_run_before_the_ones_the_figures_rank(monkeypatch):
+    """A lossless mode no block has run is priced by a guess made to err high, so the figures rank its
+    plans last. On a mixture of experts OFFLOAD, never run, fitted a batch at 78% of the budget that
+    its retries, climbing to CHECKPOINT+OFFLOAD (which recomputes a block whole in backward and
+    peaked as CHECKPOINT did), gave up. After an out-of-memory error a retry first runs every block in
+    such a mode, where it is no looser than any block of the plan that failed; once it has run, or
+    where it would be looser, the figures rank the retries again."""
+    from helpers import tiny, tiny_batch
+
+    from adaptmem import Mode
+    from adaptmem.control.coverage import guessed
+
+    model = tiny(n_layers=4)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    ck, off, sel, co = Mode.CHECKPOINT, Mode.OFFLOAD, Mode.SELECTIVE, Mode.CHECKPOINT | Mode.OFFLOAD
+    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
+        for _ in range(3):  # every block checkpointed (the calibration), then in NONE
+            mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
+            model.zero_grad(set_to_none=True)
+        plans = mem._controller.plans
+        plans.ran_at.clear()  # no plan that ran this shape, which a retry would take first
+        assert guessed(plans.costs, off) and guessed(plans.costs, sel) and not guessed(plans.costs, ck)
+        guess = {off: 900.0 * MiB, sel: 950.0 * MiB}  # the guesses, ranked over every plan measured
+        monkeypatch.setattr(plans, "predict", lambda modes, *a, **k: max(guess.get(m, 500.0 * MiB) for m in modes))
+        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
+        plans.start_attempt(1)
+        plans.failure((ck, ck, ck, Mode.NONE), None, shape, foreseen=True)
+        first = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert first.modes == (off,) * 4  # not SELECTIVE, guessed too but looser than CHECKPOINT
+        plans.start_attempt(2)
+        plans.failure(first.modes, None, shape, foreseen=True)
+        second = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert second.modes != (off,) * 4  # it failed: the figures rank the next
+        plans.succeeded()
+        plans.start_attempt(1)
+        plans.failure((co,) * 4, None, shape, foreseen=True)  # OFFLOAD is looser than every block of it
+        third = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert third.modes != (off,) * 4
+        plans.succeeded()
