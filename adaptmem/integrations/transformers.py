@@ -151,7 +151,8 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
             return
         switch_own_checkpointing(model, False)
         log.warning(
-            "adaptmem: switched off the model's own gradient checkpointing (gradient_checkpointing=True); "
+            "adaptmem: switched off the model's own gradient checkpointing (gradient_checkpointing=True or "
+            "activation_checkpointing=True in the arguments); "
             "adaptmem now decides which blocks to recompute. Pass keep_model_checkpointing=True to keep it."
         )
 
