@@ -326,11 +326,11 @@ class PlanBook:
             head = self._head_alone(shape, start, budget)
         exhausted = False
         if self.failed is not None:
-            modes, head, exhausted = self._retry(modes, head, shape)
+            ran = self._ran_here(shape)
+            modes, head, exhausted = self._retry(modes, head, shape, ran)
             reason = "nothing lower" if exhausted else f"retry {self.attempt}"
             if self.costs.known:  # the retry's own plan, not the planner's it replaced
                 predicted = self.predict(modes, *shape, start, head)
-                ran = self._ran_here(shape)
                 if ran is not None and ran[:2] == (modes, head):  # no higher than where it ran
                     predicted = min(predicted, start + ran[2])
         for i, mode in fixed.items():
@@ -600,15 +600,18 @@ class PlanBook:
         return min(fitting, key=lambda o: o.seconds).mode if fitting else min(row, key=lambda o: o.need).mode
 
     def _retry(
-        self, modes: tuple[Mode, ...], head: HeadChoice | None, shape: Shape
+        self,
+        modes: tuple[Mode, ...],
+        head: HeadChoice | None,
+        shape: Shape,
+        ran: tuple[tuple[Mode, ...], HeadChoice | None, float] | None,
     ) -> tuple[tuple[Mode, ...], HeadChoice | None, bool]:
-        """A retry's plan: a plan that ran this shape (or a larger one) to its end before, where there
-        is one not tried (`_ran_here`); else the first candidate not tried and predicted lower than
+        """A retry's plan: `ran`, a plan that ran this shape (or a larger one) to its end before, where
+        there is one not tried (`_ran_here`); else the first candidate not tried and predicted lower than
         what failed (the planner's own plan made no looser than the failed one, each block a rung up,
         uniform plans by predicted peak), with the head no looser than the failed one's, then with the
         head in its smallest chunks. True third when none is lower (the tightest is returned, to be
         given up)."""
-        ran = self._ran_here(shape)
         if ran is not None:  # a plan that ran this shape to its end before: tried first, whatever predicted
             return ran[0], ran[1], False
         blocks = self._tighter_than_failed(modes, shape)
@@ -630,13 +633,17 @@ class PlanBook:
         candidates = list(dict.fromkeys([(b, head) for b in blocks] + [(b, smallest or head) for b in blocks]))
         untried = [c for c in candidates if c not in self.tried] or candidates[-1:]
         at = self.failed_shape
-        failed = [self.predict(b, *at, 0, h) for b, h in self.tried] if at is not None else [None]
+
+        def peak(plan: tuple[tuple[Mode, ...], HeadChoice | None]) -> float | None:
+            return self.predict(plan[0], *at, 0, plan[1])
+
+        failed = [peak(c) for c in self.tried] if at is not None else [None]
         if None in failed or min(failed) <= 0:  # nothing predicted (a calibration step failed): by rank alone
             return (*untried[0], False)
         bar = min(failed) * (1 - RETRY_STEP)
-        for b, h in untried:
-            if self.predict(b, *at, 0, h) < bar:
-                return b, h, False
+        for c in untried:
+            if peak(c) < bar:
+                return (*c, False)
         if self.failed_unforeseen:  # predicted to fit and failed: the figures, not the batch, are wrong
             return (*untried[0], False)
         # nothing predicted lower, but a size not run yet is predicted from others with margins, which
@@ -647,12 +654,11 @@ class PlanBook:
             if all(b != f and all(rank.get(m, 0) >= rank.get(g, 0) for m, g in zip(b, f)) for f, _ in self.tried):
                 # unless a uniform plan not tried is predicted lower than it: the ladder's top need
                 # not hold the least (CHECKPOINT+OFFLOAD recomputes a block whole in backward)
-                lower = self.predict(b, *at, 0, h) * (1 - RETRY_STEP)
-                uniform = [c for c in untried if len(set(c[0])) == 1 and self.predict(c[0], *at, 0, c[1]) < lower]
-                return (
-                    (*min(uniform, key=lambda c: self.predict(c[0], *at, 0, c[1])), False) if uniform else (b, h, False)
-                )
-        return (*min(candidates, key=lambda c: self.predict(c[0], *at, 0, c[1])), True)
+                uniform = min((c for c in untried if len(set(c[0])) == 1), key=peak, default=None)
+                if uniform is not None and peak(uniform) < peak((b, h)) * (1 - RETRY_STEP):
+                    return (*uniform, False)
+                return b, h, False
+        return (*min(candidates, key=peak), True)
 
     def _guessed_uniform(self, head: HeadChoice | None) -> tuple[Mode, ...] | None:
         """Every block in a lossless mode whose figures are still a guess (no block has run it: a guess
