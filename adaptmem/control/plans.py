@@ -662,18 +662,23 @@ class PlanBook:
 
     def _guessed_uniform(self, head: HeadChoice | None) -> tuple[Mode, ...] | None:
         """Every block in a lossless mode whose figures are still a guess (no block has run it: a guess
-        made to err high, which ranks its plans last), no looser than any block of the plan that failed,
-        where that plan has not failed yet: a retry tries it before the plans the figures rank. On a
-        mixture of experts OFFLOAD, never run, peaked at 90.2 MiB where CHECKPOINT+OFFLOAD, the ladder's
-        top, peaked as CHECKPOINT did (118.7: it recomputes a block whole in backward); its retries
-        climbed to the top and a batch that 4 x OFFLOAD fitted at 78% of the budget was given up."""
+        made to err high, which ranks its plans last), where that plan has not failed yet and may hold
+        less than the plan that failed: it is no looser on the ladder than any block of that plan, or it
+        offloads (keeps none of a block's saved tensors on the device) and that plan ran a block looser
+        than it. A retry tries it before the plans the figures rank. On a mixture of experts OFFLOAD,
+        never run, peaked at 90.2 MiB where CHECKPOINT+OFFLOAD, the ladder's top, peaked as CHECKPOINT
+        did (118.7: it recomputes a block whole in backward); its retries climbed to the top and a batch
+        that 4 x OFFLOAD fitted at 78% of the budget was given up, also after a first plan of three
+        CHECKPOINT+OFFLOAD blocks and one NONE (its guess put OFFLOAD's bytes at three times theirs)."""
         if not self.policy.try_modes or self.failed is None:
             return None
         rank = ladder_ranks(self.allowed)
-        tightest = max(rank.get(m, 0) for m in self.failed)
+        ranks = [rank.get(m, 0) for m in self.failed]
         for mode in reversed(ladder(self.allowed)):
             plan = tuple(mode for _ in range(self.n))
-            if rank[mode] >= tightest and guessed(self.costs, mode) and (plan, head) not in self.tried:
+            if not guessed(self.costs, mode) or (plan, head) in self.tried:
+                continue
+            if rank[mode] >= max(ranks) or (mode.offloads and rank[mode] > min(ranks)):
                 return plan
         return None
 

@@ -346,3 +346,40 @@ def test_a_retry_tries_every_block_in_a_mode_never_run_before_the_ones_the_figur
         third = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
         assert third.modes != (off,) * 4
         plans.succeeded()
+
+
+def test_a_retry_offloads_every_block_where_the_failed_plan_kept_a_block_whole(monkeypatch):
+    """A first plan of CHECKPOINT+OFFLOAD blocks (tighter on the ladder than OFFLOAD) and one block in
+    NONE ran out of memory on a mixture of experts; its guess put OFFLOAD above it, the retries climbed
+    to CHECKPOINT+OFFLOAD everywhere (which peaked as CHECKPOINT did) and the batch was given up, where
+    4 x OFFLOAD fitted it at 78% of the budget. OFFLOAD keeps none of a block's saved tensors on the
+    device: where the failed plan kept a block looser than it, a retry runs every block in it while its
+    figures are a guess. SELECTIVE, a guess too but keeping some, is not tried so."""
+    from helpers import tiny, tiny_batch
+
+    from adaptmem import Mode
+
+    model = tiny(n_layers=4)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    none, off, sel, co = Mode.NONE, Mode.OFFLOAD, Mode.SELECTIVE, Mode.CHECKPOINT | Mode.OFFLOAD
+    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
+        for _ in range(3):
+            mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
+            model.zero_grad(set_to_none=True)
+        plans = mem._controller.plans
+        plans.ran_at.clear()
+        guess = {off: 900.0 * MiB, sel: 950.0 * MiB, none: 800.0 * MiB}  # every plan measured: 500 MiB
+        monkeypatch.setattr(plans, "predict", lambda modes, *a, **k: max(guess.get(m, 500.0 * MiB) for m in modes))
+        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
+        plans.start_attempt(1)
+        plans.failure((co, co, co, none), None, shape, foreseen=True)
+        first = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert first.modes == (off,) * 4
+        plans.start_attempt(2)
+        plans.failure(first.modes, None, shape, foreseen=True)
+        # another plan with a block in NONE fails: SELECTIVE, still a guess, keeps some, and is not run so
+        plans.failure((co, co, co, none), None, shape, foreseen=True)
+        second = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert second.modes not in ((off,) * 4, (sel,) * 4)
+        plans.succeeded()
