@@ -56,15 +56,27 @@ _SCALES = {
     torch.div: "div",
 }
 _TANH = (torch.tanh, torch.Tensor.tanh)
+#: Sums with the logits first: a number, or a vector over the vocabulary (BART's `final_logits_bias`).
+_SHIFTS = {
+    torch.Tensor.add: "add",
+    torch.Tensor.__add__: "add",
+    torch.Tensor.__radd__: "add",
+    torch.add: "add",
+    torch.Tensor.sub: "sub",
+    torch.Tensor.__sub__: "sub",
+    torch.sub: "sub",
+}
 
 
 def _direct_steps(epilogue: tuple, dtype: torch.dtype) -> tuple | None:
-    """The epilogue as maps of float32 logits, `(("mul" | "div", number) | ("tanh", None), ...)` in
-    order, where it is casts to float32, products or quotients by a number and at most one ``tanh``,
-    made in float32 (Granite's ``logits / logits_scaling``, Cohere's ``logits * logit_scale``, Gemma
-    2's soft-cap ``tanh(logits / c) * c``), or empty; else None. Such an epilogue runs in place on
-    the chunk's buffer (and a second, the ``tanh``'s output, kept for its gradient): through autograd
-    a Granite's chunk held about four buffers of its logits' size, a Gemma 2's five."""
+    """The epilogue as maps of float32 logits, `(("mul" | "div" | "add" | "sub", number) | ("tanh",
+    None), ...)` in order, where it is casts to float32, products or quotients by a number, sums or
+    differences with a number or a floating vector over the vocabulary, and at most one ``tanh``, made
+    in float32 (Granite's ``logits / logits_scaling``, Cohere's ``logits * logit_scale``, Gemma 2's
+    soft-cap ``tanh(logits / c) * c``, BART's ``logits + final_logits_bias``), or empty; else None.
+    Such an epilogue runs in place on the chunk's buffer (and a second, the ``tanh``'s output, kept
+    for its gradient): through autograd a Granite's chunk held about four buffers of its logits'
+    size, a Gemma 2's five."""
     steps, current = [], dtype
     for func, args, kwargs in epilogue:
         if func is torch.Tensor.to and args == (LOGITS, torch.float32) and not kwargs:
@@ -75,10 +87,16 @@ def _direct_steps(epilogue: tuple, dtype: torch.dtype) -> tuple | None:
                 return None
             steps.append(("tanh", None))
             continue
-        op = _SCALES.get(func)
-        if op is None or kwargs or len(args) != 2 or args[0] is not LOGITS or current != torch.float32:
+        if kwargs or len(args) != 2 or args[0] is not LOGITS or current != torch.float32:
             return None
         number = args[1]
+        shift = _SHIFTS.get(func)
+        if shift is not None and isinstance(number, torch.Tensor) and number.is_floating_point():
+            steps.append((shift, number))  # the gradient passes a shift unchanged
+            continue
+        op = _SCALES.get(func) or shift
+        if op is None:
+            return None
         if isinstance(number, bool) or not isinstance(number, (int, float)) or (op == "div" and number == 0):
             return None
         steps.append((op, number))
@@ -131,6 +149,8 @@ def _direct_chunk(z, t, ignore_index, per_token, want_grad, rows, steps=()):
         if op == "tanh":
             kept = zf.tanh_()
             zf = kept.clone()
+        elif op in ("add", "sub"):
+            zf.add_(number) if op == "add" else zf.sub_(number)
         else:
             zf.mul_(number) if op == "mul" else zf.div_(number)
     lse = torch.logsumexp(zf, dim=1)
@@ -146,6 +166,8 @@ def _direct_chunk(z, t, ignore_index, per_token, want_grad, rows, steps=()):
     for op, number in reversed(steps):  # the maps' own gradients, as autograd takes them
         if op == "tanh":
             g.mul_(kept.square_().neg_().add_(1))  # 1 - tanh^2
+        elif op in ("add", "sub"):
+            continue
         else:
             g.mul_(number) if op == "mul" else g.div_(number)
     if compute != torch.float32:

@@ -100,9 +100,9 @@ class ChunkedLogits(torch.Tensor):
         dtype = self.dtype
         if step is not None:
             func, args, kwargs = step
-            with torch.no_grad():
+            with torch.no_grad():  # the dtype the map makes, on stand-ins of its operands' dtypes and ranks
                 meta = torch.empty((1, 1), dtype=dtype, device="meta")
-                dtype = func(*[meta if a is LOGITS else a for a in args], **kwargs).dtype
+                dtype = func(*[meta if a is LOGITS else _meta(a) for a in args], **kwargs).dtype
         return ChunkedLogits(self._hidden if hidden is None else hidden, self._source, epilogue, self._vocab, dtype)
 
     def _live_hidden(self, what: str) -> torch.Tensor:
@@ -138,29 +138,37 @@ def _name(func: Any) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
-def _constant(value: Any, what: str) -> Any:
-    """A value an element-wise map of the logits may take: a number, or a tensor of one value that
-    needs no gradient (its gradient would be lost)."""
+def _meta(value: Any) -> Any:
+    """`value` for working out a map's dtype: a tensor as an empty one of its dtype and rank."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty((1,) * value.dim(), dtype=value.dtype, device="meta")
+    return value
+
+
+def _constant(value: Any, what: str, vocab: int) -> Any:
+    """A value an element-wise map of the logits may take, needing no gradient (its gradient would be
+    lost): a number, a tensor of one value, or one value per vocabulary entry (BART's
+    `final_logits_bias`, shaped (1, vocabulary)), which is replayed as a vector over each chunk's rows."""
     if isinstance(value, (int, float, bool)):
         return value
-    if (
-        isinstance(value, torch.Tensor)
-        and not isinstance(value, ChunkedLogits)
-        and value.numel() == 1
-        and not value.requires_grad
-    ):
-        return value
+    if isinstance(value, torch.Tensor) and not isinstance(value, ChunkedLogits) and not value.requires_grad:
+        if value.numel() == 1:
+            return value
+        if value.dim() >= 1 and value.shape[-1] == vocab and value.numel() == vocab:
+            return value.reshape(vocab)
     raise LogitsNotMaterializedError(
         f"{what} with {type(value).__name__} {getattr(value, 'shape', '')}: the CHUNKED head replays only "
-        f"maps of the logits with a constant that needs no gradient. {_FIX}"
+        f"maps of the logits with a constant that needs no gradient (a number, one value, or one per "
+        f"vocabulary entry). {_FIX}"
     )
 
 
 def _elementwise(func):
     def handler(*args, **kwargs):
         target = next(a for a in args if isinstance(a, ChunkedLogits))
-        template = tuple(LOGITS if a is target else _constant(a, _name(func)) for a in args)
-        kwargs = {k: _constant(v, _name(func)) for k, v in kwargs.items()}
+        what, vocab = _name(func), target._vocab
+        template = tuple(LOGITS if a is target else _constant(a, what, vocab) for a in args)
+        kwargs = {k: _constant(v, what, vocab) for k, v in kwargs.items()}
         return target._derive(step=(func, template, kwargs))
 
     return handler

@@ -67,10 +67,44 @@ def hf_model(kind: str, **extra):
                 use_cache=False,
             ),
         ),
+        "bart": (
+            "BartConfig",
+            "BartForConditionalGeneration",
+            dict(
+                vocab_size=384,
+                d_model=64,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=128,
+                decoder_ffn_dim=128,
+                max_position_embeddings=1024,
+                use_cache=False,
+            ),
+        ),
+        "t5": (
+            "T5Config",
+            "T5ForConditionalGeneration",
+            dict(
+                vocab_size=384,
+                d_model=64,
+                d_kv=16,
+                d_ff=128,
+                num_layers=2,
+                num_heads=4,
+                pad_token_id=0,
+                decoder_start_token_id=0,
+                use_cache=False,
+            ),
+        ),
     }
     config_name, model_name, kwargs = configs[kind]
     config = getattr(transformers, config_name)(**{**kwargs, **extra})
-    return getattr(transformers, model_name)(config)
+    model = getattr(transformers, model_name)(config)
+    if kind == "bart":  # its logits' bias is a buffer of zeros until fine-tuned: values make it count
+        model.final_logits_bias.normal_(generator=torch.Generator().manual_seed(3))
+    return model
 
 
 def labels_for(batch: int = 2, seq: int = 40, vocab: int = 384, seed: int = 1) -> dict:
@@ -95,8 +129,12 @@ def chunked(model, chunk: int = 16):
     return head
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma2", "granite", "cohere", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "mistral", "qwen2", "gemma2", "granite", "cohere", "gpt2", "gpt_neox", "bart", "t5"]
+)
 def test_a_chunked_head_gives_the_loss_and_gradients_of_the_model_within_the_bound(kind):
+    """BART adds a bias per vocabulary entry to its logits (`final_logits_bias`, a buffer): a sum with
+    the logits replayed on each chunk; T5 scales the hidden states before its head."""
     model = hf_model(kind)
     reference = copy.deepcopy(model)
     head = chunked(model)
@@ -106,7 +144,12 @@ def test_a_chunked_head_gives_the_loss_and_gradients_of_the_model_within_the_bou
     assert head.chunked_calls == 1 and head.last_chunks == 5  # 80 tokens in chunks of 16: found with no user code
     assert relative(loss, loss_ref) <= BOUND
     assert grads.keys() == grads_ref.keys()
-    worst = max(relative(grads[n], grads_ref[n]) for n in grads)
+    # a key projection's bias has no gradient but rounding's (softmax ignores a shift of every score
+    # of a query): BART's are 1e-12, eleven orders under its largest; such gradients are only bounded
+    top = max(g.abs().max().item() for g in grads_ref.values())
+    zero = {n for n, g in grads_ref.items() if g.abs().max().item() <= 1e-9 * top}
+    assert all(grads[n].abs().max().item() <= 1e-8 * top for n in zero)
+    worst = max(relative(grads[n], grads_ref[n]) for n in grads if n not in zero)
     assert worst <= BOUND, worst
 
 
@@ -210,12 +253,47 @@ def test_a_model_of_ones_own_takes_one_line_and_its_logits_answer_clearly():
         assert relative(p.grad, q.grad) <= BOUND, n
 
 
-@pytest.mark.parametrize("kind", ["llama", "granite"])
+class Adjusted(NanoGPT):
+    """nanoGPT with its logits shifted before the loss: less a log-prior per vocabulary entry (a
+    buffer, as logit adjustment keeps it), plus a number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("log_prior", torch.randn(200, generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)
+        for block in self.h:
+            x = x + block(x)
+        logits = 0.5 + (self.lm_head(self.ln_f(x)) - self.log_prior)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def test_logits_shifted_by_a_vector_over_the_vocabulary_are_replayed_on_each_chunk():
+    torch.manual_seed(0)
+    model = Adjusted()
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, 200, (3, 20))
+    targets = idx.roll(-1, 1)
+    adaptmem.instrument(model, head="lm_head")
+    head = adaptmem.get_head(model)
+    head.mode, head.chunk_tokens = HeadMode.CHUNKED, 16
+    loss = model(idx, targets)
+    loss.backward()
+    loss_ref = reference(idx, targets)
+    loss_ref.backward()
+    assert head.chunked_calls == 1
+    assert relative(loss.detach(), loss_ref.detach()) <= BOUND
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert relative(p.grad, q.grad) <= BOUND, n
+
+
+@pytest.mark.parametrize("kind", ["llama", "granite", "bart"])
 def test_a_chunked_head_never_makes_the_whole_logits(kind):
     """At 1024 tokens and a vocabulary of 8000, one logits tensor is 31 MiB: the chunked step's
     whole peak stays well under it, while the kept step holds several. Granite's logits are scaled
-    (`logits / logits_scaling`): the scaling runs in place on the chunk's one buffer, where
-    through autograd a chunk held about four of them."""
+    (`logits / logits_scaling`), BART's shifted by a bias per vocabulary entry: both run in place on
+    the chunk's one buffer, where through autograd a Granite's chunk held about four of them."""
     model = hf_model(kind, vocab_size=8000)
     batch = labels_for(batch=1, seq=1024, vocab=8000)
     one_step(model, batch)  # gradients allocated, as after the first step
@@ -232,8 +310,9 @@ def test_a_chunked_head_never_makes_the_whole_logits(kind):
         adaptmem.restore(model)
     assert peaks[HeadMode.KEPT] > 2 * logits_bytes
     # the chunk's one buffer (4 MB) beside the step's own bytes: 16.3 MB on both; through autograd,
-    # Granite's chunks made it 28.6 MB
-    assert peaks[HeadMode.CHUNKED] < 0.6 * logits_bytes, peaks
+    # Granite's chunks made it 28.6 MB. BART's encoder and decoder both run the 1024 tokens: 26.6 MB,
+    # through autograd 38.8 MB
+    assert peaks[HeadMode.CHUNKED] < (0.85 if kind == "bart" else 0.6) * logits_bytes, peaks
 
 
 def test_a_soft_capped_chunk_holds_one_buffer_more_than_a_plain_one():
