@@ -152,6 +152,8 @@ class Controller:
         """end: learn from the step and decide (`_after_step`), or record its OOM (`_record_oom`)."""
         sample = self.recorder.end()
         self.notices.device_idle(self.probe, sample, self.stats.steps + 1)
+        if sample is not None and sample.detailed:
+            self.notices.lengths_apart(sample, self.blocks.names)
         refused, self.now.refused = self.now.refused, False
         error = self.ranks.failure(
             error, self.now.plan_point_passed, self.blocks.running, self.plans.failed is not None, refused

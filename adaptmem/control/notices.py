@@ -14,6 +14,8 @@ log = logging.getLogger("adaptmem")
 class Notices:
     def __init__(self) -> None:
         self._given: set[str] = set()
+        # block index -> (its input's elements a sample, the first block's) in the first step measured
+        self._lengths: dict[int, tuple[int, int]] = {}
 
     def _once(self, name: str) -> bool:
         if name in self._given:
@@ -44,6 +46,39 @@ class Notices:
                 "step may go over the budget. The cost model learns from each step's first forward "
                 "(each forward's plan is in the step's record, `forward_plans`)."
             )
+
+    def lengths_apart(self, sample: StepSample, names: list[str]) -> None:
+        """A block whose input's length does not follow the first block's from step to step (an
+        encoder-decoder's decoder, its target length apart from its source's): every step is planned,
+        predicted and recorded by its first block's input, so that block's bytes are predicted wrong.
+        Read in steps measured block by block; a fixed ratio (a network's later stages) is fine."""
+        if "lengths apart" in self._given or not sample.detailed or len(sample.blocks) < 2:
+            return
+        first = sample.blocks[0].extent
+        for block in sample.blocks[1:]:
+            if block.extent <= 0 or first <= 0:
+                continue
+            seen = self._lengths.setdefault(block.index, (block.extent, first))
+            if abs(block.extent * seen[1] - seen[0] * first) <= 0.01 * seen[0] * first:
+                continue
+            self._once("lengths apart")
+            name = names[block.index] if block.index < len(names) else str(block.index)
+            log.warning(
+                "adaptmem: block %s takes inputs whose length does not follow the first block's: %s elements "
+                "a sample where the first block's had %s, then %s where it had %s (an encoder-decoder's "
+                "decoder, say, its target length apart from its source's). A step is planned, predicted and "
+                "recorded by its first block's input (its record's `seq` is that input's), so the memory of "
+                "blocks like this one is predicted as if their length followed it: such steps may run out of "
+                "memory and be retried, go over the budget, or be given up, and `longest_sequence` answers "
+                "for the first block's length. Give the run room (budget='70%%'), or make the second length "
+                "follow the first (pad the targets to a length set by the sources').",
+                name,
+                f"{seen[0]:,}",
+                f"{seen[1]:,}",
+                f"{block.extent:,}",
+                f"{first:,}",
+            )
+            return
 
     def device_idle(self, probe: Any, sample: StepSample | None, step: int) -> None:
         """A `SimulatedDevice` counts only while entered: a step run outside it reads a peak of

@@ -246,6 +246,7 @@ class StepRecorder:
             block = BlockSample(index=handle.index, mode=handle.mode, input_bytes=inputs, start=now, elem_size=elem)
             if sample.detailed:
                 block._marks["fwd0"] = self.probe.mark()
+                block.extent = sample.extent if len(sample.blocks) == 0 else shape_of(args, kwargs).extent
             sample.blocks.append(block)
             sample.plan[handle.index] = handle.mode
             self._open = Segment.BLOCK

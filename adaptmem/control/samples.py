@@ -24,6 +24,7 @@ class BlockSample:
     input_bytes: int  # tensor inputs that require grad (the block's activations in)
     start: int  # allocated at block start
     elem_size: int = 0  # bytes per element of the first such input (activation dtype)
+    extent: int = 0  # elements a sample of its main input (`shape_of`), in a step measured block by block
     end: int = 0  # allocated at block end
     fwd_top: int = 0  # peak during its forward
     held: int | None = None  # start of next block (or estimate) minus start
