@@ -612,8 +612,8 @@ class PlanBook:
         uniform plans by predicted peak), with the head no looser than the failed one's, then with the
         head in its smallest chunks. True third when none is lower (the tightest is returned, to be
         given up)."""
-        if ran is not None:  # a plan that ran this shape to its end before: tried first, whatever predicted
-            return ran[0], ran[1], False
+        if ran is not None and not self._holds_what_failed(ran[0]):
+            return ran[0], ran[1], False  # a plan that ran this shape to its end before: tried first
         blocks = self._tighter_than_failed(modes, shape)
         head = self._tighter_head(head)
         guess = self._guessed_uniform(head)
@@ -705,7 +705,17 @@ class PlanBook:
         merged = tuple(m if rank.get(m, 0) >= rank.get(f, 0) else f for m, f in zip(modes, failed))
         candidates = [merged, tuple(step_up(f, allowed) for f in failed)]
         candidates += [tuple(m for _ in failed) for m in self._uniform_by_peak(shape)]
-        return list(dict.fromkeys(candidates))
+        kept = [c for c in dict.fromkeys(candidates) if not self._holds_what_failed(c)]
+        return kept or list(dict.fromkeys(candidates))
+
+    def _holds_what_failed(self, modes: tuple[Mode, ...]) -> bool:
+        """`modes` differs from a plan that failed in this step only by blocks in NONE, which keeps all
+        a block saves, more than any mode: it holds at least what that plan held. A T5 whose figures
+        were for another length (its source's) retried 4 x NONE, which had run a longer source, after
+        3 x NONE and 1 x OFFLOAD ran out of memory."""
+        return any(
+            modes != f and all(m is g or m is Mode.NONE for m, g in zip(modes, f)) for f in {b for b, _ in self.tried}
+        )
 
     def _uniform_by_peak(self, shape: Shape) -> list[Mode]:
         rungs = list(reversed(ladder(self.allowed)))
