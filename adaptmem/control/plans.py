@@ -714,7 +714,7 @@ class PlanBook:
         were for another length (its source's) retried 4 x NONE, which had run a longer source, after
         3 x NONE and 1 x OFFLOAD ran out of memory."""
         return any(
-            modes != f and all(m is g or m is Mode.NONE for m, g in zip(modes, f)) for f in {b for b, _ in self.tried}
+            modes != f and all(m == g or m is Mode.NONE for m, g in zip(modes, f)) for f in {b for b, _ in self.tried}
         )
 
     def _uniform_by_peak(self, shape: Shape) -> list[Mode]:
