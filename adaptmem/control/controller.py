@@ -65,6 +65,7 @@ from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.host import HostProbe
 from adaptmem.modes import HeadMode, Mode
 from adaptmem.registrations import parameters_of
+from adaptmem.strategies.head import LogitsNotMaterializedError
 from adaptmem.wrapping import BlockHandle, HeadHandle
 from adaptmem.wrapping.selection import class_name
 
@@ -152,6 +153,10 @@ class Controller:
         """end: learn from the step and decide (`_after_step`), or record its OOM (`_record_oom`)."""
         sample = self.recorder.end()
         self.notices.device_idle(self.probe, sample, self.stats.steps + 1)
+        if isinstance(error, LogitsNotMaterializedError) and self.blocks.head is not None:
+            if self.plans.head_kept_for is None:
+                self.plans.keep_head(str(error).split(". ")[0])
+                self.notices.head_kept(self.plans.head_kept_for)
         if sample is not None and sample.detailed:
             self.notices.lengths_apart(sample, self.blocks.names)
         refused, self.now.refused = self.now.refused, False
@@ -209,8 +214,10 @@ class Controller:
         self.plans.succeeded()  # a new batch: not a retry of whatever failed before
         self.ranks.deferring = True
         try:
-            for attempt in range(self.policy.max_retries + 1):
+            attempt = 0
+            while attempt <= self.policy.max_retries:
                 self.plans.start_attempt(attempt)
+                kept = self.plans.head_kept_for is not None
                 try:
                     with step(), self.ranks.no_sync():
                         result = fn(*args, **kwargs)
@@ -218,6 +225,11 @@ class Controller:
                     refused = err.with_traceback(None)  # its frames would keep the forward's tensors alive
                 except torch.OutOfMemoryError:
                     refused = None
+                except LogitsNotMaterializedError:
+                    if kept or self.plans.head_kept_for is None or not self.ranks.alone:
+                        raise  # not the chunked head's (it was kept already), or with other ranks
+                    guard.restore()  # the head kept from now on (`end_step`): the same attempt again
+                    continue
                 else:
                     self.stats.ooms_recovered += attempt
                     self.ranks.average_gradients(p for p in self.model.parameters() if p.requires_grad)
@@ -227,6 +239,7 @@ class Controller:
                     raise refused
                 self._free_after_oom()
                 self.ranks.catch_up()  # under FSDP2: the rest of the step's collectives, once freed
+                attempt += 1
             self.rewind(self.retries.trace)  # every retry failed: the batch leaves no trace either
             compressing = any(m & Mode.COMPRESS for m in self.plans.allowed)
             raise self.retries.report(self.policy.max_retries, compressing)

@@ -47,6 +47,19 @@ class Notices:
                 "(each forward's plan is in the step's record, `forward_plans`)."
             )
 
+    def head_kept(self, why: str) -> None:
+        """A step used the chunked head's logits beyond what a chunk replays: the head is kept."""
+        if self._once("head kept"):
+            log.warning(
+                "adaptmem: a step used the loss head's chunked logits beyond what a chunk replays (%s). From "
+                "now on the head is kept whole: its logits are made as the model makes them, and the plans "
+                "count their memory. run_step (and with it the Lightning callback and the Trainer mixin) runs "
+                "such a step again at once, its state put back; under `with mem.step():` it raised, and the "
+                "next step keeps the head. To have the head chunked, leave the logits to the loss "
+                "(docs/loss-head.md says which maps of them are replayed), or say head=None to manage none.",
+                why,
+            )
+
     def lengths_apart(self, sample: StepSample, names: list[str]) -> None:
         """A block whose input's length does not follow the first block's from step to step (an
         encoder-decoder's decoder, its target length apart from its source's): every step is planned,

@@ -129,6 +129,7 @@ class PlanBook:
         self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
         self.unfit: tuple | None = None  # the last plan's shortfall warning, until `announce_unfit`
         self.head_can_chunk = True  # the loss head ran chunked where planned so, in the last step (`head_chunks`)
+        self.head_kept_for: str | None = None  # why the head is kept for good (`keep_head`), None while it may chunk
         # per (batch, extent, gradients resident): the plan (and head) of the lowest peak that ran a step
         # of that shape to its end, and that peak above the first block's start (`ran`)
         self.ran_at: OrderedDict[tuple[int, int, bool], tuple[tuple[Mode, ...], HeadChoice | None, float]] = (
@@ -580,8 +581,16 @@ class PlanBook:
             self.head_can_chunk = can
             self.forget()
 
+    def keep_head(self, why: str) -> None:
+        """The loss head is kept from now on: a step used its chunked logits beyond what a chunk replays
+        (`why`, the error's first line), in the model's code (BART's bias before it was replayed) or the
+        caller's."""
+        if self.head_kept_for is None:
+            self.head_kept_for = why
+            self.forget()
+
     def _head_allowed(self) -> str:
-        return self.policy.head if self.head_can_chunk else "kept"
+        return self.policy.head if self.head_can_chunk and self.head_kept_for is None else "kept"
 
     def head_row(self, shape: Shape) -> list[Option]:
         """The loss head as the plan's last row: its bytes stand above every block's saved bytes."""

@@ -32,6 +32,7 @@ def controller_state(ctl: Controller) -> dict[str, Any]:
         "counters": ctl.stats.counters(),
         "forwards": ctl.forwards,
         "head_can_chunk": ctl.plans.head_can_chunk,
+        "head_kept_for": ctl.plans.head_kept_for,
         "ran": ctl.plans.ran_state(),
     }
 
@@ -55,6 +56,7 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
         ctl.lengths.load_state_dict(state["lengths"])
         ctl.forwards = int(state.get("forwards", 1))  # (states saved before these were kept)
         ctl.plans.head_can_chunk = bool(state.get("head_can_chunk", True))
+        ctl.plans.head_kept_for = state.get("head_kept_for")
         ctl.plans.load_ran_state(state.get("ran", []))
         head = state.get("current_head")
         ctl.blocks.apply(

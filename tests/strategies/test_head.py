@@ -415,3 +415,62 @@ def test_a_model_of_ones_own_with_a_vocabulary_sized_projection_is_told_to_name_
         adaptmem.instrument(gpt := GPT(), blocks=list(gpt.h), head="lm_head")
         adaptmem.instrument(hf_model("llama"))
     assert not caplog.records
+
+
+class Accuracy(NanoGPT):
+    """nanoGPT that also takes its accuracy from the logits in the training step, as a loop of one's
+    own may: a use of the logits the chunked head cannot replay."""
+
+    def forward(self, idx, targets):
+        logits, loss = super().forward(idx, targets)
+        self.accuracy = (logits.argmax(-1) == targets).float().mean()
+        return logits, loss
+
+
+def test_a_step_that_uses_the_chunked_logits_runs_again_with_the_head_kept_for_good(caplog):
+    """A step whose code (the model's or the caller's) uses the chunked logits beyond what a chunk
+    replays raised `LogitsNotMaterializedError` out of `run_step`; under the default policy that came
+    mid-run, at the first step planned chunked (BART's bias did so before it was replayed). Now the
+    head is kept from then on, with one warning, and `run_step` runs the step again, its state put
+    back: the run equals unmanaged training bit for bit. Under `step()` it raises, and the next step
+    keeps the head. A resumed manager keeps it too."""
+    torch.manual_seed(0)
+    model = Accuracy()
+    reference = copy.deepcopy(model)
+    opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference))
+    idx = torch.randint(0, 200, (3, 20))
+    targets = idx.roll(-1, 1)
+    with (
+        caplog.at_level("WARNING", logger="adaptmem"),
+        SimulatedDevice(2**30) as dev,
+        adaptmem.manage(model, head="lm_head", policy="long-context", device=dev) as mem,
+    ):
+        for _ in range(3):
+            mem.run_step(lambda: model(idx, targets)[1].backward())
+            assert mem.last_step["head"] == "KEPT"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        state = mem.state_dict()
+    for _ in range(3):
+        reference(idx, targets)[1].backward()
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert torch.equal(model.accuracy, reference.accuracy)
+    assert sum("beyond what a chunk replays (TensorBase.argmax" in r.getMessage() for r in caplog.records) == 1
+    with adaptmem.manage(model, head="lm_head", policy="long-context") as resumed:
+        resumed.load_state_dict(state)
+        assert resumed._controller.plans.head_kept_for is not None
+
+    torch.manual_seed(0)
+    model = Accuracy()
+    with (
+        SimulatedDevice(2**30) as dev,
+        adaptmem.manage(model, head="lm_head", policy="long-context", device=dev) as mem,
+    ):
+        with pytest.raises(LogitsNotMaterializedError, match="argmax"), mem.step():
+            model(idx, targets)[1].backward()
+        model.zero_grad(set_to_none=True)
+        with mem.step():
+            model(idx, targets)[1].backward()
+        assert mem.last_step["head"] == "KEPT"
