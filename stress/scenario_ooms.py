@@ -21,42 +21,9 @@ import torch
 
 import adaptmem
 from adaptmem.config.policy import load_policy
-from adaptmem.testing import SimulatedDevice
+from adaptmem.devices.faults import PLACES
+from adaptmem.testing import OutOfMemoryInjector, SimulatedDevice
 from stress.scenario_kit import Scenario, batch, main_for, tiny
-
-PLACES = ("forward", "recompute", "backward")
-
-
-class Injector:
-    """Arms one OOM at a time: at block `index`, in `place`."""
-
-    def __init__(self, blocks) -> None:
-        self.armed: tuple[int, str] | None = None
-        self.fired = 0
-        for i, block in enumerate(blocks):
-            block.register_forward_pre_hook(lambda m, a, i=i: self._pre(i))
-            block.register_forward_hook(lambda m, a, out, i=i: self._post(i, out))
-
-    def _fire(self) -> None:
-        self.armed = None
-        self.fired += 1
-        raise torch.OutOfMemoryError("injected out of memory")
-
-    def _pre(self, i: int) -> None:
-        if self.armed is None or self.armed[0] != i:
-            return
-        in_backward = torch._C._current_graph_task_id() != -1  # a recompute runs inside backward
-        if (self.armed[1] == "forward") != in_backward and self.armed[1] != "backward":
-            self._fire()
-
-    def _post(self, i: int, out: torch.Tensor) -> None:
-        if (
-            self.armed is not None
-            and self.armed == (i, "backward")
-            and out.requires_grad
-            and torch._C._current_graph_task_id() == -1
-        ):
-            out.register_hook(lambda grad: self._fire() if self.armed == (i, "backward") else None)
 
 
 def train(steps: int, inject: int | None, scenario: Scenario) -> tuple[dict, int, int]:
@@ -68,16 +35,16 @@ def train(steps: int, inject: int | None, scenario: Scenario) -> tuple[dict, int
     if inject is not None:
         policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0})
         mem = adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31))
-        injector = Injector(model.blocks)
+        injector = OutOfMemoryInjector(model.blocks)
     torch.manual_seed(11)
     for s in scenario.steps(steps):
         b = data[s % len(data)]
         if mem is not None:
             if injector.fired < inject and rng.random() < 0.8:
-                injector.armed = (rng.randrange(len(model.blocks)), rng.choice(PLACES))
+                injector.arm(rng.randrange(len(model.blocks)), rng.choice(PLACES))
             if not scenario.survived(s, lambda: mem.run_step(lambda: model(**b).loss.backward())):
                 break
-            injector.armed = None  # an armed place the step never reached (recompute of a NONE block)
+            injector.disarm()  # an armed place the step never reached (recompute of a NONE block)
         else:
             model(**b).loss.backward()
         opt.step()
