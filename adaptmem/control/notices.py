@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from adaptmem.config.units import format_bytes
@@ -76,20 +77,32 @@ class Notices:
                 continue
             self._once("lengths apart")
             name = names[block.index] if block.index < len(names) else str(block.index)
+            if seen[1] == first:  # the blocks before it took the same length both times (a fixed-size image)
+                stack = re.escape(name.rsplit(".", 1)[0]) + r"\.\d+" if "." in name else re.escape(name)
+                remedy = (
+                    "The blocks before it took the same length both times (a vision tower on images of one "
+                    f'size, say): manage its stack alone, blocks=r"{stack}" (or a budget with room), and the '
+                    "plans follow its length"
+                )
+            else:
+                remedy = (
+                    "Give the run room (budget='70%'), or make the second length follow the first (pad the "
+                    "targets to a length set by the sources')"
+                )
             log.warning(
                 "adaptmem: block %s takes inputs whose length does not follow the first block's: %s elements "
                 "a sample where the first block's had %s, then %s where it had %s (an encoder-decoder's "
-                "decoder, say, its target length apart from its source's). A step is planned, predicted and "
-                "recorded by its first block's input (its record's `seq` is that input's), so the memory of "
-                "blocks like this one is predicted as if their length followed it: such steps may run out of "
-                "memory and be retried, go over the budget, or be given up, and `longest_sequence` answers "
-                "for the first block's length. Give the run room (budget='70%%'), or make the second length "
-                "follow the first (pad the targets to a length set by the sources').",
+                "decoder, or a vision-language model's language layers after its vision tower). A step is "
+                "planned, predicted and recorded by its first block's input (its record's `seq` is that "
+                "input's), so the memory of blocks like this one is predicted as if their length followed it: "
+                "such steps may run out of memory and be retried, go over the budget, or be given up, and "
+                "`longest_sequence` answers for the first block's length. %s.",
                 name,
                 f"{seen[0]:,}",
                 f"{seen[1]:,}",
                 f"{block.extent:,}",
                 f"{first:,}",
+                remedy,
             )
             return
 
