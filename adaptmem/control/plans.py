@@ -692,13 +692,18 @@ class PlanBook:
         return None
 
     def _tighter_head(self, head: HeadChoice | None) -> HeadChoice | None:
-        """After an OOM a chunked head's chunk is no larger than the failed one's. A kept head stays
+        """After an OOM in a step whose head ran chunked, a retry's head is chunked too, its chunk no
+        larger than the smallest that failed (a Llava's retries went from chunks of 64 tokens to the
+        head kept, predicted no lower, then to chunks of 4,096). Where only a kept head failed it stays
         the planner's choice: chunking it changes the order of summation, so it is done where the
         figures call for it, not on every retry (the blocks tighten first)."""
-        failed = self.failed_head
-        if head is None or failed is None or failed.mode is HeadMode.KEPT or head.mode is HeadMode.KEPT:
+        chunked = [h for _, h in self.tried if h is not None and h.mode is HeadMode.CHUNKED]
+        if head is None or not chunked:
             return head
-        return failed if (head.chunk or 0) > (failed.chunk or 0) else head
+        smallest = min(chunked, key=lambda h: h.chunk or 0)
+        if head.mode is HeadMode.KEPT or (head.chunk or 0) > (smallest.chunk or 0):
+            return smallest
+        return head
 
     def _static(self) -> tuple[Mode, ...]:
         k = self.policy.every_k if self.policy.static_plan == "every-k" else max(1, round(math.sqrt(self.n)))

@@ -7,7 +7,7 @@ import torch
 from helpers import TickingProbe
 
 import adaptmem
-from adaptmem import HeadMode
+from adaptmem import HeadMode, Mode
 from adaptmem.control.headcosts import KEPT, HeadChoice, HeadCosts
 from adaptmem.testing import SimulatedDevice
 from tests.strategies.test_head import hf_model
@@ -163,3 +163,36 @@ def test_where_no_plan_fits_the_head_runs_in_its_smallest_chunks():
         smallest = mem._controller.costs.head_costs.chunks(2 * length)[0]
         assert mem.last_step["head"] == f"CHUNKED:{smallest}" and mem.last_step["attempt"] == 0
         assert mem.summary()["ooms"] == 0
+
+
+def test_a_retry_after_a_chunked_head_failed_keeps_it_chunked_no_larger():
+    """A Llava's retries at 2 x 1,482 tokens went from the head in chunks of 64 tokens to the head
+    kept (predicted no lower) and then to chunks of 4,096: each looser than the one that failed. After
+    a chunked head ran out of memory in a step, a retry's head is chunked, in chunks no larger than
+    the smallest that failed; where only a kept head failed, the planner's choice stands."""
+    from helpers import hf_batch, llama
+
+    model = llama(layers=2, hidden=64, dropout=0.0, vocab=4096)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
+        for _ in range(3):
+            mem.run_step(lambda: model(**hf_batch(2, 64, vocab=4096)).loss.backward())
+            model.zero_grad(set_to_none=True)
+        plans = mem._controller.plans
+        plans.ran_at.clear()
+        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
+        blocks = (Mode.OFFLOAD,) * 2
+        plans.start_attempt(1)
+        plans.failure(blocks, HeadChoice(HeadMode.CHUNKED, 128), shape, foreseen=True)
+        plans.failure(blocks, KEPT, shape, foreseen=True)  # then the kept head failed too
+        chunk = HeadChoice(HeadMode.CHUNKED, 128)
+        assert plans._tighter_head(KEPT) == chunk and plans._tighter_head(HeadChoice(HeadMode.CHUNKED, 4096)) == chunk
+        assert plans._tighter_head(HeadChoice(HeadMode.CHUNKED, 64)) == HeadChoice(HeadMode.CHUNKED, 64)
+        retry = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert retry.head is not None and retry.head.mode is HeadMode.CHUNKED and retry.head.chunk <= 128
+        plans.succeeded()
+        plans.start_attempt(1)
+        plans.failure(blocks, KEPT, shape, foreseen=True)
+        assert plans._tighter_head(KEPT) == KEPT  # only a kept head failed: the planner's choice
+        plans.succeeded()
