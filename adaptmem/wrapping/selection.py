@@ -1,10 +1,14 @@
 """Finding a model's blocks: the unit adaptmem decides a mode for.
 
 A selection is one of
-  - ``"auto"``: the repeated block stack, i.e. the longest ``ModuleList`` /
-    ``Sequential`` whose (two or more) children share one class, outermost
-    stacks first (so a mixture-of-experts list inside a layer is not taken for
-    the layer stack). Stacks of equal length are all taken (encoder + decoder).
+  - ``"auto"``: the repeated block stacks: the outermost ``ModuleList`` /
+    ``Sequential`` whose (two or more) children share one class, or are all of
+    the layer classes a Hugging Face model names in ``_no_split_modules`` (a
+    hybrid's attention and Mamba layers), outermost first (so a
+    mixture-of-experts list inside a layer is not taken for the layer stack).
+    Every such stack holding at least half the parameters of the largest is
+    taken (an encoder and its decoder; not a vision tower a fifth the size of
+    its language model, whose length, the image's, would key the plans).
     Where the stack's children are stages that differ in shape (a ResNet's,
     ConvNeXt's or Swin's), the layers inside each stage are the blocks.
   - a class, or a class name that some submodule has, or a tuple of them. A module
@@ -103,7 +107,7 @@ def class_names(module: nn.Module) -> set[str]:
 def _select(model: nn.Module, named: list[tuple[str, nn.Module]], blocks: BlockSelection):
     if isinstance(blocks, str):
         if blocks == "auto":
-            return _auto(named)
+            return _auto(model, named)
         if any(blocks in class_names(m) for _, m in named):
             return [(n, m) for n, m in named if blocks in class_names(m)]
         return _by_regex(named, blocks)
@@ -124,28 +128,43 @@ def _select(model: nn.Module, named: list[tuple[str, nn.Module]], blocks: BlockS
     )
 
 
-def _auto(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+#: An outer stack is taken beside the one of most parameters where it holds at least this share of
+#: them: an encoder's beside its decoder, not a vision tower beside a language model.
+MAJOR_STACK = 0.5
+
+
+def _auto(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    layers = set(getattr(model, "_no_split_modules", None) or ())
     stacks = [
         (name, mod)
         for name, mod in named
-        if isinstance(mod, (nn.ModuleList, nn.Sequential))
-        and len(mod) >= 2
-        and len({user_class(child) for child in mod}) == 1
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2 and _one_kind(mod, layers)
     ]
     outer = [
         (name, mod) for name, mod in stacks if not any(_is_inside(name, other) for other, _ in stacks if other != name)
     ]
     if not outer:
         return []
-    longest = max(len(mod) for _, mod in outer)
+    # stacks of layers (modules of their own modules), not of bare linear layers, where there are any
+    outer = [(n, m) for n, m in outer if all(any(True for _ in c.children()) for c in m)] or outer
+    sizes = {name: sum(w.numel() for w in mod.parameters()) for name, mod in outer}
+    longest, largest = max(len(mod) for _, mod in outer), max(sizes.values())
     chosen = []
     for name, mod in outer:
-        if len(mod) == longest:
+        if sizes[name] >= MAJOR_STACK * largest if largest > 0 else len(mod) == longest:
             prefix = f"{name}." if name else ""
             members = _stage_layers(mod) or list(mod.named_children())
             chosen.extend((f"{prefix}{key}", child) for key, child in members)
     order = {id(m): i for i, (_, m) in enumerate(named)}
     return sorted(chosen, key=lambda item: order[id(item[1])])
+
+
+def _one_kind(stack: nn.Module, layers: set[str]) -> bool:
+    """The stack's children share one class, or are all of the layer classes a Hugging Face model
+    names as never to be split (`_no_split_modules`): a hybrid's attention and Mamba layers (Jamba's
+    `model.layers`)."""
+    classes = {user_class(child) for child in stack}
+    return len(classes) == 1 or (len(classes) > 1 and all(c.__name__ in layers for c in classes))
 
 
 def _stage_layers(stack: nn.Module) -> list[tuple[str, nn.Module]] | None:

@@ -63,6 +63,51 @@ def test_auto_takes_every_stack_of_the_longest_length():
     assert names(EncDec()) == [f"encoder.{i}" for i in range(3)] + [f"decoder.{i}" for i in range(3)]
 
 
+def test_auto_takes_the_stacks_that_hold_the_parameters_whatever_their_depth():
+    """A vision-language model's vision tower and language model: the stacks of at least half the
+    parameters of the largest are taken, so a vision tower deeper than the language model no longer
+    leaves the language model (where the memory goes) unmanaged; a smaller tower is left out (its
+    length is the image's, one every step, and would key the plans); an encoder beside its decoder
+    is taken."""
+    from helpers import quiet_transformers
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    quiet_transformers()
+
+    def llava(vision_layers, vision_hidden, text_hidden):
+        vision = CLIPVisionConfig(
+            hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=vision_layers,
+            num_attention_heads=4, image_size=32, patch_size=8,
+        )  # fmt: skip
+        text = LlamaConfig(
+            vocab_size=512, hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2,
+        )  # fmt: skip
+        return LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=510))
+
+    text = [f"model.language_model.layers.{i}" for i in range(2)]
+    assert names(llava(6, 32, 128)) == text  # deeper, but a fifth of the language model's parameters
+    assert names(llava(3, 64, 64)) == [f"model.vision_tower.encoder.layers.{i}" for i in range(3)] + text
+
+
+def test_auto_takes_a_hybrid_stack_of_the_layer_classes_the_model_names():
+    """Jamba's `model.layers` mixes attention and Mamba layers: both classes are in the model's
+    `_no_split_modules`, the layers Hugging Face never splits, so the stack is its blocks (it was
+    refused: "no blocks matched blocks='auto'")."""
+    from helpers import quiet_transformers
+    from transformers import JambaConfig, JambaForCausalLM
+
+    quiet_transformers()
+    config = JambaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, mamba_d_state=8,
+    )  # fmt: skip
+    model = JambaForCausalLM(config)
+    assert names(model) == [f"model.layers.{i}" for i in range(4)]
+    assert {type(m).__name__ for _, m in find_blocks(model)} == {"JambaAttentionDecoderLayer", "JambaMambaDecoderLayer"}
+
+
 def test_class_class_name_and_tuple():
     model = tiny()
     assert names(model, Block) == names(model)
