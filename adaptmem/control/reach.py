@@ -67,6 +67,16 @@ class Reach:
         return self.batch * self.length
 
     def __str__(self) -> str:
+        if self.batch <= 0 or self.length <= 0:
+            what = (
+                f"one token a sample at batch {self.batch}"
+                if self.length <= 0
+                else f"one sample of {self.length:,} tokens"
+            )
+            return (
+                f"nothing fits: not even {what} is predicted to fit in {format_bytes(self.limit_bytes)}, over the "
+                f"{format_bytes(self.start_bytes)} allocated as the first block starts (weights, optimizer state)"
+            )
         plan = ", ".join(f"{label} x{n}" for label, n in Counter(m.label for m in self.plan).items())
         head = f"; head {self.head}" if self.head else ""
         note = (

@@ -37,7 +37,10 @@ def test_the_longest_sequence_is_where_the_tightest_plan_stops_fitting():
         assert len(reach.plan) == 3 and reach.head is not None  # the head is a row of the plan
         # the boundary: one token more fits no plan, so not one sample of it fits
         assert mem.largest_batch(reach.length).batch == 1
-        assert mem.largest_batch(reach.length + 1).batch == 0
+        none = mem.largest_batch(reach.length + 1)
+        assert none.batch == 0 and none.plan == ()
+        # said as such, not as a batch of 0 under an empty plan
+        assert str(none).startswith(f"nothing fits: not even one sample of {reach.length + 1:,} tokens")
         # less room, shorter; half the length, at least twice the batch
         assert mem.longest_sequence(limit=reach.limit_bytes - 4 * MiB).length < reach.length
         assert mem.largest_batch(reach.length // 2).batch >= 2
