@@ -1,5 +1,7 @@
 """A batch no plan can fit: given up at once, naming what would fit, and leaving no trace."""
 
+import contextlib
+
 import pytest
 import torch
 from helpers import assert_same_state, gpt2, hf_batch, llama, training_state
@@ -202,9 +204,9 @@ def test_with_no_plan_predicted_lower_a_retry_runs_one_tighter_in_every_block_be
             mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
             model.zero_grad(set_to_none=True)
         plans = mem._controller.plans
+        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
         monkeypatch.setattr(plans, "predict", lambda *args, **kwargs: 900.0 * MiB)  # every plan alike
         rank = {m: i for i, m in enumerate(mode for mode in LADDER if mode in plans.allowed)}
-        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
         tried = [(Mode.NONE, Mode.CHECKPOINT, Mode.NONE, Mode.OFFLOAD)]
         for attempt in range(1, 20):
             plans.start_attempt(attempt)
@@ -306,6 +308,25 @@ def test_a_plan_that_ran_a_shape_is_run_where_the_figures_fit_none_and_retried_f
         plans.succeeded()
 
 
+@contextlib.contextmanager
+def calibrated_plans():
+    """(manager, plan book, bucket, shape) of a tiny model after three steps at 2 x 64 tokens (every
+    block checkpointed, the calibration, then in NONE), nothing kept of the plans that ran the shape
+    (which a retry would take first)."""
+    from helpers import tiny, tiny_batch
+
+    model = tiny(n_layers=4)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
+        for _ in range(3):
+            mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
+            model.zero_grad(set_to_none=True)
+        plans = mem._controller.plans
+        plans.ran_at.clear()
+        yield mem, plans, plans.bucket(2, 64 * 64), (2, 64 * 64)
+
+
 def test_a_retry_tries_every_block_in_a_mode_never_run_before_the_ones_the_figures_rank(monkeypatch):
     """A lossless mode no block has run is priced by a guess made to err high, so the figures rank its
     plans last. On a mixture of experts OFFLOAD, never run, fitted a batch at 78% of the budget that
@@ -313,25 +334,14 @@ def test_a_retry_tries_every_block_in_a_mode_never_run_before_the_ones_the_figur
     peaked as CHECKPOINT did), gave up. After an out-of-memory error a retry first runs every block in
     such a mode, where it is no looser than any block of the plan that failed; once it has run, or
     where it would be looser, the figures rank the retries again."""
-    from helpers import tiny, tiny_batch
-
     from adaptmem import Mode
     from adaptmem.control.coverage import guessed
 
-    model = tiny(n_layers=4)
-    dev = SimulatedDevice(2**31)
-    dev.track(model)
     ck, off, sel, co = Mode.CHECKPOINT, Mode.OFFLOAD, Mode.SELECTIVE, Mode.CHECKPOINT | Mode.OFFLOAD
-    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
-        for _ in range(3):  # every block checkpointed (the calibration), then in NONE
-            mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
-            model.zero_grad(set_to_none=True)
-        plans = mem._controller.plans
-        plans.ran_at.clear()  # no plan that ran this shape, which a retry would take first
+    with calibrated_plans() as (mem, plans, key, shape):
         assert guessed(plans.costs, off) and guessed(plans.costs, sel) and not guessed(plans.costs, ck)
         guess = {off: 900.0 * MiB, sel: 950.0 * MiB}  # the guesses, ranked over every plan measured
         monkeypatch.setattr(plans, "predict", lambda modes, *a, **k: max(guess.get(m, 500.0 * MiB) for m in modes))
-        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
         plans.start_attempt(1)
         plans.failure((ck, ck, ck, Mode.NONE), None, shape, foreseen=True)
         first = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
@@ -355,23 +365,12 @@ def test_a_retry_offloads_every_block_where_the_failed_plan_kept_a_block_whole(m
     4 x OFFLOAD fitted it at 78% of the budget. OFFLOAD keeps none of a block's saved tensors on the
     device: where the failed plan kept a block looser than it, a retry runs every block in it while its
     figures are a guess. SELECTIVE, a guess too but keeping some, is not tried so."""
-    from helpers import tiny, tiny_batch
-
     from adaptmem import Mode
 
-    model = tiny(n_layers=4)
-    dev = SimulatedDevice(2**31)
-    dev.track(model)
     none, off, sel, co = Mode.NONE, Mode.OFFLOAD, Mode.SELECTIVE, Mode.CHECKPOINT | Mode.OFFLOAD
-    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
-        for _ in range(3):
-            mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
-            model.zero_grad(set_to_none=True)
-        plans = mem._controller.plans
-        plans.ran_at.clear()
+    with calibrated_plans() as (mem, plans, key, shape):
         guess = {off: 900.0 * MiB, sel: 950.0 * MiB, none: 800.0 * MiB}  # every plan measured: 500 MiB
         monkeypatch.setattr(plans, "predict", lambda modes, *a, **k: max(guess.get(m, 500.0 * MiB) for m in modes))
-        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
         plans.start_attempt(1)
         plans.failure((co, co, co, none), None, shape, foreseen=True)
         first = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
@@ -391,21 +390,10 @@ def test_a_retry_never_runs_a_plan_that_only_puts_blocks_of_a_failed_one_in_none
     were for its source length (its decoder's target four times longer) retried 4 x NONE, which had run
     a longer source, after 3 x NONE and 1 x OFFLOAD failed, and the batch was given up; it is
     neither a retry's plan that ran the shape (a larger one) nor one the figures rank lowest."""
-    from helpers import tiny, tiny_batch
-
     from adaptmem import Mode
 
-    model = tiny(n_layers=4)
-    dev = SimulatedDevice(2**31)
-    dev.track(model)
     none, off = Mode.NONE, Mode.OFFLOAD
-    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
-        for _ in range(3):
-            mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
-            model.zero_grad(set_to_none=True)
-        plans = mem._controller.plans
-        plans.ran_at.clear()
-        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
+    with calibrated_plans() as (mem, plans, key, shape):
         all_none = (none,) * 4
         plans.ran((2, 2 * 64 * 64), plans.costs.grads_resident, all_none, None, 10 * MiB)  # a larger shape
         plans.start_attempt(1)
