@@ -187,14 +187,12 @@ def test_a_refusal_never_names_a_longest_length_at_or_above_the_one_it_refused()
     assert "all the same" not in text(240)
 
 
-def test_with_no_plan_predicted_lower_a_retry_runs_one_tighter_in_every_block_before_giving_up(monkeypatch):
-    """At a size not run yet the predictions carry margins and may rank plans wrongly. After an
-    out-of-memory error with nothing predicted lower, a retry still runs a plan no looser in any block
-    than every plan that failed and tighter in some; the batch is given up only when there is none."""
+@contextlib.contextmanager
+def calibrated_plans(forget_ran: bool = True):
+    """(manager, plan book, bucket, shape) of a tiny model after three steps at 2 x 64 tokens (every
+    block checkpointed, the calibration, then in NONE); with `forget_ran`, nothing kept of the plans
+    that ran the shape (which a retry would take first)."""
     from helpers import tiny, tiny_batch
-
-    from adaptmem import Mode
-    from adaptmem.modes import LADDER
 
     model = tiny(n_layers=4)
     dev = SimulatedDevice(2**31)
@@ -204,7 +202,19 @@ def test_with_no_plan_predicted_lower_a_retry_runs_one_tighter_in_every_block_be
             mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
             model.zero_grad(set_to_none=True)
         plans = mem._controller.plans
-        key, shape = plans.bucket(2, 64 * 64), (2, 64 * 64)
+        if forget_ran:
+            plans.ran_at.clear()
+        yield mem, plans, plans.bucket(2, 64 * 64), (2, 64 * 64)
+
+
+def test_with_no_plan_predicted_lower_a_retry_runs_one_tighter_in_every_block_before_giving_up(monkeypatch):
+    """At a size not run yet the predictions carry margins and may rank plans wrongly. After an
+    out-of-memory error with nothing predicted lower, a retry still runs a plan no looser in any block
+    than every plan that failed and tighter in some; the batch is given up only when there is none."""
+    from adaptmem import Mode
+    from adaptmem.modes import LADDER
+
+    with calibrated_plans(forget_ran=False) as (mem, plans, key, shape):
         monkeypatch.setattr(plans, "predict", lambda *args, **kwargs: 900.0 * MiB)  # every plan alike
         rank = {m: i for i, m in enumerate(mode for mode in LADDER if mode in plans.allowed)}
         tried = [(Mode.NONE, Mode.CHECKPOINT, Mode.NONE, Mode.OFFLOAD)]
@@ -306,25 +316,6 @@ def test_a_plan_that_ran_a_shape_is_run_where_the_figures_fit_none_and_retried_f
         again = plans.make(key, start, mem.budget, fixed={}, reason="retry", extent=shape[1])
         assert again.modes != worked
         plans.succeeded()
-
-
-@contextlib.contextmanager
-def calibrated_plans():
-    """(manager, plan book, bucket, shape) of a tiny model after three steps at 2 x 64 tokens (every
-    block checkpointed, the calibration, then in NONE), nothing kept of the plans that ran the shape
-    (which a retry would take first)."""
-    from helpers import tiny, tiny_batch
-
-    model = tiny(n_layers=4)
-    dev = SimulatedDevice(2**31)
-    dev.track(model)
-    with dev, adaptmem.manage(model, device=dev, budget="1GiB") as mem:
-        for _ in range(3):
-            mem.run_step(lambda: model(**tiny_batch(model, batch=2, seq=64)).loss.backward())
-            model.zero_grad(set_to_none=True)
-        plans = mem._controller.plans
-        plans.ran_at.clear()
-        yield mem, plans, plans.bucket(2, 64 * 64), (2, 64 * 64)
 
 
 def test_a_retry_tries_every_block_in_a_mode_never_run_before_the_ones_the_figures_rank(monkeypatch):
