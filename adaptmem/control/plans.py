@@ -719,8 +719,8 @@ class PlanBook:
         merged = tuple(m if rank.get(m, 0) >= rank.get(f, 0) else f for m, f in zip(modes, failed))
         candidates = [merged, tuple(step_up(f, allowed) for f in failed)]
         candidates += [tuple(m for _ in failed) for m in self._uniform_by_peak(shape)]
-        kept = [c for c in dict.fromkeys(candidates) if not self._holds_what_failed(c)]
-        return kept or list(dict.fromkeys(candidates))
+        unique = list(dict.fromkeys(candidates))
+        return [c for c in unique if not self._holds_what_failed(c)] or unique
 
     def _holds_what_failed(self, modes: tuple[Mode, ...]) -> bool:
         """`modes` differs from a plan that failed in this step only by blocks in NONE, which keeps all
