@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from adaptmem.strategies import codec_triton
-from adaptmem.strategies.payloads import Layout, Payload, nbytes_of, place, restore
+from adaptmem.strategies.payloads import Decoded, Layout, Payload, nbytes_of, place, restore
 
 CODECS = ("int8", "fp8", "bf16")
 COMPILE = ("on", "off", "triton")
@@ -73,7 +73,7 @@ class CompressOptions:
             raise ValueError(f"CompressOptions.compile must be one of {COMPILE}, got {self.compile!r}")
 
 
-class Quantized(Payload):
+class Quantized(Decoded):
     """Codes plus per-group scales (int8, fp8) or a cast (bf16) of one tensor."""
 
     __slots__ = ("codec", "codes", "scales", "shape", "dtype", "numel", "compiled", "layout")
@@ -89,6 +89,7 @@ class Quantized(Payload):
         compiled: str = "off",
         layout: Layout | None = None,
     ) -> None:
+        super().__init__()
         self.codec = codec
         self.codes = codes
         self.scales = scales
@@ -98,7 +99,7 @@ class Quantized(Payload):
         self.compiled = compiled  # CompressOptions.compile: how to decode it
         self.layout = layout  # the strides the tensor had (None: contiguous)
 
-    def restore(self) -> torch.Tensor:
+    def decode(self) -> torch.Tensor:
         codes = restore(self.codes)
         with torch.no_grad():
             if self.codec == "bf16":
@@ -117,18 +118,19 @@ class Quantized(Payload):
         )
 
 
-class BitPacked(Payload):
+class BitPacked(Decoded):
     """A boolean tensor, eight values to a byte."""
 
     __slots__ = ("bits", "shape", "numel", "layout")
 
     def __init__(self, bits: Any, shape: torch.Size, numel: int, layout: Layout | None = None) -> None:
+        super().__init__()
         self.bits = bits
         self.shape = shape
         self.numel = numel
         self.layout = layout
 
-    def restore(self) -> torch.Tensor:
+    def decode(self) -> torch.Tensor:
         bits = restore(self.bits)
         with torch.no_grad():
             flags = bits.unsqueeze(1).bitwise_right_shift(_shifts(bits.device)).bitwise_and_(1)

@@ -41,7 +41,7 @@ from adaptmem.registrations import buffers_of
 from adaptmem.strategies.compress import CompressOptions, encode
 from adaptmem.strategies.offload import HostCopy, OffloadOptions
 from adaptmem.strategies.offload_runtime import OffloadRuntime
-from adaptmem.strategies.payloads import Payload, Strided, Waiting, nbytes_of, restore
+from adaptmem.strategies.payloads import Decoded, Payload, Strided, Waiting, nbytes_of, restore
 
 
 class Packer:
@@ -217,8 +217,9 @@ def _key(t: torch.Tensor, storage: torch.UntypedStorage | None) -> tuple | None:
 
 def _shared(packed: Any) -> Any:
     """A payload (or a part of one) handed to one more save: its host copies keep the tensor
-    they bring back until every save has read it, so it comes back over the link once."""
-    if isinstance(packed, HostCopy):
+    they bring back until every save has read it, so it comes back over the link once; a
+    codec's payload keeps its decoded tensor so, and its codes come back once."""
+    if isinstance(packed, HostCopy | Decoded):  # a decoded payload is read from the device once
         packed.share()
     elif isinstance(packed, Waiting) and isinstance(packed.part, torch.Tensor):
         packed.holders += 1  # its storage is not sent yet: the copy is shared when it is

@@ -89,6 +89,40 @@ class Waiting(Payload):
         return Waiting(part, self.nbytes)
 
 
+class Decoded(Payload):
+    """A payload rebuilt by work on the device (a codec's decode). Several ops can save one
+    tensor (a norm's input, read by its square and its scaling): the block packs it once and
+    each save holds the same payload (`share`). The first save to read it decodes it and the
+    tensor is kept for the saves yet to read it, so it is decoded once, as NONE keeps it once;
+    the last of them lets it go (a second backward through a kept graph decodes it again)."""
+
+    __slots__ = ("users", "back", "left")
+
+    def __init__(self) -> None:
+        self.users = 1  # saves that hold this payload
+        self.back: torch.Tensor | None = None  # decoded, kept for the saves yet to read it
+        self.left = 0
+
+    def share(self) -> None:
+        """One more save holds this payload."""
+        self.users += 1
+
+    def restore(self) -> torch.Tensor:
+        back = self.back
+        if back is not None:
+            self.left -= 1
+            if self.left <= 0:
+                self.back = None
+            return back
+        back = self.decode()
+        if self.users > 1:
+            self.back, self.left = back, self.users - 1
+        return back
+
+    def decode(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
 def restore(packed: Any) -> torch.Tensor:
     """The unpack hook: payloads restore themselves, tensors pass through."""
     return packed.restore() if isinstance(packed, Payload) else packed

@@ -11,10 +11,11 @@ import adaptmem
 from adaptmem import Mode, OffloadOptions
 from adaptmem.devices.link import SimulatedLink
 from adaptmem.devices.tiers import using_link
-from adaptmem.strategies.compress import CompressOptions
+from adaptmem.strategies.compress import CompressOptions, Quantized, encode
 from adaptmem.strategies.offload import HostCopy
 from adaptmem.strategies.offload_runtime import OffloadRuntime
 from adaptmem.strategies.packing import Packer
+from adaptmem.strategies.payloads import Decoded
 from adaptmem.testing import SimulatedDevice
 
 MiB = 2**20
@@ -100,6 +101,35 @@ def test_a_tensor_several_ops_save_is_compressed_once():
     assert [h.packed_bytes for h in handles] == [(3 * B * D + B) * 4] * 2
     assert len(link.sent) == 2 * 4 * 2  # two blocks, four tensors, each as codes and scales
     assert sorted(link.fetched) == sorted(link.sent)
+
+
+def test_a_tensor_several_ops_save_is_decoded_once_with_the_same_gradients(monkeypatch):
+    decodes = []
+    decode = Quantized.decode
+
+    def counted(self):
+        decodes.append(self.numel)
+        return decode(self)
+
+    monkeypatch.setattr(Quantized, "decode", counted)
+    shared, handles, _ = _train(Mode.COMPRESS)
+    # per block: the input, h (saved four times), s and sin(h), each decoded once
+    assert sorted(decodes) == sorted([B * D, B * D, B, B * D] * 2)
+    monkeypatch.setattr(Decoded, "share", lambda self: None)  # each save decodes its own
+    decodes.clear()
+    apart, _, _ = _train(Mode.COMPRESS)
+    assert len(decodes) == 2 * 7
+    assert all(torch.equal(a, b) for a, b in zip(shared, apart))
+
+
+def test_a_decoded_tensor_is_kept_for_the_saves_yet_to_read_it_and_let_go_after_the_last():
+    payload = encode(torch.randn(4, 64), CompressOptions(min_bytes=0))
+    payload.share()
+    first = payload.restore()
+    assert payload.back is first
+    assert payload.restore() is first and payload.back is None  # the second save let it go
+    again = payload.restore()  # a second backward through a kept graph decodes again
+    assert again is not first and torch.equal(again, first)
 
 
 def test_a_storage_freed_and_another_at_its_address_is_packed_anew():
