@@ -122,8 +122,8 @@ class Policy(BaseModel):
     compress_group_size: StrictInt = Field(64, ge=8)
     "Values sharing one scale in int8/fp8 compression (count)."
 
-    compress_compile: Literal["on", "off", "triton"] = "off"
-    "Fused int8/fp8 codec kernels by torch.compile ('on'), int8 kernels written for Triton on CUDA ('triton'), or eager ops ('off'); see docs/modes.md."
+    compress_compile: Literal["auto", "on", "off", "triton"] = "auto"
+    "The codec's kernels: int8 by kernels written for Triton on CUDA where Triton runs, else eager ops ('auto'); Triton's, with a warning where they cannot run on CUDA ('triton'); fused int8/fp8 kernels by torch.compile ('on'); eager ops ('off'); see docs/modes.md."
 
     compress_penalty: StrictFloat = Field(0.5, ge=0)
     "Planner cost of a lossy mode on a block, as a fraction of that block's forward time, on top of its time."

@@ -34,7 +34,12 @@ def supports(t: torch.Tensor, codec: str, group_size: int) -> bool:
     Triton's interpreter, `TRITON_INTERPRET=1`), groups a power of two, Triton importable."""
     if not AVAILABLE or codec != "int8" or group_size & (group_size - 1):
         return False
-    return t.is_cuda or _interpreting()
+    return on_gpu(t) or _interpreting()
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether `t` is where the kernels run compiled (a CUDA tensor)."""
+    return t.is_cuda
 
 
 def _interpreting() -> bool:

@@ -36,7 +36,7 @@ from adaptmem.strategies import codec_triton
 from adaptmem.strategies.payloads import Decoded, Layout, Payload, nbytes_of, place, restore
 
 CODECS = ("int8", "fp8", "bf16")
-COMPILE = ("on", "off", "triton")
+COMPILE = ("auto", "on", "off", "triton")
 _FP8_MAX = 448.0
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -51,16 +51,18 @@ class CompressOptions:
     group_size: values sharing one scale for int8 / fp8 (count, >= 8).
     min_bytes: floating tensors smaller than this pass through (bytes).
     pack_bool: bit-pack boolean tensors such as dropout masks (lossless).
-    compile: "on": fused kernels by torch.compile (on the CPU it needs a C++ compiler; the first
-        call of each shape family compiles); "off": eager ops; "triton": int8 on CUDA by two
-        hand-written Triton kernels launched directly (`codec_triton`), elsewhere eager ops.
+    compile: "auto" (default): int8 on CUDA by two hand-written Triton kernels launched directly
+        (`codec_triton`) where Triton runs, elsewhere eager ops; "triton": the same, with a
+        warning where the kernels cannot run on CUDA; "on": fused kernels by torch.compile (on
+        the CPU it needs a C++ compiler; the first call of each shape family compiles); "off":
+        eager ops.
     """
 
     codec: str = "int8"
     group_size: int = 64
     min_bytes: int = 64 * 1024
     pack_bool: bool = True
-    compile: str = "off"
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -161,8 +163,8 @@ def _quantize(t: torch.Tensor, codec: str, group_size: int, compiled: str = "off
     """Groups run over the values in memory order, so the tensor comes back with its strides."""
     flat, layout = Layout.flatten(t)
     numel = flat.numel()
-    if compiled == "triton":
-        if _triton_runs(t, codec, group_size):
+    if compiled in ("triton", "auto"):
+        if _triton_runs(t, codec, group_size, asked=compiled == "triton"):
             codes, scales = codec_triton.encode(flat, group_size)
             return Quantized(codec, codes, scales, t.shape, t.dtype, numel, "triton", layout)
         compiled = "off"
@@ -207,15 +209,17 @@ def _decode_groups(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     return torch.mul(codes, scales, out=torch.empty(codes.shape, dtype=dtype, device=codes.device))
 
 
-def _triton_runs(t: torch.Tensor, codec: str, group_size: int) -> bool:
-    """Whether the Triton kernels encode `t`; where they were asked for on CUDA and cannot (no
-    Triton, fp8, a group size not a power of two), one warning for the process says why."""
+def _triton_runs(t: torch.Tensor, codec: str, group_size: int, asked: bool = True) -> bool:
+    """Whether the Triton kernels encode `t`. "auto" takes them for int8 on CUDA where they run,
+    and says nothing where they cannot; where "triton" was asked on CUDA and they cannot (no
+    Triton, fp8, a group size not a power of two), one warning for the process says why. Either
+    way the kernels are tried once on the device first (`_TritonCheck`)."""
     if torch.compiler.is_compiling():  # inside compiled code its compiler fuses the codec
         return False
-    if codec_triton.supports(t, codec, group_size):
-        return True
-    if t.is_cuda and not _TritonNotice.given:
-        _TritonNotice.given = True
+    if (asked or codec_triton.on_gpu(t)) and codec_triton.supports(t, codec, group_size):
+        return _TritonCheck.works(t.device, group_size)
+    if asked and codec_triton.on_gpu(t) and not _TritonCheck.told:
+        _TritonCheck.told = True
         why = (
             "Triton is not installed"
             if not codec_triton.AVAILABLE
@@ -225,8 +229,41 @@ def _triton_runs(t: torch.Tensor, codec: str, group_size: int) -> bool:
     return False
 
 
-class _TritonNotice:
-    given = False
+class _TritonCheck:
+    """Triton's kernels run once, on a small tensor, before any saved tensor is encoded by them:
+    Triton builds its launcher with the machine's C compiler and each kernel for the GPU on
+    first use, and either can fail where PyTorch itself runs. Where the round trip fails or
+    gives other values than the eager codec's decode of the same codes, the eager codec runs
+    from then on, with one warning saying why."""
+
+    told = False  # "triton" asked where the kernels cannot run
+    failed = False  # a first run failed
+    checked: dict[tuple[torch.device, int], bool] = {}  # (device, group size) -> the kernels work there
+
+    @classmethod
+    def works(cls, device: torch.device, group_size: int) -> bool:
+        key = (device, group_size)
+        if key not in cls.checked:
+            cls.checked[key] = cls._round_trip(device, group_size)
+        return cls.checked[key]
+
+    @classmethod
+    def _round_trip(cls, device: torch.device, group_size: int) -> bool:
+        try:
+            with torch.no_grad():
+                values = torch.linspace(-3.0, 5.0, 3 * group_size + 5, device=device)
+                codes, scales = codec_triton.encode(values, group_size)
+                back = codec_triton.decode(codes, scales, values.dtype, values.numel())
+                expected = (codes.float() * scales).view(-1)[: values.numel()]
+                if torch.equal(back, expected) and (back - values).abs().max().item() <= scales.max().item():
+                    return True
+                why = "its round trip gave other values than its codes and scales hold"
+        except Exception as err:  # Triton's own error types: no compiler, no driver, an unsupported GPU
+            why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if not cls.failed:
+            cls.failed = True
+            log.warning("adaptmem: COMPRESS's Triton codec failed its first run (%s); it runs as eager ops", why)
+        return False
 
 
 #: (function, device type) -> its compiled form, which runs the eager one once compiling has failed

@@ -15,7 +15,7 @@ from helpers import int8_codes
 from adaptmem import CompressOptions
 from adaptmem.config.policy import Policy
 from adaptmem.strategies import codec_triton
-from adaptmem.strategies.compress import Quantized, encode
+from adaptmem.strategies.compress import Quantized, _TritonCheck, encode
 from adaptmem.strategies.payloads import restore
 
 
@@ -123,10 +123,71 @@ def test_the_kernels_compile_for_a_gpu_with_ieee_division_and_the_rounding_kept(
 
 def test_the_policy_takes_triton_and_names_the_choices_otherwise():
     assert Policy(compress_compile="triton").compress_compile == "triton"
+    assert Policy().compress_compile == "auto" and CompressOptions().compile == "auto"
     with pytest.raises(ValueError, match="compress_compile"):
         Policy(compress_compile="fast")
-    with pytest.raises(ValueError, match="'on', 'off', 'triton'"):
+    with pytest.raises(ValueError, match="'auto', 'on', 'off', 'triton'"):
         CompressOptions(compile="fast")
+
+
+def test_auto_runs_the_eager_codec_off_cuda_and_says_nothing(caplog):
+    """The default: on a CPU tensor the eager codes, even where Triton's interpreter could run."""
+    t = values(1000, torch.float32)
+    payload = encode(t, CompressOptions(min_bytes=0))
+    assert payload.compiled == "off" and torch.equal(payload.codes, int8_codes(t)[0])
+    assert not [r for r in caplog.records if "riton" in r.getMessage()]
+
+
+@pytest.fixture
+def kernels_anywhere(monkeypatch):
+    """Triton's kernels taken for CPU tensors, as on CUDA, with no first run checked yet."""
+    monkeypatch.setattr(codec_triton, "supports", lambda t, codec, group_size: codec == "int8")
+    monkeypatch.setattr(_TritonCheck, "checked", {})
+    monkeypatch.setattr(_TritonCheck, "failed", False)
+    monkeypatch.setattr(codec_triton, "on_gpu", lambda t: True)
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong values"])
+def test_kernels_that_fail_their_first_run_leave_the_eager_codec_with_one_warning(
+    kernels_anywhere, monkeypatch, caplog, failure
+):
+    """A Triton that cannot build its launcher (no C compiler) or a kernel that gives wrong values:
+    found on a small tensor before any saved tensor is encoded, once for the process."""
+    calls = []
+
+    def broken(flat, group_size):
+        calls.append(flat.numel())
+        if failure == "raises":
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+        groups = -(-flat.numel() // group_size)
+        return torch.zeros(groups, group_size, dtype=torch.int8), torch.ones(groups, 1)
+
+    monkeypatch.setattr(codec_triton, "encode", broken)
+    monkeypatch.setattr(codec_triton, "decode", lambda codes, scales, dtype, n: torch.zeros(n, dtype=dtype))
+    t = values(1000, torch.float32)
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        payloads = [encode(t, CompressOptions(min_bytes=0, compile=how)) for how in ("auto", "triton", "auto")]
+    assert [p.compiled for p in payloads] == ["off"] * 3
+    assert all(torch.equal(p.codes, int8_codes(t)[0]) for p in payloads)
+    assert calls == [3 * 64 + 5]  # the one check, on its own small tensor
+    warned = [r.getMessage() for r in caplog.records if "failed its first run" in r.getMessage()]
+    assert len(warned) == 1 and ("C compiler" in warned[0]) == (failure == "raises")
+
+
+def test_kernels_that_pass_their_first_run_encode_every_tensor_after_it(kernels_anywhere, monkeypatch):
+    calls = []
+
+    def fine(flat, group_size):
+        calls.append(flat.numel())
+        return int8_codes(flat, group_size)
+
+    monkeypatch.setattr(codec_triton, "encode", fine)
+    monkeypatch.setattr(
+        codec_triton, "decode", lambda codes, scales, dtype, n: (codes.float() * scales).view(-1)[:n].to(dtype)
+    )
+    t = values(1000, torch.float32)
+    assert [encode(t, CompressOptions(min_bytes=0)).compiled for _ in range(2)] == ["triton"] * 2
+    assert calls == [3 * 64 + 5, 1000, 1000]
 
 
 @pytest.mark.cuda
@@ -144,3 +205,4 @@ def test_the_kernels_on_cuda_give_the_defined_codes_and_decode_exactly(dtype):
     t = values(64 * 40 * 8, dtype, "cuda").view(8, 40, 64).permute(2, 0, 1)
     payload = encode(t, CompressOptions(min_bytes=0, compile="triton"))
     assert payload.compiled == "triton" and restore(payload).stride() == t.stride()
+    assert encode(t, CompressOptions(min_bytes=0)).compiled == "triton"  # the default, "auto"
