@@ -98,14 +98,16 @@ class OnTorchCheckpoint:
 
 
 class FusedCodec:
-    """COMPRESS with its codec in one kernel per tensor each way instead of eager ops: compiled by
-    `torch.compile` (`CompressOptions.compile` "on"), or Triton's kernels ("triton")."""
+    """COMPRESS with its codec other than the default ("auto": Triton's kernels on CUDA where they
+    run, else eager ops): compiled by `torch.compile` (`CompressOptions.compile` "on"), Triton's
+    kernels ("triton"), or eager ops ("off")."""
 
     mode = Mode.COMPRESS
+    LABELS = {"on": "COMPRESS fused codec", "triton": "COMPRESS triton codec", "off": "COMPRESS eager codec"}
 
     def __init__(self, handles, how: str = "on") -> None:
         self.handles, self.how = handles, how
-        self.label = "COMPRESS fused codec" if how == "on" else "COMPRESS triton codec"
+        self.label = self.LABELS[how]
 
     @contextmanager
     def installed(self):
@@ -121,6 +123,30 @@ class FusedCodec:
                 h.compress_options = options
 
 
+class SelectiveShare:
+    """SELECTIVE with another share of its held outputs' FLOPs left to the recompute
+    (`selective.RECOMPUTE_SHARE`), each block's choice made again at its next forward."""
+
+    mode = Mode.SELECTIVE
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.label = f"SELECTIVE share {share:g}"
+
+    @contextmanager
+    def installed(self):
+        from adaptmem.strategies import selective
+
+        own = selective.RECOMPUTE_SHARE
+        selective.RECOMPUTE_SHARE = self.share
+        selective._BLOCKS.clear()
+        try:
+            yield
+        finally:
+            selective.RECOMPUTE_SHARE = own
+            selective._BLOCKS.clear()
+
+
 def set_mode(model, handles, mode) -> None:
     """Every block in `mode`, or (the peer's row) every block plain under the model's own checkpointing."""
     from adaptmem.integrations.transformers import switch_own_checkpointing
@@ -134,7 +160,7 @@ def set_mode(model, handles, mode) -> None:
 def run_as(mode):
     """The context a row's mode runs in: PyTorch's checkpoint installed for `OnTorchCheckpoint`, the
     compiled codec for `FusedCodec`."""
-    return mode.installed() if isinstance(mode, (OnTorchCheckpoint, FusedCodec)) else nullcontext()
+    return mode.installed() if isinstance(mode, (OnTorchCheckpoint, FusedCodec, SelectiveShare)) else nullcontext()
 
 
 def peak_of(model, ids, device) -> int:
@@ -310,6 +336,19 @@ def main(argv=None) -> int:
         help="add a row of COMPRESS with its codec in Triton's kernels (CompressOptions(compile='triton'))",
     )
     p.add_argument(
+        "--eager-codec",
+        action="store_true",
+        help="add a row of COMPRESS with its codec as eager ops (CompressOptions(compile='off'))",
+    )
+    p.add_argument(
+        "--selective-share",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="add a row of SELECTIVE leaving SHARE of its held outputs' FLOPs to the recompute "
+        "(adaptmem.strategies.selective.RECOMPUTE_SHARE; the default row leaves 0.15)",
+    )
+    p.add_argument(
         "--compile-blocks",
         action="store_true",
         help="compile each block for every row (adaptmem.compile_blocks): the recomputing modes then run "
@@ -346,6 +385,8 @@ def main(argv=None) -> int:
     handles = adaptmem.instrument(model)
     modes += [FusedCodec(handles)] if args.fused_codec else []
     modes += [FusedCodec(handles, "triton")] if args.triton_codec else []
+    modes += [FusedCodec(handles, "off")] if args.eager_codec else []
+    modes += [SelectiveShare(args.selective_share)] if args.selective_share is not None else []
     if args.compile_blocks:
         adaptmem.compile_blocks(model)
     ids = torch.randint(0, vocab, (args.batch, seq), device=args.device)
@@ -397,8 +438,9 @@ def main(argv=None) -> int:
     print(f"\n{'mode':<20} {'peak':>12} {'peak/NONE':>10} {'step':>10} {'step/NONE [95% interval]':>26}")
     for r in rows:
         r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
-        r["time_ratio"] = r["step_s"] / base["step_s"]
-        low, high = interval(round_ratios(r["round_s"], base["round_s"]))
+        paired = round_ratios(r["round_s"], base["round_s"])  # each round's ratio, as its interval reads
+        r["time_ratio"] = statistics.median(paired) if paired else r["step_s"] / base["step_s"]
+        low, high = interval(paired)
         print(
             f"{r['mode']:<20} {format_bytes(r['peak_bytes']):>12} {r['peak_ratio']:>10.1%} "
             f"{r['step_s'] * 1e3:>8.1f}ms {r['time_ratio']:>9.2f}x [{low:.2f}, {high:.2f}]"

@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=0, help="also print the N ops taking the most device time")
     p.add_argument(
         "--codec",
-        choices=["off", "on", "triton"],
-        default="off",
-        help="COMPRESS's codec: eager ops, compiled by torch.compile, or Triton's kernels (CompressOptions.compile)",
+        choices=["auto", "off", "on", "triton"],
+        default="auto",
+        help="COMPRESS's codec (CompressOptions.compile): the default (Triton's kernels where they run, else "
+        "eager ops), eager ops, compiled by torch.compile, or Triton's kernels",
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(s, indent=1))
     if args.top:
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top))
-    label = args.mode + (f" (codec {args.codec})" if args.codec != "off" else "")
+    label = args.mode + (f" (codec {args.codec})" if args.codec != "auto" else "")
     print(f"{label}: step {wall * 1e3:.1f} ms (unprofiled); compute stream busy {s['compute_ms']:.1f} ms")
     for key in ("d2h", "h2d"):
         c = s[key]
