@@ -125,26 +125,31 @@ class FusedCodec:
 
 class SelectiveShare:
     """SELECTIVE with another share of its held outputs' FLOPs left to the recompute
-    (`selective.RECOMPUTE_SHARE`), each block's choice made again at its next forward."""
+    (`selective.RECOMPUTE_SHARE`): each block chooses at its first forward under the row, and
+    keeps that choice for the row's later rounds, as the default row keeps its own."""
 
     mode = Mode.SELECTIVE
 
     def __init__(self, share: float) -> None:
         self.share = share
         self.label = f"SELECTIVE share {share:g}"
+        self.known: dict = {}  # block -> what it learned under this row
 
     @contextmanager
     def installed(self):
         from adaptmem.strategies import selective
 
-        own = selective.RECOMPUTE_SHARE
+        own, known = selective.RECOMPUTE_SHARE, dict(selective._BLOCKS)
         selective.RECOMPUTE_SHARE = self.share
         selective._BLOCKS.clear()
+        selective._BLOCKS.update(self.known)
         try:
             yield
         finally:
+            self.known = dict(selective._BLOCKS)
             selective.RECOMPUTE_SHARE = own
             selective._BLOCKS.clear()
+            selective._BLOCKS.update(known)
 
 
 def set_mode(model, handles, mode) -> None:

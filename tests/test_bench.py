@@ -502,6 +502,24 @@ def test_a_torch_checkpoint_row_runs_pytorchs_checkpoint_and_is_read_against_ada
     assert got == {"CHECKPOINT": "met"}  # SELECTIVE had no row on PyTorch's beside it
 
 
+def test_a_selective_share_row_chooses_under_its_share_and_leaves_the_default_rows_choice():
+    from torch import nn
+
+    from adaptmem.strategies import selective
+    from stress.bench_modes import SelectiveShare, run_as
+
+    block, own = nn.Linear(2, 2), selective.RECOMPUTE_SHARE
+    default = selective.block_layers(block)
+    row, seen = SelectiveShare(0.0), []
+    for _ in range(2):  # two rounds
+        with run_as(row):
+            seen.append((selective.RECOMPUTE_SHARE, selective.block_layers(block)))
+        assert selective.RECOMPUTE_SHARE == own and selective.block_layers(block) is default
+    assert [share for share, _ in seen] == [0.0, 0.0]
+    assert seen[0][1] is seen[1][1] and seen[0][1] is not default  # its own choice, kept across rounds
+    assert row.label == "SELECTIVE share 0"
+
+
 def test_the_launch_bound_proxy_reports_host_time_by_stretch_for_its_interval():
     """The proxy's host time per steady step is the mean of its stretches' (one per `HOST_CHUNKS`),
     and each managed/unmanaged ratio is kept per round for the verdicts."""
