@@ -351,7 +351,7 @@ def main(argv=None) -> int:
         default=None,
         metavar="SHARE",
         help="add a row of SELECTIVE leaving SHARE of its held outputs' FLOPs to the recompute "
-        "(adaptmem.strategies.selective.RECOMPUTE_SHARE; the default row leaves 0.15)",
+        "(adaptmem.strategies.selective.RECOMPUTE_SHARE; the default row leaves none)",
     )
     p.add_argument(
         "--compile-blocks",

@@ -104,9 +104,14 @@ def keeps_output(module: nn.Module) -> bool:
 
 #: The share of the held outputs' FLOPs SELECTIVE may spend recomputing some of them instead:
 #: those that free the most bytes per FLOP (fewest FLOPs per byte, the larger first) while it
-#: lasts. With the pointwise work that keeps its recompute under a third of CHECKPOINT's. In a
-#: Llama block of hidden 512 at 512 tokens that is the query and key projections.
-RECOMPUTE_SHARE = 0.15
+#: lasts. None by default: a weight layer's output costs hundreds of FLOPs an element to
+#: recompute, and where the step is bound by memory traffic (a GPU's, a CPU's) the pointwise
+#: work SELECTIVE recomputes already costs what the target allows. At 0.15, a Llama block
+#: of hidden 512 at 512 tokens leaves its query and key projections to the recompute:
+#: on the CPU's Llama at batch 4 x 512 that held 53.0% of NONE's peak at 1.08x its step,
+#: none 59.5% at 1.04x; on an H200 at batch 4 x 2048, 50.4% at 1.16x to 1.22x, none 55.3%
+#: at 1.12x (`python -m stress.bench_modes --selective-share 0.15`).
+RECOMPUTE_SHARE = 0.0
 
 
 def resolve_ops(names: tuple[str, ...]) -> frozenset:

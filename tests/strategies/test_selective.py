@@ -201,11 +201,12 @@ def test_fused_attention_is_held_and_answered_unless_it_draws_dropout(monkeypatc
         assert torch.nn.functional.scaled_dot_product_attention is sdpa  # put back after each run
 
 
-def test_the_recompute_share_leaves_the_cheapest_bytes_to_the_recompute():
+def test_the_recompute_share_leaves_the_cheapest_bytes_to_the_recompute(monkeypatch):
     """Held: q, k, v, o (1, 0.5, 0.5, 1 widths at 2 * width FLOPs an element) and attention
     (4 * seq FLOPs an element). A share of 0.15 of their FLOPs leaves the largest of the cheapest
-    per byte to the recompute: the query and key projections (the output projection would pass it)."""
-    known = selective.BlockLayers()
+    per byte to the recompute: the query and key projections (the output projection would pass it).
+    The default share, none, leaves every held output held."""
+    by_default = selective.BlockLayers()
     width, seq = 512, 512
     held = {
         ("q", 0): (width, 2 * width),
@@ -217,6 +218,10 @@ def test_the_recompute_share_leaves_the_cheapest_bytes_to_the_recompute():
         ("up", 0): (1376, 2 * width),
         ("down", 0): (width, 2 * 1376),
     }
+    by_default.choose({k: _held(elements, flops) for k, (elements, flops) in held.items()})
+    assert by_default.unneeded == {("down", 0)} and by_default.dropped == set()
+    monkeypatch.setattr(selective, "RECOMPUTE_SHARE", 0.15)
+    known = selective.BlockLayers()
     known.choose({k: _held(elements, flops) for k, (elements, flops) in held.items()})
     assert known.unneeded == {("down", 0)}
     assert known.dropped == {("q", 0), ("k", 0)}
