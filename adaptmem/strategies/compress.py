@@ -217,7 +217,7 @@ def _triton_runs(t: torch.Tensor, codec: str, group_size: int, asked: bool = Tru
     if torch.compiler.is_compiling():  # inside compiled code its compiler fuses the codec
         return False
     if (asked or codec_triton.on_gpu(t)) and codec_triton.supports(t, codec, group_size):
-        return _TritonCheck.works(t.device, group_size)
+        return _TritonCheck.works(t.device, t.dtype, group_size)
     if asked and codec_triton.on_gpu(t) and not _TritonCheck.told:
         _TritonCheck.told = True
         why = (
@@ -230,32 +230,34 @@ def _triton_runs(t: torch.Tensor, codec: str, group_size: int, asked: bool = Tru
 
 
 class _TritonCheck:
-    """Triton's kernels run once, on a small tensor, before any saved tensor is encoded by them:
-    Triton builds its launcher with the machine's C compiler and each kernel for the GPU on
-    first use, and either can fail where PyTorch itself runs. Where the round trip fails or
-    gives other values than the eager codec's decode of the same codes, the eager codec runs
-    from then on, with one warning saying why."""
+    """Triton's kernels run once on a small tensor of each device and type before any saved
+    tensor of them is encoded by them (so the decode that backward needs has run too): Triton
+    builds its launcher with the machine's C compiler and each kernel for the GPU on first use,
+    and either can fail where PyTorch itself runs. Where the round trip fails or gives other
+    values than its codes times its scales, the eager codec runs there from then on, with one
+    warning for the process saying why."""
 
     told = False  # "triton" asked where the kernels cannot run
     failed = False  # a first run failed
-    checked: dict[tuple[torch.device, int], bool] = {}  # (device, group size) -> the kernels work there
+    checked: dict[tuple[torch.device, torch.dtype, int], bool] = {}  # -> the kernels work there
 
     @classmethod
-    def works(cls, device: torch.device, group_size: int) -> bool:
-        key = (device, group_size)
+    def works(cls, device: torch.device, dtype: torch.dtype, group_size: int) -> bool:
+        key = (device, dtype, group_size)
         if key not in cls.checked:
-            cls.checked[key] = cls._round_trip(device, group_size)
+            cls.checked[key] = cls._round_trip(device, dtype, group_size)
         return cls.checked[key]
 
     @classmethod
-    def _round_trip(cls, device: torch.device, group_size: int) -> bool:
+    def _round_trip(cls, device: torch.device, dtype: torch.dtype, group_size: int) -> bool:
         try:
             with torch.no_grad():
-                values = torch.linspace(-3.0, 5.0, 3 * group_size + 5, device=device)
+                values = torch.linspace(-3.0, 5.0, 3 * group_size + 5, device=device).to(dtype)
                 codes, scales = codec_triton.encode(values, group_size)
-                back = codec_triton.decode(codes, scales, values.dtype, values.numel())
-                expected = (codes.float() * scales).view(-1)[: values.numel()]
-                if torch.equal(back, expected) and (back - values).abs().max().item() <= scales.max().item():
+                back = codec_triton.decode(codes, scales, dtype, values.numel())
+                expected = (codes.float() * scales).view(-1)[: values.numel()].to(dtype)
+                error = (back.float() - values.float()).abs().max()
+                if torch.equal(back, expected) and error.item() <= scales.max().item():
                     return True
                 why = "its round trip gave other values than its codes and scales hold"
         except Exception as err:  # Triton's own error types: no compiler, no driver, an unsupported GPU

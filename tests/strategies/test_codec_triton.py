@@ -188,6 +188,8 @@ def test_kernels_that_pass_their_first_run_encode_every_tensor_after_it(kernels_
     t = values(1000, torch.float32)
     assert [encode(t, CompressOptions(min_bytes=0)).compiled for _ in range(2)] == ["triton"] * 2
     assert calls == [3 * 64 + 5, 1000, 1000]
+    assert encode(t.to(torch.bfloat16), CompressOptions(min_bytes=0)).compiled == "triton"
+    assert calls[3:] == [3 * 64 + 5, 1000]  # a new type is checked first: its decode is other code
 
 
 @pytest.mark.cuda
