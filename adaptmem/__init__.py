@@ -8,6 +8,7 @@ from adaptmem.control.events import read_log
 from adaptmem.control.manage import manage
 from adaptmem.control.manager import MemoryManager
 from adaptmem.control.retry import InexactRetryError, StepOutOfMemoryError
+from adaptmem.devices.engine import release_failed_backward
 from adaptmem.modes import ALLOWED_MODES, LOSSLESS_MODES, HeadMode, Mode
 from adaptmem.strategies import CompressOptions, OffloadOptions
 from adaptmem.strategies.head import LogitsNotMaterializedError
@@ -37,5 +38,6 @@ __all__ = [
     "load_policy",
     "manage",
     "read_log",
+    "release_failed_backward",
     "restore",
 ]

@@ -62,6 +62,7 @@ from adaptmem.control.schedule import MeasureSchedule
 from adaptmem.control.stats import RunStats
 from adaptmem.control.unfit import Trace, below_floor, refusal, unfittable
 from adaptmem.devices.cuda import CudaProbe
+from adaptmem.devices.engine import release_failed_backward
 from adaptmem.devices.host import HostProbe
 from adaptmem.modes import HeadMode, Mode
 from adaptmem.registrations import parameters_of
@@ -612,6 +613,8 @@ class Controller:
         return not self.now.feasible and self.ranks.alone and observed >= self.policy.low_watermark * self.budget
 
     def _record_oom(self, err: BaseException, sample: StepSample | None) -> dict:
+        # before memory is read: what the failed backward left queued in autograd's engine
+        release_failed_backward({p.device for p in self.model.parameters()})
         self.stats.ooms += 1
         self.measuring.again()
         self.decider.after_oom()
