@@ -6,7 +6,9 @@ was ready beside it (a block with two branches, attention beside its MLP: one ru
 other waits), the waiting one stays queued after the error, holding the failed step's graph
 and every tensor it saved, until that thread runs its next backward. On a 3-layer Cohere at
 4 x 512 tokens that was 115 MiB on the stand-in, and the step after it was planned from
-there. One backward of nothing on each device drains the queues.
+there. PyTorch keeps a thread's ready queue from one backward to the next, with whatever a
+failed one left in it (pytorch/pytorch#33157 chose not to clear it). One backward of nothing on
+each device drains the queues.
 """
 
 from __future__ import annotations
