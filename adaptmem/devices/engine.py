@@ -1,14 +1,17 @@
 """What a backward that raised leaves in PyTorch's autograd engine, and how to let it go.
 
-The engine runs a backward's nodes from a ready queue, one per thread (the calling thread's
-for CPU work, one thread per GPU). Where a node raises (an out-of-memory error) while another
+The engine runs a backward's nodes from ready queues: the calling thread's for CPU work,
+which it serves only while it runs a backward, and one per GPU, served by that device's own
+thread. Where a node raises (an out-of-memory error) while another
 was ready beside it (a block with two branches, attention beside its MLP: one runs while the
 other waits), the waiting one stays queued after the error, holding the failed step's graph
 and every tensor it saved, until that thread runs its next backward. On a 3-layer Cohere at
 4 x 512 tokens that was 115 MiB on the stand-in, and the step after it was planned from
-there. PyTorch keeps a thread's ready queue from one backward to the next, with whatever a
-failed one left in it (pytorch/pytorch#33157 chose not to clear it). One backward of nothing on
-each device drains the queues.
+there. PyTorch keeps the calling thread's queue from one backward to the next, with whatever a
+failed one left in it (pytorch/pytorch#33157 chose not to clear it). One backward of nothing
+drains it; one runs on each of the model's devices too, for a device thread's queue (whether
+one keeps such nodes is not measured: a device's thread serves its queue without a backward
+of the caller's).
 """
 
 from __future__ import annotations
