@@ -85,6 +85,17 @@ def test_a_view_comes_back_with_the_strides_it_had(codec):
     assert roundtrip(expanded, **opts)[1].is_contiguous()
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8", "bf16"])
+def test_the_codec_records_nothing_for_autograd_in_grad_mode(codec):
+    """A pack hook runs in forward and an unpack under `create_graph=True` in grad mode: neither the
+    payload nor the tensor it gives back carries a gradient or a node."""
+    t = (torch.randn(64, 64) * 2).requires_grad_()
+    with torch.enable_grad():
+        payload = encode(t * 1.0, CompressOptions(min_bytes=0, codec=codec))
+        back = payload.restore()
+    assert not payload.codes.requires_grad and back.grad_fn is None and not back.requires_grad
+
+
 def test_what_passes_through_untouched():
     opts = CompressOptions(min_bytes=1024)
     assert encode(torch.randn(10), opts) is None  # below min_bytes
