@@ -113,6 +113,12 @@ class Quantized(Decoded):
         values = _kernel(_decode_groups, codes.device, self.compiled)(codes, restore(self.scales), self.dtype)
         return place(values.view(-1)[: self.numel], self.shape, self.layout)
 
+    def nbytes(self) -> int:
+        codes, scales = self.codes, self.scales
+        if isinstance(codes, torch.Tensor) and (scales is None or isinstance(scales, torch.Tensor)):
+            return nbytes_of(codes) + (nbytes_of(scales) if scales is not None else 0)  # no copy made to count
+        return super().nbytes()
+
     def map_tensors(self, fn: Callable[[torch.Tensor], Any]) -> Quantized:
         scales = fn(self.scales) if self.scales is not None else None  # bf16 has none
         return Quantized(

@@ -9,7 +9,7 @@ import adaptmem
 from adaptmem import CompressOptions, Mode
 from adaptmem.strategies.compress import BitPacked, Quantized, encode
 from adaptmem.strategies.packing import Packer
-from adaptmem.strategies.payloads import restore
+from adaptmem.strategies.payloads import Payload, restore
 
 
 def roundtrip(t, **opts):
@@ -94,6 +94,13 @@ def test_the_codec_records_nothing_for_autograd_in_grad_mode(codec):
         payload = encode(t * 1.0, CompressOptions(min_bytes=0, codec=codec))
         back = payload.restore()
     assert not payload.codes.requires_grad and back.grad_fn is None and not back.requires_grad
+    assert (
+        payload.nbytes()
+        == Payload.nbytes(payload)
+        == sum(  # counted without a copy of it made
+            p.numel() * p.element_size() for p in (payload.codes, payload.scales) if p is not None
+        )
+    )
 
 
 def test_what_passes_through_untouched():
