@@ -163,8 +163,8 @@ def set_mode(model, handles, mode) -> None:
 
 
 def run_as(mode):
-    """The context a row's mode runs in: PyTorch's checkpoint installed for `OnTorchCheckpoint`, the
-    compiled codec for `FusedCodec`."""
+    """The context a row's mode runs in: PyTorch's checkpoint installed for `OnTorchCheckpoint`, its
+    codec for `FusedCodec`, its recompute share for `SelectiveShare`."""
     return mode.installed() if isinstance(mode, (OnTorchCheckpoint, FusedCodec, SelectiveShare)) else nullcontext()
 
 

@@ -164,7 +164,7 @@ def _one_kind(stack: nn.Module, layers: set[str]) -> bool:
     names as never to be split (`_no_split_modules`): a hybrid's attention and Mamba layers (Jamba's
     `model.layers`)."""
     classes = {user_class(child) for child in stack}
-    return len(classes) == 1 or (len(classes) > 1 and all(c.__name__ in layers for c in classes))
+    return len(classes) == 1 or all(c.__name__ in layers for c in classes)
 
 
 def _stage_layers(stack: nn.Module) -> list[tuple[str, nn.Module]] | None:
