@@ -260,19 +260,45 @@ class _TritonCheck:
         try:
             with torch.no_grad():
                 values = torch.linspace(-3.0, 5.0, 3 * group_size + 5, device=device).to(dtype)
-                codes, scales = codec_triton.encode(values, group_size)
-                back = codec_triton.decode(codes, scales, dtype, values.numel())
-                expected = (codes.float() * scales).view(-1)[: values.numel()].to(dtype)
-                error = (back.float() - values.float()).abs().max()
-                if torch.equal(back, expected) and error.item() <= scales.max().item():
+                why = cls._wrong(values, group_size)
+                if why is None:
+                    cls._direct_launch(values, group_size)
                     return True
-                why = "its round trip gave other values than its codes and scales hold"
         except Exception as err:  # Triton's own error types: no compiler, no driver, an unsupported GPU
-            why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            why = _first_line(err)
         if not cls.failed:
             cls.failed = True
             log.warning("adaptmem: COMPRESS's Triton codec failed its first run (%s); it runs as eager ops", why)
         return False
+
+    @staticmethod
+    def _wrong(values: torch.Tensor, group_size: int) -> str | None:
+        """What is wrong with a round trip of `values` through the kernels, or None."""
+        codes, scales = codec_triton.encode(values, group_size)
+        back = codec_triton.decode(codes, scales, values.dtype, values.numel())
+        expected = (codes.float() * scales).view(-1)[: values.numel()].to(values.dtype)
+        error = (back.float() - values.float()).abs().max()
+        if torch.equal(back, expected) and error.item() <= scales.max().item():
+            return None
+        return "its round trip gave other values than its codes and scales hold"
+
+    @staticmethod
+    def _direct_launch(values: torch.Tensor, group_size: int) -> None:
+        """The same round trip again, now through the launches `codec_triton` makes directly; where
+        they fail, Triton's own launch runs every kernel from then on, with one warning."""
+        if not codec_triton.holds_launchers():
+            return
+        try:
+            why = _TritonCheck._wrong(values, group_size)
+        except Exception as err:  # a launcher called otherwise than this Triton's takes
+            why = _first_line(err)
+        if why is not None:
+            codec_triton.launch_through_triton()
+            log.warning("adaptmem: COMPRESS's Triton codec failed a direct launch (%s); Triton launches it", why)
+
+
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 #: (function, device type) -> its compiled form, which runs the eager one once compiling has failed

@@ -6,6 +6,7 @@ in a process started with it (`test_the_interpreted_kernels`); on a GPU under th
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,108 @@ def test_kernels_that_pass_their_first_run_encode_every_tensor_after_it(kernels_
     assert calls[3:] == [3 * 64 + 5, 1000]  # a new type is checked first: its decode is other code
 
 
+def fake_encode_kernel(flat, codes, scales, numel, groups, tiny, GROUP, ROWS):
+    c, s = int8_codes(flat, GROUP)
+    codes.copy_(c)
+    scales.copy_(s)
+
+
+def fake_decode_kernel(codes, scales, out, numel, GROUP, BLOCK):
+    out.copy_((codes.float() * scales).view(-1)[:numel].to(out.dtype))
+
+
+class FakeJit:
+    """A kernel as Triton's `kernel[grid](...)` runs it: it returns a compiled kernel whose
+    `compiled[grid](*args, stream=...)` launches it again, or raises where `direct` says."""
+
+    def __init__(self, fn, launches, direct="works"):
+        self.fn, self.launches, self.direct = fn, launches, direct
+
+    def __getitem__(self, grid):
+        def run(*args, **constexprs):
+            self.launches.append(("triton", self.fn.__name__, grid, args[3], tuple(constexprs)))
+            self.fn(*args, **constexprs)
+            return FakeCompiled(self)
+
+        return run
+
+
+class FakeCompiled:
+    def __init__(self, jit):
+        self.jit = jit
+
+    def __getitem__(self, grid):
+        def run(*args, stream):
+            self.jit.launches.append(("direct", self.jit.fn.__name__, grid, args[3], stream))
+            if self.jit.direct == "raises":
+                raise TypeError("function takes exactly 14 arguments (19 given)")
+            self.jit.fn(*args)
+            if self.jit.direct == "zeros":
+                args[2].zero_()
+
+        return run
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    """`codec_triton`'s launches on fake kernels that compute the defined codes on the CPU."""
+    launches = []
+    jits = types.SimpleNamespace(
+        encode_kernel=FakeJit(fake_encode_kernel, launches), decode_kernel=FakeJit(fake_decode_kernel, launches)
+    )
+    monkeypatch.setattr(codec_triton, "_kernels", lambda: jits)
+    monkeypatch.setattr(codec_triton, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(codec_triton, "_ENCODE", codec_triton._Launch("encode_kernel", ("GROUP", "ROWS")))
+    monkeypatch.setattr(codec_triton, "_DECODE", codec_triton._Launch("decode_kernel", ("GROUP", "BLOCK")))
+    monkeypatch.setattr(codec_triton._Launch, "direct", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return jits, launches
+
+
+def test_a_kernel_is_launched_directly_after_its_first_launch_of_the_same_specialization(fake_triton):
+    """Triton's launch once per specialization; then the compiled kernel's, with the constexprs
+    in order and the device's stream. Another alignment, or a length not a multiple of 16, is
+    another variant to Triton: its first launch goes through Triton again."""
+    _, launches = fake_triton
+    base = values(2048, torch.float32)
+    for flat in (base[:1024], base[:1024], base[1:1025], base[:1000], base[1:1025]):
+        codes, scales = codec_triton.encode(flat, 64)
+        assert torch.equal(codes, int8_codes(flat)[0]) and torch.equal(scales, int8_codes(flat)[1])
+    assert [(how, numel) for how, _, _, numel, _ in launches] == [
+        ("triton", 1024),
+        ("direct", 1024),
+        ("triton", 1024),  # 4 bytes in: the same length, not aligned to 16 bytes
+        ("triton", 1000),
+        ("direct", 1024),
+    ]
+    assert launches[0][2:] == ((1,), 1024, ("GROUP", "ROWS")) and launches[1][2:] == ((1, 1, 1), 1024, 7)
+    back = [codec_triton.decode(codes, scales, torch.bfloat16, 1000) for _ in range(2)]
+    assert [how for how, *_ in launches[5:]] == ["triton", "direct"] and torch.equal(back[0], back[1])
+    assert torch.equal(back[1], (codes.float() * scales).view(-1)[:1000].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel, direct", [("encode_kernel", "raises"), ("decode_kernel", "zeros")])
+def test_a_direct_launch_that_fails_its_first_run_leaves_tritons_launch_with_one_warning(
+    fake_triton, kernels_anywhere, caplog, kernel, direct
+):
+    """A launcher that takes its arguments otherwise than this code gives them, or one that gives
+    other values: found by the first round trip's second run, before any saved tensor."""
+    jits, launches = fake_triton
+    getattr(jits, kernel).direct = direct
+    t = values(1024, torch.float32)
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        payloads = [encode(t, CompressOptions(min_bytes=0)) for _ in range(3)]
+    assert [p.compiled for p in payloads] == ["triton"] * 3
+    assert all(torch.equal(restore(p), (p.codes.float() * p.scales).view(-1)[:1024]) for p in payloads)
+    warned = [r.getMessage() for r in caplog.records if "riton" in r.getMessage()]
+    assert len(warned) == 1 and "failed a direct launch" in warned[0], warned
+    assert not codec_triton.launches_directly() and not codec_triton.holds_launchers()
+    # the round trip, again directly up to the launch that failed, then Triton's launches only
+    checked = ["triton", "triton", "direct"] + (["direct"] if direct == "zeros" else [])
+    hows = [how for how, *_ in launches]
+    assert hows == checked + ["triton"] * (len(hows) - len(checked)) and len(hows) == len(checked) + 6
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernels_on_cuda_give_the_defined_codes_and_decode_exactly(dtype):
@@ -199,12 +302,24 @@ def test_the_kernels_on_cuda_give_the_defined_codes_and_decode_exactly(dtype):
         pytest.skip("needs a CUDA device and Triton")
     for n in (5, 64 * 33 + 7, 8 * 512 * 256):
         t = values(n, dtype, "cuda")
-        codes, scales = codec_triton.encode(t, 64)
         expected_codes, expected_scales = int8_codes(t)
-        assert torch.equal(codes.cpu(), expected_codes) and torch.equal(scales.cpu(), expected_scales)
-        back = codec_triton.decode(codes, scales, dtype, n)
-        assert torch.equal(back.cpu(), (expected_codes.float() * expected_scales).view(-1)[:n].to(dtype))
+        for _ in range(2):  # Triton's launch, then the compiled kernel's launcher directly
+            codes, scales = codec_triton.encode(t, 64)
+            assert torch.equal(codes.cpu(), expected_codes) and torch.equal(scales.cpu(), expected_scales)
+            back = codec_triton.decode(codes, scales, dtype, n)
+            assert torch.equal(back.cpu(), (expected_codes.float() * expected_scales).view(-1)[:n].to(dtype))
+    assert codec_triton.launches_directly() and codec_triton.holds_launchers()
     t = values(64 * 40 * 8, dtype, "cuda").view(8, 40, 64).permute(2, 0, 1)
     payload = encode(t, CompressOptions(min_bytes=0, compile="triton"))
     assert payload.compiled == "triton" and restore(payload).stride() == t.stride()
     assert encode(t, CompressOptions(min_bytes=0)).compiled == "triton"  # the default, "auto"
+
+
+@pytest.mark.cuda
+def test_the_codec_benchmark_runs_both_launches():
+    if not torch.cuda.is_available() or not codec_triton.AVAILABLE:
+        pytest.skip("needs a CUDA device and Triton")
+    from stress.bench_codec import main
+
+    assert main(["--sizes", "0.25", "--calls", "8", "--rounds", "2"]) == 0
+    assert codec_triton.launches_directly()
