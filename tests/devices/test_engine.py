@@ -96,8 +96,8 @@ def test_a_failed_recompute_on_cuda_is_released_from_the_devices_queue():
     model = Net().cuda()
     adaptmem.instrument(model, mode=Mode.CHECKPOINT)
     # one step first: cuBLAS keeps a workspace per thread (the caller's, the device's) from its
-    # first matmul on, allocated through PyTorch's allocator (without this step an H200 ended
-    # 69.2 MB above the start, released or not)
+    # first matmul on, allocated through PyTorch's allocator (without this step an H200 read
+    # 69.2 MB above the start after the release)
     model(torch.randn(32, 64, 128, device="cuda", requires_grad=True)).sum().backward()
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
