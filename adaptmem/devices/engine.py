@@ -9,9 +9,9 @@ and every tensor it saved, until that thread runs its next backward. On a 3-laye
 4 x 512 tokens that was 115 MiB on the stand-in, and the step after it was planned from
 there. PyTorch keeps the calling thread's queue from one backward to the next, with whatever a
 failed one left in it (pytorch/pytorch#33157 chose not to clear it). One backward of nothing
-drains it; one runs on each of the model's devices too, for a device thread's queue (whether
-one keeps such nodes is not measured: a device's thread serves its queue without a backward
-of the caller's).
+drains it; one runs on each of the model's devices too, for a device thread's queue (on an
+H200 a failed CUDA recompute left nothing there: a device's thread serves its queue without
+a backward of the caller's, and lets a failed task's nodes go).
 """
 
 from __future__ import annotations
