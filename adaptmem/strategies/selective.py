@@ -228,12 +228,6 @@ class Recipe:
         return True
 
 
-def _own_parameters(layer: nn.Module) -> list[torch.Tensor]:
-    """`layer.parameters(recurse=False)`, read from its dict (a fifth of a held call's host time
-    went to the generator)."""
-    return [p for p in layer._parameters.values() if p is not None]
-
-
 def _tensors(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:
     """A call's tensor arguments, positional then keyword, in order."""
     found = [a for a in args if isinstance(a, torch.Tensor)]
@@ -316,24 +310,21 @@ class SelectiveRun:
         self.finished: set[tuple[Any, int]] = set()  # calls a recompute ran through
 
     def around(self, recompute: bool, run: Any) -> Any:
-        # each layer's forward is set in its instance's dict and put back after, as `layer.forward = f`
-        # does for a value that is not a parameter, buffer or module, without its checks
-        layers = [layer.__dict__ for layer in self.layers]
-        own = [d.get("forward") for d in layers]  # a forward set on the instance, kept
+        layers = self.layers
+        own = [layer.__dict__.get("forward") for layer in layers]  # a forward set on the instance, kept
         self.calls = {}
-        wrap = self._answering if recompute else self._holding
-        for layer, d in zip(self.layers, layers):
-            d["forward"] = wrap(layer, layer.forward)
+        for layer in layers:
+            layer.forward = (self._answering if recompute else self._holding)(layer, layer.forward)
         previous = _route_attention(self._answered_attention if recompute else self._held_attention)
         try:
             return run() if recompute else self._first(run)
         finally:
             _unroute_attention(previous)
-            for d, forward in zip(layers, own):
+            for layer, forward in zip(layers, own):
                 if forward is None:
-                    del d["forward"]
+                    del layer.forward
                 else:
-                    d["forward"] = forward
+                    layer.forward = forward
             if recompute:
                 self._learn()
 
@@ -374,7 +365,7 @@ class SelectiveRun:
             if isinstance(out, torch.Tensor) and out.requires_grad and self.known.holds(key):
                 recipe = None
                 if saved is not None and not kwargs:
-                    weights = frozenset(p.untyped_storage().data_ptr() for p in _own_parameters(layer))
+                    weights = frozenset(p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False))
                     recipe = Recipe.of(start, saved, _tensors(args), weights=weights)
                 self.outputs[key] = Held((out.detach(),), flops_per_element(layer) * out.numel(), recipe)
             return out
