@@ -48,7 +48,7 @@ from adaptmem.control.headcosts import KEPT, HeadCosts
 from adaptmem.control.notices import Notices, own_checkpointing
 from adaptmem.control.plans import RETRY_STEP, PlanBook, PlanRecord
 from adaptmem.control.priors import priors_for
-from adaptmem.control.reach import LengthsSeen, Reacher
+from adaptmem.control.reach import LengthsSeen, Reacher, gradient_bytes
 from adaptmem.control.recorder import StepRecorder
 from adaptmem.control.retry import (
     RetryGuard,
@@ -711,12 +711,16 @@ class Controller:
         """Answers to "how long can I go?" under `limit` bytes (None: the device's usable size)."""
         fits = self.budgets.available() if limit is None else limit
         with self.lock:
+            between = not self.now.open
             return self.lengths.reacher(
                 self.costs,
                 self.plans,
                 self.budgets.user if fits is None else fits,
-                0 if self.now.open else self.probe.allocated(),
+                self.probe.allocated() if between else 0,
                 self.lock,
+                gradient_bytes(self.model, self.probe.device.type if isinstance(self.probe, CudaProbe) else "cpu")
+                if between
+                else 0,
             )
 
     def trace(self) -> Trace:

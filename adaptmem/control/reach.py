@@ -26,11 +26,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from adaptmem.config.units import format_bytes
 from adaptmem.control.fits import Fit
 from adaptmem.control.planner import Option, feasible, picked, predicted_peak
 from adaptmem.control.planner import plan as solve
 from adaptmem.modes import Mode
+from adaptmem.registrations import parameters_of
 
 log = logging.getLogger("adaptmem")
 
@@ -102,6 +105,24 @@ class Reach:
         }
 
 
+def gradient_bytes(model: torch.nn.Module, device_type: str) -> int:
+    """The bytes of the weights' gradients `model` holds on devices of `device_type` now, each
+    storage once (a sharded parameter's: this rank's part)."""
+    seen, total = set(), 0
+    for p in parameters_of(model):
+        grad = p.grad
+        if grad is None:
+            continue
+        grad = getattr(grad, "_local_tensor", grad)  # a DTensor: the shard this rank holds
+        if grad.device.type != device_type:
+            continue
+        storage = grad.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 class LengthsSeen:
     """What a run's steps showed of its sequences: the main input's elements per token (its
     hidden size), the longest length measured and the most tokens in one measured step, and
@@ -114,6 +135,10 @@ class LengthsSeen:
         self.measured_tokens = 0
         self.start = 0
         self.start_resident = 0  # 0: no step started with the gradients resident
+        # a step started without the gradients after one had started with them (accumulation, where
+        # each step's first micro-batch does): without, only the run's first steps did (a loop that
+        # zeroes them inside its step, as Lightning's closure does), and the steps to come will not
+        self.fresh_again = False
         # allocated from the step's start to its first block's (embeddings, position tables, masks):
         # it grows with the batch and the length, where the start does not
         self.before = Fit("act")
@@ -136,8 +161,13 @@ class LengthsSeen:
             self.start_resident = max(self.start_resident, sample.start)
         else:
             self.start = max(self.start, sample.start)
+            self.fresh_again = self.fresh_again or self.start_resident > 0
 
-    def reacher(self, costs, plans, limit: int, allocated: int, lock=None) -> Reacher:
+    def reacher(self, costs, plans, limit: int, allocated: int, lock=None, gradients: int = 0) -> Reacher:
+        """`allocated`: the device's allocation now, between steps (0 inside one); `gradients`: the
+        bytes of the weights' gradients in it, which a step that starts without them does not start
+        with (a loop that zeroes them inside its step, as Lightning's closure does, keeps the last
+        step's until then)."""
         if not costs.known:
             raise RuntimeError(
                 "nothing is measured yet: run a training step or more under this manager first "
@@ -154,9 +184,9 @@ class LengthsSeen:
             plans,
             width=self.width,
             starts=[
-                (resident, max(start, allocated))
+                (resident, max(start, allocated if resident else allocated - gradients))
                 for resident, start in ((False, self.start), (True, self.start_resident))
-                if not resident or start
+                if (start if resident else not self.start_resident or self.fresh_again)
             ],
             limit=limit,
             measured=(self.measured_length, self.measured_tokens),
@@ -171,6 +201,7 @@ class LengthsSeen:
             "measured_tokens": self.measured_tokens,
             "start": self.start,
             "start_resident": self.start_resident,
+            "fresh_again": self.fresh_again,
             "before": self.before.state_dict(),
         }
 
@@ -179,6 +210,7 @@ class LengthsSeen:
         self.measured_tokens = state.get("measured_tokens", self.measured_length)  # a state saved before it
         self.start = state.get("start", 0)
         self.start_resident = state.get("start_resident", 0)  # a state saved before it: none
+        self.fresh_again = state.get("fresh_again", True)  # a state saved before it: both states asked
         self.before = Fit.from_state(state["before"]) if "before" in state else Fit("act")
 
 

@@ -84,6 +84,37 @@ def test_the_predicted_length_trains():
         assert mem.last_step["observed_peak_bytes"] <= dev.capacity_bytes
 
 
+def test_a_loop_that_zeroes_gradients_inside_its_step_is_answered_for_the_steps_it_runs():
+    """Lightning's closure zeroes the gradients between forward and backward: every step after the
+    first starts with the last one's. Only those steps are asked (the first, with no gradients and
+    no optimizer state yet, does not come again, and its figures from one length, scaled with the
+    tokens, stopped the answer at 208 tokens where 2 x 826 trained), and the gradients allocated
+    now are not counted twice. Steps at the length predicted train."""
+    model = llama(layers=3, hidden=64, dropout=0.0, vocab=8192)
+    make = lambda s: hf_batch(1, s, vocab=8192)
+    dev = SimulatedDevice(48 * MiB)
+    dev.track(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def closure(seq):
+        loss = model(**make(seq)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+
+    with dev, adaptmem.manage(model, device=dev) as mem:
+        for seq in (64, 128, 64, 128, 96, 128):
+            mem.run_step(closure, seq)
+            opt.step()
+        assert [resident for resident, _ in mem._controller.reacher(None).starts] == [True]
+        reach = mem.longest_sequence()
+        assert reach.length > 4 * 128
+        for _ in range(2):
+            mem.run_step(closure, reach.length)
+            opt.step()
+        assert mem.summary()["ooms"] == 0
+        assert mem.last_step["observed_peak_bytes"] <= dev.capacity_bytes
+
+
 def _accumulating(capacity=96 * MiB, vocab=8192):
     """A Llama (4 layers, its embedding most of its weights) on a stand-in, a manager, AdamW, and a
     step of two micro-batches of 4 (`step(seq)`, or of `batch=`); the step's peaks go to `peaks`."""
@@ -167,6 +198,23 @@ def test_a_run_that_accumulates_is_answered_for_the_micro_batch_that_needs_more(
         assert alone[True].length < alone[False].length  # here, the second micro-batch needs more
         before = int(lengths.before.predict(4, both.length * lengths.width))  # the embeddings' output, ...
         assert both.length == alone[True].length and both.start_bytes == lengths.start_resident + before > 0
+
+
+def test_asked_between_micro_batches_the_answer_is_the_one_after_the_step():
+    """Between two micro-batches the gradients are allocated; a step that starts without them
+    (the next step's first micro-batch) is not predicted to start with them too."""
+    model, dev, opt, mem, step, _ = _accumulating()
+    with dev, mem:
+        for seq in (64, 128, 64, 128):
+            step(seq)
+        mem.run_step(lambda: model(**hf_batch(4, 64, vocab=8192)).loss.backward())  # one micro-batch
+        assert all(p.grad is not None for p in model.parameters())
+        between, starts = mem.longest_sequence(4), mem._controller.reacher(None).starts
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after = mem.longest_sequence(4)
+        assert starts == mem._controller.reacher(None).starts  # (both states' starts, each without the other's)
+        assert (between.length, between.start_bytes) == (after.length, after.start_bytes)
 
 
 def test_asking_before_a_step_or_with_bad_figures_says_what_to_do():
