@@ -14,9 +14,13 @@ forward and backward. `StepGuard` undoes all of it:
     (`BufferCopies`: a CUDA buffer's copy is queued, not waited for);
   - fresh gradients are dropped; an existing one is copied just before backward
     first accumulates into it (a hook on the parameter runs before
-    accumulation), and one the step function replaced (`zero_grad(set_to_none=True)`)
-    gets its untouched original back; one it zeroed in place (`zero_grad()`)
-    stays zeroed, as the retry zeroes it again.
+    accumulation); one it zeroed in place (`zero_grad()`) stays zeroed, as the
+    retry zeroes it again. The guard holds existing gradients weakly: one the
+    step function dropped (`zero_grad(set_to_none=True)`, as Lightning's closure
+    does between forward and backward) is freed there as without the guard, and
+    is given back as dropped (None), which the retry drops again; one it
+    replaced by a tensor of its own before backward cannot be given back, and
+    the retry is refused with the cause.
 
 Accumulation itself happens in place as PyTorch always does it: the recovered
 step's state equals that of a clean step bit for bit. Where that cannot be
@@ -131,12 +135,19 @@ class StepGuard:
         # every parameter (tied ones twice: the restore sets each alike); those needing no gradient
         # are left out where read (a restore is rare, a step is not)
         self.params = list(model.parameters()) if modules is None else modules.tensors("_parameters", once=False)
-        self.existing = {p: g for p in self.params if (g := p.grad) is not None and p.requires_grad}
-        self.versions = {p: g._version for p, g in self.existing.items()}
+        self._hooks: list = []
+        self._hold({p: g for p in self.params if (g := p.grad) is not None and p.requires_grad})
+
+    def _hold(self, existing: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+        """Remember the gradients there as the attempt starts: weakly, with their versions."""
+        self.existing = {p: weakref.ref(g) for p, g in existing.items()}
+        self.devices = {p: g.device for p, g in existing.items()}
+        self.versions = {p: g._version for p, g in existing.items()}
         self.saved: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self._hooks = []
-        if snapshot != "off":
-            self._hooks = [p.register_hook(self._before_accumulate(p)) for p in self.existing]
+        self.fresh: set[torch.nn.Parameter] = set()  # backward made their gradient in this attempt
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = [p.register_hook(self._before_accumulate(p)) for p in existing]
 
     @property
     def copied_bytes(self) -> int:
@@ -144,7 +155,9 @@ class StepGuard:
 
     def _before_accumulate(self, p: torch.nn.Parameter):
         def hook(grad: torch.Tensor) -> None:
-            if p not in self.saved and p.grad is not None:
+            if p.grad is None:
+                self.fresh.add(p)
+            elif p not in self.saved and self.snapshot != "off" and p.grad is self.existing[p]():
                 with torch.no_grad():
                     copy = p.grad.detach().to("cpu", copy=True) if self.snapshot == "host" else p.grad.detach().clone()
                 self.saved[p] = copy
@@ -152,26 +165,41 @@ class StepGuard:
         return hook
 
     def restore(self) -> None:
-        """Put gradients, RNG states and buffers back as they were when the guard was made."""
+        """Put gradients, RNG states and buffers back as they were when the guard was made (a
+        gradient the step function dropped stays dropped)."""
         self._check_gradients()
         set_rng_state(self.rng)
         self._restore_buffers()
         for p in self.params:
             if p.requires_grad and p not in self.existing:
                 p.grad = None
-        for p, grad in self.existing.items():
+        for p, ref in self.existing.items():
             if p in self.saved:
                 copy = self.saved[p]
-                p.grad = copy.to(grad.device) if copy.device != grad.device else copy
+                p.grad = copy.to(self.devices[p]) if copy.device != self.devices[p] else copy
             else:
-                p.grad = grad  # untouched, or zeroed in place by the step function (which zeroes it again)
-        self.saved.clear()
-        self.versions = {p: g._version for p, g in ((p, p.grad) for p in self.existing)}
-        self.existing = {p: p.grad for p in self.existing}
+                p.grad = ref()  # untouched, zeroed in place (the retry zeroes it again), or dropped (again)
+        self._hold({p: p.grad for p in self.existing if p.grad is not None})
 
     def _check_gradients(self) -> None:
         """Refuse, before changing anything, a retry that could not be exact."""
-        changed = [p for p, g in self.existing.items() if p not in self.saved and g._version != self.versions[p]]
+        replaced = [
+            p
+            for p, ref in self.existing.items()
+            if ref() is None and p not in self.saved and p.grad is not None and p not in self.fresh
+        ]
+        if replaced:
+            raise InexactRetryError(
+                f"adaptmem: the step function replaced {len(replaced)} gradient(s) from earlier steps by "
+                "tensors of its own before backward, which a retry cannot give back. Make that change "
+                "outside the function given to run_step (after it returns), or drop them "
+                "(zero_grad(set_to_none=True))."
+            )
+        changed = [
+            p
+            for p, ref in self.existing.items()
+            if p not in self.saved and (g := ref()) is not None and g._version != self.versions[p]
+        ]
         if not changed:
             return
         if self.snapshot == "off":
@@ -180,7 +208,7 @@ class StepGuard:
                 "partly updated, and the policy keeps no copy (accumulation_snapshot='off'), so the step "
                 "cannot be retried exactly. Set accumulation_snapshot='device' (or 'host') in the policy."
             )
-        scaled = [p for p in changed if bool(self.existing[p].detach().ne(0).any())]
+        scaled = [p for p in changed if bool(self.existing[p]().detach().ne(0).any())]
         if scaled:
             raise InexactRetryError(
                 f"adaptmem: the step function changed {len(scaled)} existing gradient(s) in place before "

@@ -2,6 +2,8 @@
 gradients, buffers (batch-norm statistics), RNG and optimizer state, whether the error
 comes in forward, in a recompute or in backward, and also inside an accumulation window."""
 
+import weakref
+
 import pytest
 import torch
 from helpers import assert_same_state, cnn, image_batch, mixed, mixed_batch, training_state
@@ -137,6 +139,41 @@ def test_a_step_that_scales_gradients_in_place_is_refused_with_the_cause():
         with pytest.raises(adaptmem.InexactRetryError, match="changed .* existing gradient.* in place before backward"):
             mem.run_step(scaled)
     del opt
+
+
+def test_gradients_the_step_drops_are_freed_inside_it_and_a_replaced_one_is_refused():
+    """Lightning's closure drops the last step's gradients between forward and backward: the guard
+    holds them weakly, so they are freed there as without adaptmem (it held a whole set of them
+    through the step); a retry drops them again. A gradient replaced by a tensor of the step
+    function's own before backward cannot be given back: that retry is refused with the cause."""
+    model = mixed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    injector = Injector(model.blocks[1], model.blocks[1].up, "backward")
+    policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0})
+    with adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31)) as mem:
+        mem.run_step(lambda: model(**mixed_batch()).loss.backward())
+        alive = []
+
+        def closure():
+            loss = model(**mixed_batch(seed=2)).loss
+            last = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+            opt.zero_grad(set_to_none=True)
+            alive.append(sum(ref() is not None for ref in last))
+            loss.backward()
+
+        injector.armed = True
+        mem.run_step(closure)
+        assert alive == [0, 0] and mem.summary()["ooms_recovered"] == 1
+
+        def replaced():
+            loss = model(**mixed_batch(seed=3)).loss
+            for p in model.parameters():
+                p.grad = p.grad * 0.5
+            loss.backward()
+
+        injector.armed = True
+        with pytest.raises(adaptmem.InexactRetryError, match="replaced .* gradient.* by tensors of its own"):
+            mem.run_step(replaced)
 
 
 def test_buffers_past_the_snapshot_limit_are_refused_with_the_setting():
