@@ -62,8 +62,13 @@ class BudgetKeeper:
         self.calm = 0
         return before, self.current
 
-    def resume(self, current: int) -> None:
-        """A saved run's budget in force, never above the user's."""
+    def resume(self, current: int, user: int | None = None) -> None:
+        """A saved run's budget in force where others' memory held it under that run's own user
+        budget (`user`), never above this one's; where nothing held it under (its user budget in
+        force, as `set_budget` left it), this manager's user budget stands. (A state saved before
+        the user budget was kept: its budget in force, never above the user's.)"""
+        if user is not None and int(current) >= int(user):
+            return
         self.current = min(self.user, int(current))
 
     def set_user(self, value: int, available: int | None) -> tuple[int, int]:

@@ -28,6 +28,7 @@ def controller_state(ctl: Controller) -> dict[str, Any]:
         "current": [m.label for m in blocks.modes],
         "current_head": blocks.head_choice.label if blocks.head_choice is not None else None,
         "budget": ctl.budget,
+        "user_budget": ctl.budgets.user,
         "lengths": ctl.lengths.state_dict(),
         "counters": ctl.stats.counters(),
         "forwards": ctl.forwards,
@@ -51,7 +52,7 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
         ctl.costs.load_state_dict(state["costs"])
         ctl.decider.load_state_dict(state["decider"])
         ctl.plans.load_state_dict(state["plans"])
-        ctl.budgets.resume(state["budget"])
+        ctl.budgets.resume(state["budget"], state.get("user_budget"))
         ctl.stats.load_counters(state["counters"])
         ctl.lengths.load_state_dict(state["lengths"])
         ctl.forwards = int(state.get("forwards", 1))  # (states saved before these were kept)

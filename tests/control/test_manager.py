@@ -658,3 +658,40 @@ def test_a_stand_in_never_entered_during_a_step_is_warned_of_once(caplog):
         assert len(warned) == (0 if entered else 1)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         assert (mem.summary()["peak_bytes"] > weights) == entered  # outside it, a step counts nothing new
+
+
+def test_a_resumed_manager_keeps_its_own_budget_and_a_saved_squeeze():
+    """A state saved under a budget the user set (`set_budget`) does not override the budget the
+    new manager is given: it ran 9 steps at the old 60% where it was given 90%. A state saved
+    while others' memory held the budget under the user's resumes held so (never above the new
+    user budget), and is given back once they let go."""
+    model = tiny()
+    dev = SimulatedDevice(capacity_bytes=256 * MiB)
+    dev.track(model)
+    policy = load_policy().model_copy(update={"calm_steps": 2})
+
+    def steps(mem, n):
+        for _ in range(n):
+            mem.run_step(lambda: model(**tiny_batch(model)).loss.backward())
+            model.zero_grad(set_to_none=True)
+
+    with dev:
+        with adaptmem.manage(model, budget="90%", device=dev, policy=policy) as mem:
+            steps(mem, 2)
+            mem.set_budget("60%")
+            steps(mem, 1)
+            assert mem.budget == mem.user_budget == int(0.6 * 256 * MiB)
+            own = mem.state_dict()
+            dev.occupy(140 * MiB)
+            mem.sampler.wait_ticks(2)
+            steps(mem, 1)
+            squeezed = mem.state_dict()
+            assert mem.budget < mem.user_budget
+        with adaptmem.MemoryManager(model, budget="90%", device=dev, policy=policy, state=own) as mem2:
+            assert mem2.budget == mem2.user_budget == int(0.9 * 256 * MiB)
+        with adaptmem.MemoryManager(model, budget="90%", device=dev, policy=policy, state=squeezed) as mem3:
+            assert mem3.budget == squeezed["budget"] < mem3.user_budget
+            dev.occupy(-140 * MiB)
+            mem3.sampler.wait_ticks(2)
+            steps(mem3, 4)
+            assert mem3.budget == mem3.user_budget
