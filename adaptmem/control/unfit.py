@@ -113,6 +113,8 @@ def refusal(
     `elsewhere`: another rank gave the batch up, and every rank does. `failed_here`: the tightest
     plan is one that ran out of memory in this step (its prediction is wrong at this size)."""
     size = f"batch {batch} x {seq:,} tokens" if seq else f"batch {batch} x {extent:,} input elements"
+    # after an attempt failed the plan is a retry's: the plans it retreats to, not the one predicted lowest
+    named = "plan a retry would run" if attempts else "tightest plan"
     if elsewhere:
         why = "another rank found no plan predicted lower than those that ran out of memory there"
     elif record.exhausted:
@@ -121,12 +123,12 @@ def refusal(
             "nor tighter in every block"
         )
     else:
-        why = "the tightest plan is predicted over the device's usable memory"
+        why = f"the {named} is predicted over the device's usable memory"
     counts = counts_text(Counter(m.label for m in record.modes))
     head = f", head {record.head.label}" if record.head is not None else ""
     lines = [
         f"adaptmem: {size} cannot fit under any plan ({why}); given up without running again.",
-        f"  tightest plan: {counts}{head}; predicted peak now "
+        f"  {named}: {counts}{head}; predicted peak now "
         + (format_bytes(predicted) if predicted is not None else "unknown")
         + ("; it ran out of memory in this step all the same" if failed_here else ""),
         f"  floor (allocated as the first block starts: weights, optimizer state, and what ran before it, "

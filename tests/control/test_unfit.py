@@ -404,3 +404,21 @@ def test_a_retry_never_runs_a_plan_that_only_puts_blocks_of_a_failed_one_in_none
         second = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
         assert second.modes != all_none
         plans.succeeded()
+
+
+def test_a_refusal_after_an_attempt_names_the_plan_a_retry_would_run_not_the_tightest():
+    """After an attempt ran out of memory, the plan refused is the retry's (the ladder it retreats
+    along), which may be predicted higher than the attempt's: it was called the tightest plan."""
+    from types import SimpleNamespace
+
+    from adaptmem.control.unfit import refusal
+    from adaptmem.modes import Mode
+
+    record = SimpleNamespace(exhausted=False, modes=(Mode.CHECKPOINT,) * 4, head=None)
+    failed = {"plan_counts": {"OFFLOAD": 4}, "predicted_peak_bytes": 154 * 2**20, "phase": "backward"}
+    common = dict(predicted=253 * 2**20, budget=121 * 2**20, limit=132 * 2**20, longest=lambda b: None)
+    first = refusal(record, 2, 2415 * 256, 2415, 80 * 2**20, [], **common)
+    after = refusal(record, 2, 2415 * 256, 2415, 80 * 2**20, [failed], **common)
+    assert "  tightest plan: 4 x CHECKPOINT; predicted peak now 253.00 MiB" in first
+    assert "  plan a retry would run: 4 x CHECKPOINT; predicted peak now 253.00 MiB" in after
+    assert "tightest" not in after and "attempt 1: 4 x OFFLOAD; predicted peak 154.00 MiB" in after
