@@ -121,13 +121,21 @@ def test_a_step_that_zeroes_gradients_between_forward_and_backward_is_retried_ex
     assert_same_state(run(managed=True), run(managed=False))
 
 
-def test_a_step_that_scales_gradients_in_place_is_refused_with_the_cause():
+def _after_one_step():
+    """A managed model with gradients from one step, an out-of-memory error ready in a block's
+    backward: (model, its optimizer, the injector, the manager, entered)."""
     model = mixed()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     injector = Injector(model.blocks[1], model.blocks[1].up, "backward")
     policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0})
-    with adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31)) as mem:
-        mem.run_step(lambda: model(**mixed_batch()).loss.backward())
+    mem = adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31))
+    mem.run_step(lambda: model(**mixed_batch()).loss.backward())
+    return model, opt, injector, mem
+
+
+def test_a_step_that_scales_gradients_in_place_is_refused_with_the_cause():
+    model, opt, injector, mem = _after_one_step()
+    with mem:
 
         def scaled():
             loss = model(**mixed_batch(seed=2)).loss
@@ -146,12 +154,8 @@ def test_gradients_the_step_drops_are_freed_inside_it_and_a_replaced_one_is_refu
     holds them weakly, so they are freed there as without adaptmem (it held a whole set of them
     through the step); a retry drops them again. A gradient replaced by a tensor of the step
     function's own before backward cannot be given back: that retry is refused with the cause."""
-    model = mixed()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    injector = Injector(model.blocks[1], model.blocks[1].up, "backward")
-    policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0})
-    with adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31)) as mem:
-        mem.run_step(lambda: model(**mixed_batch()).loss.backward())
+    model, opt, injector, mem = _after_one_step()
+    with mem:
         alive = []
 
         def closure():
