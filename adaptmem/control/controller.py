@@ -243,7 +243,8 @@ class Controller:
                 attempt += 1
             self.rewind(self.retries.trace)  # every retry failed: the batch leaves no trace either
             compressing = any(m & Mode.COMPRESS for m in self.plans.allowed)
-            raise self.retries.report(self.policy.max_retries, compressing)
+            snapshot = (self.policy.accumulation_snapshot, guard.most_copied)
+            raise self.retries.report(self.policy.max_retries, compressing, snapshot)
         finally:
             self.ranks.deferring = False
             self.plans.start_attempt(0)

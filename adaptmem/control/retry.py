@@ -135,6 +135,7 @@ class StepGuard:
         # every parameter (tied ones twice: the restore sets each alike); those needing no gradient
         # are left out where read (a restore is rare, a step is not)
         self.params = list(model.parameters()) if modules is None else modules.tensors("_parameters", once=False)
+        self.most_copied = 0  # the most bytes of gradient copies an attempt held (`saved`)
         self._hooks: list = []
         self._hold({p: g for p in self.params if (g := p.grad) is not None and p.requires_grad})
 
@@ -167,6 +168,7 @@ class StepGuard:
     def restore(self) -> None:
         """Put gradients, RNG states and buffers back as they were when the guard was made (a
         gradient the step function dropped stays dropped)."""
+        self.most_copied = max(self.most_copied, self.copied_bytes)
         self._check_gradients()
         set_rng_state(self.rng)
         self._restore_buffers()
@@ -310,7 +312,11 @@ def attempt_text(attempt: dict) -> str:
     return plan + (f"; predicted peak {format_bytes(predicted)}" if predicted else "; not predicted (calibration)")
 
 
-def oom_report(attempts: list[dict], max_retries: int, compression_allowed: bool = False) -> str:
+def oom_report(
+    attempts: list[dict], max_retries: int, compression_allowed: bool = False, snapshot: tuple[str, int] = ("", 0)
+) -> str:
+    """`snapshot`: the policy's `accumulation_snapshot` and the most bytes of gradient copies an
+    attempt held (gradients from earlier micro-batches, copied before backward added into them)."""
     lines = [f"adaptmem: the step ran out of memory {len(attempts)} time(s) (max_retries={max_retries}); plans tried:"]
     for i, a in enumerate(attempts, 1):
         lines.append(
@@ -326,6 +332,14 @@ def oom_report(attempts: list[dict], max_retries: int, compression_allowed: bool
     else:
         more = "" if compression_allowed else " allow more modes (policy 'max-savings' adds compression),"
         lines.append(f"Lower the batch size or sequence length,{more} or give adaptmem a larger budget.")
+    how, copied = snapshot
+    if copied and how == "device":
+        lines.append(
+            f"Each attempt held up to {format_bytes(copied)} of copies of the gradients earlier micro-batches "
+            "left, taken so that a retry is exact (the policy's accumulation_snapshot='device'): 'host' keeps "
+            "them in host memory instead, 'off' keeps none (an error in such a micro-batch then raises "
+            "InexactRetryError rather than retry)."
+        )
     return "\n".join(lines)
 
 
@@ -363,6 +377,10 @@ class RetryGuard:
             self._modules = ListedModules(model)
         return StepGuard(model, snapshot, buffer_limit=buffer_limit, copies=self._copies, modules=self._modules)
 
-    def report(self, max_retries: int, compression_allowed: bool) -> StepOutOfMemoryError:
+    def report(
+        self, max_retries: int, compression_allowed: bool, snapshot: tuple[str, int] = ("", 0)
+    ) -> StepOutOfMemoryError:
         """The error for a batch every retry failed: each attempt, what it ran, and what to do."""
-        return StepOutOfMemoryError(oom_report(self.attempts, max_retries, compression_allowed), list(self.attempts))
+        return StepOutOfMemoryError(
+            oom_report(self.attempts, max_retries, compression_allowed, snapshot), list(self.attempts)
+        )

@@ -275,3 +275,21 @@ def test_a_retry_starts_without_the_failed_attempts_copies_still_in_flight():
         mem.run_step(lambda: model(**batch).loss.backward())
         assert mem.summary()["ooms_recovered"] == 1
     assert len(starts) == 2 and starts[1] == starts[0], [s / 2**20 for s in starts]
+
+
+def test_an_accumulating_step_that_never_fits_names_the_gradient_copies_it_held():
+    """Each attempt of a micro-batch after the first copies the gradients it adds into (so that
+    a retry is exact): where every attempt fails, the error says how much and which setting keeps
+    them off the device."""
+    model, _, injector, mem = _after_one_step()
+    with mem:
+
+        def micro_batch():
+            injector.armed = True  # every attempt runs out of memory in block 1's backward
+            model(**mixed_batch(seed=2)).loss.backward()
+
+        with pytest.raises(adaptmem.StepOutOfMemoryError) as err:
+            mem.run_step(micro_batch)
+        assert injector.fired == mem.policy.max_retries + 1
+        assert "of copies of the gradients earlier micro-batches left" in str(err.value)
+        assert "accumulation_snapshot='device'): 'host' keeps them in host memory" in str(err.value)
