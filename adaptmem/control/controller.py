@@ -712,16 +712,12 @@ class Controller:
         """Answers to "how long can I go?" under `limit` bytes (None: the device's usable size)."""
         fits = self.budgets.available() if limit is None else limit
         with self.lock:
-            between = not self.now.open
+            allocated = gradients = 0  # inside a step: what its start was
+            if not self.now.open:  # between steps: the device as the next step finds it
+                allocated = self.probe.allocated()
+                gradients = gradient_bytes(self.model, "cuda" if isinstance(self.probe, CudaProbe) else "cpu")
             return self.lengths.reacher(
-                self.costs,
-                self.plans,
-                self.budgets.user if fits is None else fits,
-                self.probe.allocated() if between else 0,
-                self.lock,
-                gradient_bytes(self.model, self.probe.device.type if isinstance(self.probe, CudaProbe) else "cpu")
-                if between
-                else 0,
+                self.costs, self.plans, self.budgets.user if fits is None else fits, allocated, self.lock, gradients
             )
 
     def trace(self) -> Trace:

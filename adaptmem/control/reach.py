@@ -179,15 +179,16 @@ class LengthsSeen:
                 "the blocks' main input has no sequence dimension (it is not batch x tokens x "
                 "hidden), so there is no sequence length to predict"
             )
+        starts = []  # the states the run's steps start in, each with its start
+        if not self.start_resident or self.fresh_again:  # steps without the gradients come again
+            starts.append((False, max(self.start, allocated - gradients)))
+        if self.start_resident:
+            starts.append((True, max(self.start_resident, allocated)))
         return Reacher(
             costs,
             plans,
             width=self.width,
-            starts=[
-                (resident, max(start, allocated if resident else allocated - gradients))
-                for resident, start in ((False, self.start), (True, self.start_resident))
-                if (start if resident else not self.start_resident or self.fresh_again)
-            ],
+            starts=starts,
             limit=limit,
             measured=(self.measured_length, self.measured_tokens),
             lock=lock,

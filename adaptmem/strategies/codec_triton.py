@@ -27,7 +27,6 @@ direct launch fails, Triton's own launch runs from then on.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from collections.abc import Callable
 
@@ -38,8 +37,6 @@ _GROUPS_PER_PROGRAM = 16  # rows of the encode tile: 1,024 values at groups of 6
 _DECODE_BLOCK = 2048  # values per decode program
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
-
-log = logging.getLogger("adaptmem")
 
 
 def supports(t: torch.Tensor, codec: str, group_size: int) -> bool:
