@@ -26,6 +26,15 @@ class Clock:
         self.now += seconds
 
 
+def _on_link_time(bytes_per_s: float) -> SimulatedDevice:
+    """A stand-in whose link runs on a clock that only its waits move: a copy is in flight until
+    compute waits for it (or for room in the window), however long compute takes on a busy machine."""
+    dev = SimulatedDevice(link_bytes_per_s=bytes_per_s)
+    clock = Clock()
+    dev.link = SimulatedLink(bytes_per_s, clock=clock, sleep=clock.sleep)
+    return dev
+
+
 def test_copies_queue_in_order_and_hold_their_device_bytes_until_they_arrive():
     clock = Clock()
     link = SimulatedLink(1 * MiB, latency_s=0.5, clock=clock, sleep=clock.sleep)  # 1 MiB/s
@@ -73,13 +82,14 @@ def test_offload_over_a_link_is_exact_and_counts_copies_in_flight():
     adaptmem.instrument(model, mode=Mode.OFFLOAD)
     peaks = {}
     for name, speed in (("instant", None), ("slow", 200 * MiB)):
-        dev = SimulatedDevice(link_bytes_per_s=speed)
+        dev = SimulatedDevice() if speed is None else _on_link_time(speed)
         dev.track(model)
         with dev:
             assert_same(step(model, batch), expected)
         peaks[name] = dev.peak_bytes
         if dev.link is not None:
             assert dev.link.waited_s > 0  # backward waited for copies to come back
+            assert dev.link.peak_in_flight_bytes > 0
     assert peaks["slow"] > peaks["instant"]  # copies in flight kept their device bytes
 
 
@@ -133,7 +143,7 @@ def test_the_window_bounds_the_device_bytes_offload_holds_in_flight():
     for name, limit in (("unbounded", 2**40), ("bounded", 2 * MiB)):
         adaptmem.restore(model)
         adaptmem.instrument(model, mode=Mode.OFFLOAD, offload=adaptmem.OffloadOptions(max_in_flight_bytes=limit))
-        dev = SimulatedDevice(link_bytes_per_s=100 * MiB)
+        dev = _on_link_time(100 * MiB)
         dev.track(model)
         with dev:
             assert_same(step(model, batch), expected)
@@ -149,7 +159,7 @@ def test_by_default_a_slow_link_holds_one_block_calls_bytes_in_flight():
     batch = tiny_batch(model, batch=4, seq=128)
     expected = step(model, batch)
     adaptmem.instrument(model, mode=Mode.OFFLOAD)  # the default window: one block's worth
-    dev = SimulatedDevice(link_bytes_per_s=100 * MiB)
+    dev = _on_link_time(100 * MiB)
     dev.track(model)
     with dev:
         assert_same(step(model, batch), expected)
