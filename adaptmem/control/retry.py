@@ -159,9 +159,9 @@ class StepGuard:
             if p.grad is None:
                 self.fresh.add(p)
             elif p not in self.saved and self.snapshot != "off" and p.grad is self.existing[p]():
-                with torch.no_grad():
-                    copy = p.grad.detach().to("cpu", copy=True) if self.snapshot == "host" else p.grad.detach().clone()
-                self.saved[p] = copy
+                # detached, the copy records nothing in a backward that builds a graph (no grad mode to set)
+                held = p.grad.detach()
+                self.saved[p] = held.to("cpu", copy=True) if self.snapshot == "host" else held.clone()
 
         return hook
 
