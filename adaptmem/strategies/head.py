@@ -67,12 +67,13 @@ class ChunkedLogits(torch.Tensor):
     """The logits of a CHUNKED loss head: their shape and dtype, no storage (see the module)."""
 
     @staticmethod
-    def __new__(cls, hidden, source, epilogue, vocab, dtype):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, (*hidden.shape[:-1], vocab), dtype=dtype, device=hidden.device, requires_grad=False
-        )
+    def __new__(cls, hidden, source, epilogue, vocab, dtype, like=None):
+        shape, device = ((*hidden.shape[:-1], vocab), hidden.device) if like is None else (like.shape, like.device)
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
 
-    def __init__(self, hidden, source, epilogue, vocab, dtype) -> None:
+    def __init__(self, hidden, source, epilogue, vocab, dtype, like=None) -> None:
+        """`like`: logits the loss consumed already (no hidden states), whose shape and device a map
+        of them keeps."""
         self._hidden = hidden
         self._source = source
         self._epilogue = epilogue
@@ -103,6 +104,9 @@ class ChunkedLogits(torch.Tensor):
             with torch.no_grad():  # the dtype the map makes, on stand-ins of its operands' dtypes and ranks
                 meta = torch.empty((1, 1), dtype=dtype, device="meta")
                 dtype = func(*[meta if a is LOGITS else _meta(a) for a in args], **kwargs).dtype
+        if hidden is None and self._hidden is None:  # consumed by the loss: an element-wise map of them
+            # (Accelerate's mixed precision casts a model's outputs with `.float()`) is as unmade as they are
+            return ChunkedLogits(None, self._source, epilogue, self._vocab, dtype, like=self)
         return ChunkedLogits(self._hidden if hidden is None else hidden, self._source, epilogue, self._vocab, dtype)
 
     def _live_hidden(self, what: str) -> torch.Tensor:

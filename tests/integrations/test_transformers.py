@@ -182,3 +182,23 @@ def test_the_loss_head_is_managed_in_a_trainer_and_the_callback_passes_head(tmp_
         heads[head] = [r["head"] for r in read_log(str(tmp_path / f"{head}.jsonl")) if r["type"] == "step"]
     assert len(heads["auto"]) == 4 and all(h.startswith("CHUNKED:") for h in heads["auto"]), heads
     assert heads[None] == [None] * 4
+
+
+def test_under_bf16_mixed_precision_the_head_stays_chunked(tmp_path):
+    """`bf16=True` has Accelerate cast the model's outputs with `.float()`, the chunked logits among
+    them, after the loss consumed them inside forward: the cast is as unmade as they were, and every
+    step keeps its head chunked (it raised AttributeError at the first step)."""
+    dev = SimulatedDevice(capacity_bytes=2**30)
+    log = str(tmp_path / "bf16.jsonl")
+    callback = AdaptMemTrainerCallback(policy="long-context", device=dev, log=log)
+    trainer = RetryingTrainer(
+        model=llama(layers=2, hidden=64, dropout=0.0),
+        args=hf_arguments(tmp_path, max_steps=2, bf16=True),
+        train_dataset=Samples(n=8),
+        callbacks=[callback],
+    )
+    with dev:
+        trainer.train()
+    heads = [r["head"] for r in read_log(log) if r["type"] == "step"]
+    assert len(heads) == 4 and all(h.startswith("CHUNKED:") for h in heads), heads
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in trainer.state.log_history if "loss" in r)

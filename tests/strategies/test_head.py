@@ -202,6 +202,26 @@ def test_bf16_autocast_agrees_to_bf16_precision():
     assert max(relative(grads[n], grads_ref[n]) for n in grads) <= 3e-2
 
 
+def test_a_cast_of_logits_the_loss_consumed_is_as_unmade_as_they_are():
+    """A model given `labels=` takes its loss inside forward, and the logits it returns are consumed;
+    `.float()` of them (Accelerate's mixed precision casts every output so) gives logits of the new
+    dtype that are still not made, and reading those names the fix."""
+    model = hf_model("llama")
+    chunked(model, chunk=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**labels_for())
+    assert isinstance(out.logits, ChunkedLogits) and out.logits.dtype == torch.bfloat16
+    cast = out.logits.float()
+    assert isinstance(cast, ChunkedLogits) and cast.dtype == torch.float32 and cast.shape == out.logits.shape
+    assert cast.to(torch.float16).dtype == torch.float16 and (cast * 2).shape == cast.shape
+    with pytest.raises(LogitsNotMaterializedError, match="head=None"):
+        cast.argmax(-1)
+    with pytest.raises(LogitsNotMaterializedError, match="consumed by the loss already"):
+        cast[..., :-1, :]
+    out.loss.backward()
+    assert model.lm_head.weight.grad is not None
+
+
 class NanoGPT(nn.Module):
     """nanoGPT's head and loss, as it writes them."""
 
