@@ -334,6 +334,9 @@ def _metadata() -> frozenset:
         T.get_device,
         T.is_contiguous,
         T.stride,
+        torch.is_floating_point,  # the function forms (Lightning Fabric's mixed precision asks before it casts)
+        torch.is_complex,
+        torch.numel,
     ]
     return frozenset(funcs)
 
