@@ -1,28 +1,31 @@
 """A loop driven by Hugging Face Accelerate: the prepared model managed, `accelerator.backward`
 inside `run_step`, accumulation through `accelerator.accumulate`, and bf16 mixed precision."""
 
+import contextlib
 import copy
 
 import pytest
 import torch
 
 accelerate = pytest.importorskip("accelerate")
-from helpers import llama  # noqa: E402
+from helpers import assert_same_state, llama, training_state  # noqa: E402
 
 import adaptmem  # noqa: E402
 from adaptmem.testing import OutOfMemoryInjector, SimulatedDevice  # noqa: E402
 
 
+def _reset() -> None:
+    """Accelerate keeps its state per process: unset it, for an Accelerator made afresh."""
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    accelerate.state.GradientState._reset_state()
+
+
 @pytest.fixture
 def fresh_accelerate():
-    """Accelerate keeps its state per process: each test starts and leaves it unset."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    """Each test starts and leaves Accelerate's state unset."""
+    _reset()
     yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    _reset()
 
 
 def batches(n: int = 4) -> list[dict]:
@@ -36,7 +39,8 @@ def batches(n: int = 4) -> list[dict]:
 
 def train(model, managed: bool, *, oom_at: int | None = None, mixed_precision: str = "no"):
     """Four micro-batches, two a step, under an Accelerator; with `oom_at`, one out-of-memory error
-    in the backward of block 1 at that micro-batch. Returns (model, optimizer, the step records)."""
+    in the backward of block 1 at that micro-batch. Returns (model, optimizer, the step records, the
+    errors injected)."""
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision=mixed_precision)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = accelerator.prepare(model, opt)
@@ -46,7 +50,7 @@ def train(model, managed: bool, *, oom_at: int | None = None, mixed_precision: s
     policy = "long-context" if mixed_precision != "no" else adaptmem.load_policy().model_copy(update={"head": "kept"})
     injector = OutOfMemoryInjector(model.model.layers)
     torch.manual_seed(1)
-    with dev, adaptmem.manage(model, device=dev, policy=policy) if managed else _nothing() as mem:
+    with dev, adaptmem.manage(model, device=dev, policy=policy) if managed else contextlib.nullcontext() as mem:
         for i, batch in enumerate(batches()):
             if i == oom_at:
                 injector.arm(1, "backward")
@@ -63,27 +67,16 @@ def train(model, managed: bool, *, oom_at: int | None = None, mixed_precision: s
     return model, opt, records, injector.fired
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def test_an_accelerate_loop_with_accumulation_and_a_retry_is_bit_exact(fresh_accelerate):
     model = llama(layers=2, hidden=64, dropout=0.0)
     twin = copy.deepcopy(model)
     reference, ref_opt, _, _ = train(twin, managed=False)
-    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
-    accelerate.state.GradientState._reset_state()
+    expected = training_state(reference, ref_opt)
+    _reset()
     managed, opt, records, fired = train(model, managed=True, oom_at=3)
     assert fired == 1 and records[3]["attempt"] == 1  # the second micro-batch of the second step, retried
     assert len(records) == 4 and records[2]["attempt"] == 0
-    for (name, p), q in zip(managed.named_parameters(), reference.parameters()):
-        assert torch.equal(p, q), name
-    for a, b in zip(opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
-        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq")) and torch.equal(a["step"], b["step"])
+    assert_same_state(training_state(managed, opt), expected)  # weights, buffers, RNG, AdamW's state
 
 
 def test_under_bf16_mixed_precision_the_head_stays_chunked(fresh_accelerate):

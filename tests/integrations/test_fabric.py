@@ -1,13 +1,14 @@
 """A loop driven by Lightning Fabric: the model `fabric.setup` returns managed, `fabric.backward`
 inside `run_step`, full precision and bf16 mixed precision."""
 
+import contextlib
 import copy
 
 import pytest
 import torch
 
 lightning = pytest.importorskip("lightning")
-from helpers import llama  # noqa: E402
+from helpers import assert_same_state, llama, training_state  # noqa: E402
 
 import adaptmem  # noqa: E402
 from adaptmem.testing import OutOfMemoryInjector, SimulatedDevice  # noqa: E402
@@ -33,8 +34,7 @@ def train(model, managed: bool, *, oom_at: int | None = None, precision: str = "
     injector = OutOfMemoryInjector(model.model.layers)
     records = []
     torch.manual_seed(1)
-    with dev:
-        mem = adaptmem.manage(model, device=dev, policy=policy) if managed else None
+    with dev, adaptmem.manage(model, device=dev, policy=policy) if managed else contextlib.nullcontext() as mem:
         for i, batch in enumerate(batches()):
             if i == oom_at:
                 injector.arm(1, "backward")
@@ -45,8 +45,6 @@ def train(model, managed: bool, *, oom_at: int | None = None, precision: str = "
                 fabric.backward(model(**batch).loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if managed:
-            mem.close()
     injector.remove()
     return model, opt, records, injector.fired
 
@@ -54,12 +52,10 @@ def train(model, managed: bool, *, oom_at: int | None = None, precision: str = "
 def test_a_fabric_loop_with_a_retry_is_bit_exact():
     model = llama(layers=2, hidden=64, dropout=0.0)
     reference, ref_opt, _, _ = train(copy.deepcopy(model), managed=False)
+    expected = training_state(reference, ref_opt)
     managed, opt, records, fired = train(model, managed=True, oom_at=1)
     assert fired == 1 and [r["attempt"] for r in records] == [0, 1, 0]
-    for (name, p), q in zip(managed.named_parameters(), reference.parameters()):
-        assert torch.equal(p, q), name
-    for a, b in zip(opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
-        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert_same_state(training_state(managed, opt), expected)  # weights, buffers, RNG, AdamW's state
 
 
 def test_under_bf16_mixed_precision_the_head_stays_chunked():
