@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -48,7 +49,7 @@ from adaptmem.control.headcosts import KEPT, HeadCosts
 from adaptmem.control.notices import Notices, own_checkpointing
 from adaptmem.control.plans import RETRY_STEP, PlanBook, PlanRecord
 from adaptmem.control.priors import priors_for
-from adaptmem.control.reach import LengthsSeen, Reacher, gradient_bytes
+from adaptmem.control.reach import GivenUp, LengthsSeen, Reach, Reacher, gradient_bytes
 from adaptmem.control.recorder import StepRecorder
 from adaptmem.control.retry import (
     RetryGuard,
@@ -60,7 +61,7 @@ from adaptmem.control.retry import (
 from adaptmem.control.samples import InputShape, StepSample, StepState, shape_of
 from adaptmem.control.schedule import MeasureSchedule
 from adaptmem.control.stats import RunStats
-from adaptmem.control.unfit import Trace, below_floor, refusal, unfittable
+from adaptmem.control.unfit import Lesson, Trace, below_floor, refusal, unfittable
 from adaptmem.devices.cuda import CudaProbe
 from adaptmem.devices.engine import release_failed_backward
 from adaptmem.devices.host import HostProbe
@@ -128,6 +129,8 @@ class Controller:
         self.stats = RunStats()
         self.notices = Notices()
         self.now = StepState()  # the step in hand, from begin_step to end_step
+        self.lesson: Lesson | None = None  # what the last batch given up after running out of memory taught
+        self.given_up: list[GivenUp] = []  # batches given up: answers are bound by them
         self.lock = threading.RLock()
         self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
         self.forwards = 1  # forwards the last step ran before its backward (kept in the state)
@@ -185,6 +188,9 @@ class Controller:
                 return self._record_oom(error, sample)
             if error is None and sample is not None:
                 self.lengths.started(sample)
+                if self.lesson is not None and self.lesson.passed(sample.batch, sample.seq):
+                    self.lesson = None
+                self.given_up = [g for g in self.given_up if not g.ran(sample.batch, sample.seq)]
                 return self._after_step(sample)
             return None
 
@@ -237,10 +243,14 @@ class Controller:
                     return result
                 guard.restore()
                 if refused is not None:
-                    raise refused
+                    try:
+                        raise refused
+                    finally:  # else this frame, on the error's traceback, holds the error: a cycle that keeps
+                        refused = None  # the error, and the caller's frames (the batch in them), until a collection
                 self._free_after_oom()
                 self.ranks.catch_up()  # under FSDP2: the rest of the step's collectives, once freed
                 attempt += 1
+            self._keep_lesson(self.now.shape, self.retries.attempts[-1].get("available_bytes"))
             self.rewind(self.retries.trace)  # every retry failed: the batch leaves no trace either
             compressing = any(m & Mode.COMPRESS for m in self.plans.allowed)
             snapshot = (self.policy.accumulation_snapshot, guard.most_copied)
@@ -291,6 +301,8 @@ class Controller:
                 self.retries.new_batch(self.trace())
             own = start = self.recorder.probe.allocated()
             batch, extent, budget = shape.batch, shape.extent, self.budget
+            if now.open:
+                now.shape = shape
             now.planned_forwards = self.forwards if now.open else 1
             if now.open and self.forwards > 1:
                 # the step before ran its forward again before its backward (a contrastive loss, two
@@ -382,6 +394,7 @@ class Controller:
         predicted = record.predicted
         if predicted is None:
             predicted = self.plans.predict(record.modes, shape.batch, shape.extent, start, record.head)
+        self._keep_lesson(shape, available)
         message = refusal(
             record,
             shape.batch,
@@ -716,9 +729,11 @@ class Controller:
             if not self.now.open:  # between steps: the device as the next step finds it
                 allocated = self.probe.allocated()
                 gradients = gradient_bytes(self.model, "cuda" if isinstance(self.probe, CudaProbe) else "cpu")
-            return self.lengths.reacher(
+            reacher = self.lengths.reacher(
                 self.costs, self.plans, self.budgets.user if fits is None else fits, allocated, self.lock, gradients
             )
+            reacher.given_up = [g for g in self.given_up if g.room is None or reacher.limit <= g.room]
+            return reacher
 
     def trace(self) -> Trace:
         """What a batch given up puts back: the learned and deciding state as it is now."""
@@ -731,21 +746,56 @@ class Controller:
             self._replan_when_warm,
         )
 
-    def _longest_without_this_batch(self, batch: int):
+    def answer(self, limit: int | None, ask: Callable[[Reacher], Reach]) -> Reach:
+        """ "How long can I go?" (`ask`, of a `Reacher` under `limit`): the cost model's answer, and
+        where a batch was given up after running out of memory, the smaller of it and the answer
+        of the model as that batch's failed attempts left it (`Lesson`)."""
+        now = ask(self.reacher(limit))
+        lesson = self.lesson
+        if lesson is None:
+            return now
+        with self._learned_as(lesson.costs, lesson.lengths):
+            then = ask(self.reacher(limit))
+        return then if then.tokens < now.tokens else now
+
+    @contextmanager
+    def _learned_as(self, costs: tuple, lengths: dict) -> Iterator[None]:
+        """The cost model and lengths as in `costs` and `lengths` for a while, then as they are now."""
+        with self.lock:
+            now = self.costs.snapshot(), self.lengths.state_dict()
+            self.costs.restore(costs)
+            self.lengths.load_state_dict(lengths)
+            try:
+                yield
+            finally:
+                self.costs.restore(now[0])
+                self.lengths.load_state_dict(now[1])
+
+    def _keep_lesson(self, shape: InputShape | None, available: int | None) -> None:
+        """A batch is given up: no answer names its shape again (with no more room than `available`, the
+        device's usable bytes then); where it ran out of memory, keep what its attempts taught (`Lesson`)."""
+        if shape is None or not shape.width:
+            return
+        self.given_up.append(GivenUp(shape.batch, shape.seq, available))
+        trace = self.retries.trace
+        if trace is None or trace.costs is None:
+            return
+        try:
+            longest = self.reacher(None).longest(shape.batch).length
+        except Exception:  # a prediction must never hide the error it comes with
+            longest = 0
+        self.lesson = Lesson(self.costs.snapshot(), self.lengths.state_dict(), shape.batch, shape.seq, longest)
+
+    def _longest_without_this_batch(self, batch: int) -> Reach:
         """The longest length `longest_sequence` answers once the batch refused leaves no trace: from the
-        cost model as it was before the batch first ran out of memory. (From what the failed attempt
-        taught, a refusal named 1,245 tokens, and `longest_sequence` 2,089 right after it.)"""
+        cost model as it was before the batch first ran out of memory, and no longer than what the
+        failed attempts taught allows (`answer`). (From what the failed attempt taught alone, a refusal
+        named 1,245 tokens, and `longest_sequence` 2,089 right after it.)"""
         before = self.retries.trace
         if before is None or before.costs is None:
-            return self.reacher(None).longest(batch)
-        now = self.costs.snapshot(), self.lengths.state_dict()
-        self.costs.restore(before.costs)
-        self.lengths.load_state_dict(before.lengths)
-        try:
-            return self.reacher(None).longest(batch)
-        finally:
-            self.costs.restore(now[0])
-            self.lengths.load_state_dict(now[1])
+            return self.answer(None, lambda reacher: reacher.longest(batch))
+        with self._learned_as(before.costs, before.lengths):
+            return self.answer(None, lambda reacher: reacher.longest(batch))
 
     def rewind(self, trace: Trace) -> None:
         """Put back the state `trace` took (and the cost model, if the batch learned from a failure)."""

@@ -42,6 +42,32 @@ log = logging.getLogger("adaptmem")
 BINS = 8192
 #: No length is searched past this (tokens per sample).
 MAX_LENGTH = 1 << 24
+#: Once a batch is given up (no plan fitted it, or every retry ran out of memory), no answer names
+#: this share of its length or more at as many samples or more: the predictions near it proved wrong.
+GIVEN_UP_BACKOFF = 0.9
+
+
+@dataclass
+class GivenUp:
+    """A batch given up (no plan fitted it, or every retry ran out of memory): no answer names its
+    shape, nor, from `GIVEN_UP_BACKOFF` of its length on, a length longer than a step of as many
+    samples or more has trained at since."""
+
+    batch: int
+    length: int  # tokens a sample
+    room: int | None  # the device's usable bytes then: the answers under no more room are bound by it
+    trained: int = 0
+
+    def rules_out(self, batch: int, length: int) -> bool:
+        if batch < self.batch:
+            return False
+        return length >= self.length or (length >= self.length * GIVEN_UP_BACKOFF and length > self.trained)
+
+    def ran(self, batch: int, length: int) -> bool:
+        """A step of this shape ran to its end; True where it was this large or larger (it fits after all)."""
+        if batch >= self.batch:
+            self.trained = max(self.trained, length)
+        return batch >= self.batch and length >= self.length
 
 
 @dataclass(frozen=True)
@@ -221,7 +247,8 @@ def end_record(ctl) -> dict | None:
     if ctl.events.path is None or last is None or not ctl.costs.known or not ctl.lengths.width:
         return None
     try:
-        return ctl.reacher(None).longest(max(1, int(last.get("batch") or 1))).as_record()
+        batch = max(1, int(last.get("batch") or 1))
+        return ctl.answer(None, lambda reacher: reacher.longest(batch)).as_record()
     except Exception as err:  # a prediction must never stop a run from closing
         log.warning("adaptmem: the longest sequence could not be predicted for the log: %s", err)
         return None
@@ -254,6 +281,7 @@ class Reacher:
         # held while the cost model is asked in a state other than the one it plans (the manager's)
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.width, self.starts, self.limit = width, starts, limit
+        self.given_up: list[GivenUp] = []  # batches given up, that bound the answers
         self.measured_length, self.measured_tokens = measured  # the longest sample, the most tokens a step
 
     @property
@@ -277,6 +305,8 @@ class Reacher:
                 yield resident, start + before
 
     def fits(self, batch: int, length: int) -> bool:
+        if any(g.rules_out(batch, length) for g in self.given_up):
+            return False
         for _, start in self._states(batch, length):
             room = self.limit - start
             if room <= 0 or self.costs.tail_bytes(batch, length * self.width) > room:

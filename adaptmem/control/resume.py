@@ -55,6 +55,7 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
         ctl.budgets.resume(state["budget"], state.get("user_budget"))
         ctl.stats.load_counters(state["counters"])
         ctl.lengths.load_state_dict(state["lengths"])
+        ctl.lesson = None  # what a batch given up taught this run, not the saved one's figures
         ctl.forwards = int(state.get("forwards", 1))  # (states saved before these were kept)
         ctl.plans.head_can_chunk = bool(state.get("head_can_chunk", True))
         ctl.plans.head_kept_for = state.get("head_kept_for")

@@ -140,3 +140,4 @@ class StepState:
     later_plans: list = field(default_factory=list)  # the plans of the forwards after the first, as labels
     head_calls: tuple[int, int] = (0, 0)  # the loss head's training calls and chunked ones before the step
     refused: bool = False  # given up at the plan point: no plan can fit it
+    shape: Any = None  # the step's InputShape, from its plan point

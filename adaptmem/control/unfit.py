@@ -26,7 +26,9 @@ device's usable memory, and the longest length predicted to fit.
 No trace: what the controller learns and decides from (the cost model, the
 lengths seen, the decider, the cached plans and which shapes were measured) is
 put back as it was before the batch, so a run that catches the error and goes on
-makes the plans it would have made without that batch. The small parts are
+makes the plans it would have made without that batch. Only "how long can I
+go?" remembers it (`reach.GivenUp`, and `Lesson` where it ran out of memory
+first), so as not to name its length again. The small parts are
 copied at each step's start (a few dicts); the cost model only when the step
 first runs out of memory, before it learns from the failed attempt (retries use
 what that attempt measured).
@@ -49,7 +51,7 @@ REFUSE_MARGIN = 0.25
 #: The same where some block of that plan never ran its mode at this shape.
 UNRUN_REFUSE_MARGIN = 0.5
 
-__all__ = ["REFUSE_MARGIN", "UNRUN_REFUSE_MARGIN", "Trace", "refusal", "unfittable"]
+__all__ = ["REFUSE_MARGIN", "UNRUN_REFUSE_MARGIN", "Lesson", "Trace", "refusal", "unfittable"]
 
 
 @dataclass
@@ -70,6 +72,28 @@ class Trace:
         """The batch ran out of memory and is about to learn from it: keep the cost model as it was."""
         if self.costs is None:
             self.costs, self.lengths = costs.snapshot(), lengths.state_dict()
+
+
+@dataclass
+class Lesson:
+    """What a batch given up after running out of memory taught, kept apart from what plans are
+    made from: the cost model and lengths as its failed attempts left them, and its shape (samples,
+    tokens a sample). Plans are made as if the batch had not come (`Trace`); "how long can I go?"
+    answers no longer than this model does, so that a length refused is not named again. A
+    ModernBERT answered 1,499 tokens at batch 4, was refused there, and answered 1,499 again;
+    from what the failed attempt taught, 1,012, which trained. Kept until a step of as many samples
+    or more, longer than the lesson's own answer, runs to its end (the cost model has measured past
+    it), or another batch is given up so."""
+
+    costs: tuple  # CostModel.snapshot()
+    lengths: dict  # LengthsSeen.state_dict()
+    batch: int
+    seq: int
+    longest: int  # the lesson's own answer at `batch` (0: none)
+
+    def passed(self, batch: int, seq: int) -> bool:
+        """A step of this shape ran to its end: what the lesson answers is behind the run."""
+        return batch >= self.batch and seq > self.longest
 
 
 def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool, ran: bool = True) -> bool:

@@ -422,3 +422,115 @@ def test_a_refusal_after_an_attempt_names_the_plan_a_retry_would_run_not_the_tig
     assert "  tightest plan: 4 x CHECKPOINT; predicted peak now 253.00 MiB" in first
     assert "  plan a retry would run: 4 x CHECKPOINT; predicted peak now 253.00 MiB" in after
     assert "tightest" not in after and "attempt 1: 4 x OFFLOAD; predicted peak 154.00 MiB" in after
+
+
+class _Switching(torch.nn.Module):
+    """A block whose own code takes 8 times the memory past `threshold` tokens: no prediction
+    from shorter lengths sees it."""
+
+    def __init__(self, width: int, threshold: int) -> None:
+        super().__init__()
+        self.lin, self.threshold = torch.nn.Linear(width, width), threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if x.shape[1] > self.threshold:
+            b, n, w = h.shape
+            h = h + torch.tanh(h.repeat(1, 1, 8)).view(b, n, 8, w).mean(2)
+        return x + torch.tanh(h)
+
+
+class SwitchingNet(torch.nn.Module):
+    def __init__(self, width: int = 32, depth: int = 4, threshold: int = 256) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(100, width)
+        self.blocks = torch.nn.ModuleList(_Switching(width, threshold) for _ in range(depth))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+@contextlib.contextmanager
+def switching_run():
+    """A `SwitchingNet` on a 24 MiB stand-in, every block checkpointed (the plan is fixed), after
+    two rounds of 64, 128 and 256 tokens at batch 2. Yields (model, device, manager, step), where
+    step(length) trains a batch of 2 or returns the error that gave it up."""
+    model = SwitchingNet()
+    dev = SimulatedDevice(24 * MiB)
+    dev.track(model)
+    policy = adaptmem.Policy(modes=("CHECKPOINT",))
+    with dev, adaptmem.manage(model, policy=policy, device=dev) as mem:
+
+        def step(length: int) -> StepOutOfMemoryError | None:
+            ids = torch.randint(0, 100, (2, length), generator=torch.Generator().manual_seed(length))
+            try:
+                mem.run_step(lambda: model(ids).backward())
+            except StepOutOfMemoryError as err:
+                return err
+            finally:
+                model.zero_grad(set_to_none=True)
+            return None
+
+        for length in (64, 128, 256) * 2:
+            assert step(length) is None
+        yield model, dev, mem, step
+
+
+def test_a_length_given_up_is_not_named_again_until_a_step_that_long_trains():
+    """A model whose memory jumps past the lengths measured is refused at the length
+    `longest_sequence` named. Asked again, it names less than `GIVEN_UP_BACKOFF` of that length
+    (it named the same length again and again), the refusal names what it answers after, and
+    `largest_batch` at that length is below the batch given up. The learned state is as before
+    the batch. With more room than the refusal had, the bound no longer holds, and a step at that
+    length, once it trains, lifts it."""
+    from adaptmem.control.reach import GIVEN_UP_BACKOFF
+
+    with switching_run() as (model, dev, mem, step):
+        named = mem.longest_sequence(2).length
+        before = {k: v for k, v in mem.state_dict().items() if k not in ("counters", "run")}
+        err = step(named)
+        assert err is not None, f"{named} tokens were expected to run out of memory past the switch"
+        after = mem.longest_sequence(2).length
+        assert after < GIVEN_UP_BACKOFF * named
+        assert f"The longest sequence predicted to fit at batch 2: {after:,} tokens." in str(err)
+        assert mem.largest_batch(named).batch < 2
+        assert {k: v for k, v in mem.state_dict().items() if k not in ("counters", "run")} == before
+        lesson = mem._controller.lesson  # what the failed attempt taught, kept apart from the plans' figures
+        assert (lesson.batch, lesson.seq) == (2, named) and lesson.longest < named
+        assert mem.longest_sequence(2, limit="23MiB").length < named  # no more room than it had: bound
+        dev.set_capacity(1 << 30)  # a card that holds it
+        assert mem.longest_sequence(2).length >= named  # more room than the refusal had: not bound
+        assert mem.longest_sequence(2, limit="23MiB").length < named
+        assert step(named) is None  # it trains here: the bound is lifted
+        assert mem._controller.given_up == [] and mem._controller.lesson is None
+
+
+def test_a_batch_given_up_is_freed_without_a_garbage_collection():
+    """The error a refused batch raises, re-raised from the retry loop, was held by that loop's frame
+    on its own traceback: a cycle that kept the error, and through its traceback the frame that
+    caught it (a function that skips the batch, with the batch in its locals), allocated until
+    Python's cyclic collector ran."""
+    import gc
+    import weakref
+
+    with switching_run() as (model, dev, mem, step):
+        length = mem.longest_sequence(2).length
+
+        def skipped():  # train a batch, or skip it as the README shows
+            ids = torch.randint(0, 100, (2, length))
+            try:
+                mem.run_step(lambda: model(ids).backward())
+            except StepOutOfMemoryError:
+                return weakref.ref(ids)
+            raise AssertionError(f"{length} tokens were expected to be given up")
+
+        gc.disable()
+        try:
+            held = skipped()
+            assert held() is None, "the batch given up is still alive without a collection"
+        finally:
+            gc.enable()
