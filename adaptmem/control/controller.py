@@ -647,6 +647,7 @@ class Controller:
             self.budget,
             self.decider.headroom,
             self.reading(self.budgets.available, None),
+            len(self.blocks),
         )
         self.retries.failed(record)
         return self.events.emit(

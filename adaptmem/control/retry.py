@@ -252,6 +252,7 @@ def _shortened(text: str, limit: int = 300) -> str:
 
 
 BEFORE_BLOCKS = "before the first managed block"  # a failed attempt's phase where no block ran
+HEAD = "the loss head"  # every block's forward ended, and no block's backward began: the head, the loss, their backward
 
 
 def failure_record(
@@ -262,14 +263,18 @@ def failure_record(
     budget: int,
     headroom: float,
     available: int | None = None,
+    blocks: int = 0,
 ) -> dict:
-    """What one failed attempt was: where it ran out (`phase`), the message, the plan that ran."""
+    """What one failed attempt was: where it ran out (`phase`), the message, the plan that ran.
+    `blocks`: the model's managed blocks, whose forwards all ended where the head ran out."""
     ran = sample is not None and bool(sample.blocks)
     backward = ran and sample.backward_reached
+    ended = ran and sample.detailed and len(sample.blocks) >= blocks > 0 and all(b.end for b in sample.blocks)
+    head = ended and not backward
     text = str(err).strip()
     message = text.splitlines()[0] if text else type(err).__name__
     return {
-        "phase": "backward" if backward else "forward" if ran else BEFORE_BLOCKS,
+        "phase": "backward" if backward else HEAD if head else "forward" if ran else BEFORE_BLOCKS,
         "message": _shortened(message),
         "plan_counts": dict(Counter(m.label for m in executed)) if ran else {},
         "head": sample.head.label if ran and sample.head is not None else None,

@@ -120,6 +120,33 @@ def clean_grads(model, batches):
     return {n: p.grad.clone() for n, p in ref.named_parameters()}
 
 
+def test_an_oom_in_the_loss_heads_backward_is_recorded_as_the_loss_heads():
+    """The forward returned and the loss's backward ran out before any block's backward began (the
+    logits' gradient): the attempt's phase is the loss head's, not the forward's."""
+    model = llama(layers=2, hidden=64, vocab=4096)
+    batch = hf_batch(2, 128, 4096)
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(model)
+    policy = load_policy().model_copy(update={"head": "kept"})
+    attempts = []
+
+    def squeezed_after_forward():
+        attempts.append(1)
+        dev.set_capacity(2**31)
+        loss = model(**batch).loss
+        if len(attempts) == 1:  # a step measured block by block: no room for the logits' gradient
+            dev.set_capacity(dev.allocated_bytes + MiB)
+        loss.backward()
+
+    with dev, adaptmem.manage(model, device=dev, policy=policy) as mem:
+        mem.run_step(lambda: model(**batch).loss.backward())
+        model.zero_grad(set_to_none=True)
+        mem.run_step(squeezed_after_forward)
+        model.zero_grad(set_to_none=True)
+    oom = mem.events.of_type("oom")[-1]
+    assert oom["phase"] == "the loss head" and len(attempts) == 2
+
+
 @pytest.mark.parametrize("name", ["tiny", "hf-llama"])
 def test_injected_ooms_are_recovered_with_exact_gradients(name):
     make, make_batch = models()[name]
