@@ -124,6 +124,7 @@ def picture(run: RunFigures, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
+    from matplotlib.ticker import MaxNLocator
 
     steps = [s["step"] for s in run.steps]
     mib = 2**20
@@ -163,6 +164,8 @@ def picture(run: RunFigures, out: Path) -> Path:
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
         bottom.legend(handles, labels, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     bottom.set_xlabel("step")
+    for axis in (top, bottom):  # steps are whole
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_title("mode of each block per step", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
