@@ -1,13 +1,29 @@
-"""Lossless modes stay bit-identical under bf16 and fp16 autocast, and with frozen
-embeddings and frozen base weights plus small trainable adapters (LoRA-like)."""
+"""Lossless modes stay bit-identical under bf16 and fp16 autocast (with a GradScaler, through
+retries too), and with frozen embeddings and frozen base weights plus small trainable adapters
+(LoRA-like)."""
+
+import copy
 
 import pytest
 import torch
-from helpers import assert_same, budget_between, cnn, image_batch, step, tiny, tiny_batch, tiny_lora
+from helpers import (
+    assert_same,
+    assert_same_state,
+    budget_between,
+    cnn,
+    hf_batch,
+    image_batch,
+    llama,
+    step,
+    tiny,
+    tiny_batch,
+    tiny_lora,
+    training_state,
+)
 
 import adaptmem
 from adaptmem import LOSSLESS_MODES, Mode
-from adaptmem.testing import SimulatedDevice
+from adaptmem.testing import OutOfMemoryInjector, SimulatedDevice
 
 MODES = [m for m in LOSSLESS_MODES if m is not Mode.NONE]
 
@@ -73,3 +89,58 @@ def test_the_recorder_measures_frozen_and_autocast_steps(dtype):
     assert sample_blocks == measured >= 3  # every step measured block by block was learned
     assert max(peaks[1:]) <= budget, [round(p / budget, 3) for p in peaks]
     assert -0.02 < errors[-1] < 0.10, errors  # close, and if off then on the safe side
+
+
+def test_an_fp16_loop_with_a_grad_scaler_and_retries_is_bit_identical():
+    """fp16 autocast with `torch.amp.GradScaler`: the scaled loss's backward inside the managed step,
+    the scaler's step and update after it, as its documentation shows. A first scale at which some
+    steps' gradients overflow (skipped, the scale backed off) and others grow it, and two steps that
+    run out of memory and are retried: weights, gradients, AdamW's state, the RNG and the scaler's
+    state end as in the same loop unmanaged."""
+
+    def train(model, managed: bool):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2)
+        dev = SimulatedDevice(2**31)
+        dev.track(model)
+        kept = adaptmem.load_policy().model_copy(update={"head": "kept"})  # lossless: the head whole too
+        with dev, adaptmem.manage(model, device=dev, budget=None, policy=kept) if managed else _Unmanaged() as mem:
+            injector = OutOfMemoryInjector(model.model.layers) if managed else None
+            for i, seq in enumerate((64, 96, 64, 128, 96, 64)):
+                if injector is not None and i in (2, 4):
+                    injector.arm(1, "backward" if i == 2 else "forward")
+                torch.manual_seed(i)
+                batch = hf_batch(2, seq, 512)
+
+                def fn():
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        loss = model(**batch).loss
+                    scaler.scale(loss).backward()
+
+                mem.run_step(fn)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+            if injector is not None:
+                assert injector.fired == 2 and mem.summary()["ooms_recovered"] == 2
+        return training_state(model, opt), scaler.state_dict()
+
+    model = llama(layers=2, hidden=64, vocab=512)
+    reference = copy.deepcopy(model)
+    got, got_scaler = train(model, managed=True)
+    expected, expected_scaler = train(reference, managed=False)
+    assert_same_state(got, expected)
+    assert got_scaler == expected_scaler
+
+
+class _Unmanaged:
+    """The same loop without adaptmem: `run_step` just runs the step."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def run_step(self, fn):
+        return fn()
