@@ -491,14 +491,14 @@ def test_a_length_given_up_is_not_named_again_until_a_step_that_long_trains():
 
     with switching_run() as (model, dev, mem, step):
         named = mem.longest_sequence(2).length
-        before = {k: v for k, v in mem.state_dict().items() if k not in ("counters", "run")}
+        before = _learned(mem.state_dict())
         err = step(named)
         assert err is not None, f"{named} tokens were expected to run out of memory past the switch"
         after = mem.longest_sequence(2).length
         assert after < GIVEN_UP_BACKOFF * named
         assert f"The longest sequence predicted to fit at batch 2: {after:,} tokens." in str(err)
         assert mem.largest_batch(named).batch < 2
-        assert {k: v for k, v in mem.state_dict().items() if k not in ("counters", "run")} == before
+        assert _learned(mem.state_dict()) == before
         lesson = mem._controller.lesson  # what the failed attempt taught, kept apart from the plans' figures
         assert (lesson.batch, lesson.seq) == (2, named) and lesson.longest < named
         assert mem.longest_sequence(2, limit="23MiB").length < named  # no more room than it had: bound

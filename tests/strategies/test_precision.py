@@ -2,6 +2,7 @@
 retries too), and with frozen embeddings and frozen base weights plus small trainable adapters
 (LoRA-like)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -104,7 +105,9 @@ def test_an_fp16_loop_with_a_grad_scaler_and_retries_is_bit_identical():
         dev = SimulatedDevice(2**31)
         dev.track(model)
         kept = adaptmem.load_policy().model_copy(update={"head": "kept"})  # lossless: the head whole too
-        with dev, adaptmem.manage(model, device=dev, budget=None, policy=kept) if managed else _Unmanaged() as mem:
+        manager = adaptmem.manage(model, device=dev, budget=None, policy=kept) if managed else None
+        with dev, manager or contextlib.nullcontext():
+            run = manager.run_step if managed else lambda fn: fn()  # unmanaged: the step as it is
             injector = OutOfMemoryInjector(model.model.layers) if managed else None
             for i, seq in enumerate((64, 96, 64, 128, 96, 64)):
                 if injector is not None and i in (2, 4):
@@ -117,12 +120,12 @@ def test_an_fp16_loop_with_a_grad_scaler_and_retries_is_bit_identical():
                         loss = model(**batch).loss
                     scaler.scale(loss).backward()
 
-                mem.run_step(fn)
+                run(fn)
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
             if injector is not None:
-                assert injector.fired == 2 and mem.summary()["ooms_recovered"] == 2
+                assert injector.fired == 2 and manager.summary()["ooms_recovered"] == 2
         return training_state(model, opt), scaler.state_dict()
 
     model = llama(layers=2, hidden=64, vocab=512)
@@ -131,16 +134,3 @@ def test_an_fp16_loop_with_a_grad_scaler_and_retries_is_bit_identical():
     expected, expected_scaler = train(reference, managed=False)
     assert_same_state(got, expected)
     assert got_scaler == expected_scaler
-
-
-class _Unmanaged:
-    """The same loop without adaptmem: `run_step` just runs the step."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def run_step(self, fn):
-        return fn()
