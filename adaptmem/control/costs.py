@@ -466,9 +466,9 @@ class CostModel:
         the gradients resident, what a step allocating them starts with less the later blocks' ones."""
         fit, after = self.grad_resident[index], self._weights_after[index]
         if self.grads_resident and fit:
-            return _carried(fit, self.grad[index], batch, extent, other_constant=after)
+            return _across_states(fit, self.grad[index], batch, extent, other_constant=after)
         # none learned (every step ran two forwards): the later blocks' gradients, at least
-        fresh = _carried(self.grad[index], fit, batch, extent, own_constant=after) if self.grad[index] else after
+        fresh = _across_states(self.grad[index], fit, batch, extent, own_constant=after) if self.grad[index] else after
         return max(0.0, fresh - after) if self.grads_resident else fresh
 
     def head_bytes(self, batch: int, extent: int, head: HeadChoice | None = None) -> float:
@@ -483,8 +483,8 @@ class CostModel:
     def tail_bytes(self, batch: int, extent: int) -> float:
         """The peak after the blocks' backward, above the first block's start, in the state planned."""
         if self.grads_resident and self.tail_resident:
-            return _carried(self.tail_resident, self.tail, batch, extent)
-        return _carried(self.tail, self.tail_resident, batch, extent)
+            return _across_states(self.tail_resident, self.tail, batch, extent)
+        return _across_states(self.tail, self.tail_resident, batch, extent)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -550,7 +550,7 @@ def _revealed_activations(blk: BlockSample) -> float | None:
     return None
 
 
-def _carried(
+def _across_states(
     own: Fit, other: Fit, batch: int, extent: int, own_constant: float = 0.0, other_constant: float = 0.0
 ) -> float:
     """A figure of a step in one gradients' state (`own`: resident, as in accumulation, or not) from
