@@ -52,8 +52,10 @@ from adaptmem.control.priors import priors_for
 from adaptmem.control.reach import GivenUp, LengthsSeen, Reach, Reacher, gradient_bytes
 from adaptmem.control.recorder import StepRecorder
 from adaptmem.control.retry import (
+    HEAD,
     RetryGuard,
     StepOutOfMemoryError,
+    failure_phase,
     failure_record,
     rng_state,
     set_rng_state,
@@ -145,7 +147,7 @@ class Controller:
                 self.retries.new_batch(self.trace())
             self.now = StepState(open=True, label=label, rng=rng_state())
             if (head := self.blocks.head) is not None:
-                self.now.head_calls = (head.calls, head.chunked_calls)
+                self.now.head_calls = (head.calls, head.chunked_calls, head.armings)
             self.ranks.begin_attempt(self.model, self.blocks.handles, self.policy)
             if self.ranks.sharded is not None:
                 self.costs.pin_seen_bytes()  # its blocks' bytes hold their gathered parameters
@@ -175,8 +177,8 @@ class Controller:
                 self.rewind(self.retries.trace)
                 set_rng_state(self.now.rng)
                 return None
-            if error is None and sample is not None and sample.blocks:
-                self._head_ran(sample)
+            if sample is not None and sample.blocks and (error is None or isinstance(error, torch.OutOfMemoryError)):
+                self._head_ran(sample, error is None)
             if sample is not None and sample.blocks and sample.detailed and not sample.unmeasured:
                 if self.now.alike and 1 < self.now.forwards == self.now.planned_forwards:
                     sample.forwards = self.now.forwards  # its head is learned from them all
@@ -194,19 +196,34 @@ class Controller:
                 return self._after_step(sample)
             return None
 
-    def _head_ran(self, sample: StepSample) -> None:
+    def _head_ran(self, sample: StepSample, ended: bool) -> None:
         """The loss head as the step ran it: a head planned CHUNKED that made no chunked logits (a
         Hugging Face model called without `labels=`, its loss the user's own from the logits, or a
         head that cannot chunk) ran KEPT, and is recorded and learned so. While it runs so the plans
-        keep it (chunking it would price a saving that never comes)."""
+        keep it (chunking it would price a saving that never comes).
+
+        A model given `labels=` whose head was never called made its loss from the head's weight
+        elsewhere (TRL's fused LM head): that loss's bytes are the step's, learned as a kept head's,
+        and no plan chunks it. An attempt that ran out of memory (`ended` False) tells so where it ran
+        out after every block's forward with the head never called in any step; else it tells what
+        the head ran only where the head was called."""
         head = self.blocks.head
         if head is None:
             return
-        calls, chunked = head.calls - self.now.head_calls[0], head.chunked_calls - self.now.head_calls[1]
+        before = self.now.head_calls
+        calls, chunked, armed = head.calls - before[0], head.chunked_calls - before[1], head.armings - before[2]
+        foreign = armed > 0 and calls == 0
+        if not ended and not (calls > 0 or (foreign and head.calls == 0 and self._ran_out_in_head(sample))):
+            return
+        if foreign:
+            self.notices.head_bypassed(head.name, type(head.owner).__name__)
         planned = sample.head is not None and sample.head.mode is HeadMode.CHUNKED
         if planned and not chunked:
             sample.head = KEPT
         self.plans.head_chunks(calls > 0 and (chunked > 0 or not planned))
+
+    def _ran_out_in_head(self, sample: StepSample) -> bool:
+        return failure_phase(sample, len(self.blocks)) == HEAD
 
     def abandon_step(self) -> None:
         """Closing with a step open: it ends unrecorded and unlearned."""

@@ -61,6 +61,20 @@ class Notices:
                 why,
             )
 
+    def head_bypassed(self, name: str, owner: str) -> None:
+        """The model was given `labels=` and its head was never called: the loss came from the head's
+        weight by other code, which adaptmem does not chunk."""
+        if self._once("head bypassed"):
+            log.warning(
+                "adaptmem: %s was given labels=, but its loss head %s was never called: the loss was made "
+                "from the head's weight by other code (TRL's fused LM head, a fused linear cross-entropy). "
+                "adaptmem cannot chunk that loss: it counts its memory with the step's and plans the blocks "
+                "around it, and the plans keep the head. To have adaptmem chunk the logits, let the model "
+                "compute its loss in its own forward (TRL 1.16's trainers always use their own).",
+                owner,
+                name,
+            )
+
     def lengths_apart(self, sample: StepSample, names: list[str]) -> None:
         """A block whose input's length does not follow the first block's from step to step (an
         encoder-decoder's decoder, its target length apart from its source's): every step is planned,

@@ -255,6 +255,18 @@ BEFORE_BLOCKS = "before the first managed block"  # a failed attempt's phase whe
 HEAD = "the loss head"  # every block's forward ended, and no block's backward began: the head, the loss, their backward
 
 
+def failure_phase(sample: Any, blocks: int) -> str:
+    """Where a failed attempt ran out: before its blocks, in their forward, in the loss head (every
+    block's forward ended and no backward began; known in a step measured block by block), or in
+    backward. `blocks`: the model's managed blocks."""
+    ran = sample is not None and bool(sample.blocks)
+    if ran and sample.backward_reached:
+        return "backward"
+    if ran and sample.detailed and len(sample.blocks) >= blocks > 0 and all(b.end for b in sample.blocks):
+        return HEAD
+    return "forward" if ran else BEFORE_BLOCKS
+
+
 def failure_record(
     err: BaseException,
     sample: Any,
@@ -268,13 +280,10 @@ def failure_record(
     """What one failed attempt was: where it ran out (`phase`), the message, the plan that ran.
     `blocks`: the model's managed blocks, whose forwards all ended where the head ran out."""
     ran = sample is not None and bool(sample.blocks)
-    backward = ran and sample.backward_reached
-    ended = ran and sample.detailed and len(sample.blocks) >= blocks > 0 and all(b.end for b in sample.blocks)
-    head = ended and not backward
     text = str(err).strip()
     message = text.splitlines()[0] if text else type(err).__name__
     return {
-        "phase": "backward" if backward else HEAD if head else "forward" if ran else BEFORE_BLOCKS,
+        "phase": failure_phase(sample, blocks),
         "message": _shortened(message),
         "plan_counts": dict(Counter(m.label for m in executed)) if ran else {},
         "head": sample.head.label if ran and sample.head is not None else None,

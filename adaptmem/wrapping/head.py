@@ -43,6 +43,8 @@ class HeadHandle:
     (`owner`, None for a head named by the user), its `mode` and `chunk_tokens`.
 
     Counters: `calls` (training calls), `chunked_calls` (of those, run chunked),
+    `armings` (training calls of the owner given `labels=`: a step that armed the head and never
+    called it made its loss from the head's weight elsewhere, as TRL's fused LM head does),
     `last_tokens` and `last_chunks` (of the last chunked loss); calls traced by torch.compile
     are not counted (a counter in traced code would make every step compile again)."""
 
@@ -56,7 +58,7 @@ class HeadHandle:
         self._chunk_planned = True  # the planner's choice (never warned about) or the user's
         self.chunkable = type(module).forward is nn.Linear.forward
         self.armed = owner is None
-        self.calls = self.chunked_calls = self.last_tokens = self.last_chunks = 0
+        self.calls = self.chunked_calls = self.armings = self.last_tokens = self.last_chunks = 0
         self._hooks: list[Any] = []
 
     @property
@@ -330,6 +332,8 @@ class _Arm:
         except TypeError:
             labels = kwargs.get("labels")
         handle.armed = labels is not None
+        if handle.armed and module.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            handle.armings += 1
 
 
 class _Disarm(_Arm):

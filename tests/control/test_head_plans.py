@@ -196,3 +196,75 @@ def test_a_retry_after_a_chunked_head_failed_keeps_it_chunked_no_larger():
         plans.failure(blocks, KEPT, shape, foreseen=True)
         assert plans._tighter_head(KEPT) == KEPT  # only a kept head failed: the planner's choice
         plans.succeeded()
+
+
+def fused_head(model):
+    """`model`'s forward with its loss made from the head's weight outside the head module, as TRL's
+    fused LM head makes it: the backbone, then the projection by `lm_head.weight`."""
+    import types
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids).last_hidden_state[:, :-1]
+        logits = hidden @ self.lm_head.weight.t()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten())
+        return CausalLMOutputWithPast(loss=loss)
+
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+def test_a_loss_made_from_the_heads_weight_elsewhere_is_planned_kept_and_warned_of(caplog):
+    """A model given `labels=` whose head module is never called (TRL's fused LM head): the plans
+    keep the head from the first step on, even where they would chunk it (long-context chunks
+    wherever it can), the steps are predicted as they run, one warning names it, and training is
+    bit for bit the unmanaged run's."""
+    from helpers import assert_same_state, hf_batch, llama, training_state
+
+    def train(managed: bool):
+        model = fused_head(llama(layers=2, hidden=64, dropout=0.0, vocab=4096))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        dev = SimulatedDevice(2**31)
+        dev.track(model)
+        with dev, adaptmem.manage(model, device=dev, policy="long-context") if managed else nullcontext() as mem:
+            for seq in (64, 128, 256, 256):
+                batch = hf_batch(2, seq, vocab=4096)
+                (mem.run_step if managed else lambda f: f())(lambda: model(**batch).loss.backward())
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            steps, plans = (mem.events.of_type("step"), mem.events.of_type("plan")) if managed else ([], [])
+        return training_state(model, opt), steps, plans
+
+    from contextlib import nullcontext
+
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        managed, steps, plans = train(True)
+    assert [r["head"] for r in steps] == ["KEPT"] * 4
+    assert all(r["head"] == "KEPT" for r in plans if r["step"] > 1), [(r["step"], r["head"]) for r in plans]
+    assert abs(steps[-1]["prediction_error"]) < 0.05
+    warned = [r.getMessage() for r in caplog.records if "was never called" in r.getMessage()]
+    assert len(warned) == 1 and "LlamaForCausalLM" in warned[0] and "lm_head" in warned[0], warned
+    assert_same_state(managed, train(False)[0])
+
+
+def test_retries_of_a_loss_made_elsewhere_that_ran_out_do_not_chunk_the_head():
+    """The first step runs out of memory in a loss made from the head's weight outside the head
+    module: chunking the head saves nothing there, so no retry is planned chunked (TRL's fused head
+    on a Phi-3 had its retries predicted at 75 MiB with the head in chunks of 64 tokens, and each
+    ran out over 410 MiB; here four attempts ran, the last three chunked and predicted at 13 to 62
+    MiB against 84 MiB, and each ran out in the loss head). The plan a retry would run, the head
+    kept, is predicted over the device, and the batch is given up after its first attempt."""
+    from helpers import hf_batch, llama
+
+    model = fused_head(llama(layers=2, hidden=64, dropout=0.0, vocab=8192))
+    batch = hf_batch(2, 1024, vocab=8192)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    with dev, adaptmem.manage(model, device=dev, budget="100%") as mem:
+        dev.set_capacity(dev.allocated_bytes + 80 * MiB)  # the blocks fit; the logits (64 MiB) and their log-softmax do not
+        with pytest.raises(adaptmem.StepOutOfMemoryError) as raised:
+            mem.run_step(lambda: model(**batch).loss.backward())
+    attempts = raised.value.attempts
+    assert all(a["phase"] == "the loss head" and a["head"] == "KEPT" for a in attempts), attempts
+    assert "head KEPT; predicted peak now" in str(raised.value)  # the kept head, priced as it ran
