@@ -653,8 +653,6 @@ class PlanBook:
         for c in untried:
             if peak(c) < bar:
                 return (*c, False)
-        if self.failed_unforeseen:  # predicted to fit and failed: the figures, not the batch, are wrong
-            return (*untried[0], False)
         # nothing predicted lower, but a size not run yet is predicted from others with margins, which
         # may rank the plans wrongly (a mixed plan under the uniform ones): a plan no looser in any block
         # than every plan that failed, and tighter in some, holds less whatever the figures say
@@ -667,6 +665,12 @@ class PlanBook:
                 if uniform is not None and peak(uniform) < peak((b, h)) * (1 - RETRY_STEP):
                     return (*uniform, False)
                 return b, h, False
+        if self.failed_unforeseen:
+            # predicted to fit and failed: the figures, not the batch, are wrong (another process took
+            # memory for a while, say), and the plan that failed runs again. A looser plan would hold
+            # more whatever the figures say: on a Phi-3 whose loss was made outside its head, four
+            # blocks in SELECTIVE ran after OFFLOAD and CHECKPOINT+OFFLOAD had failed
+            return self.failed, self.failed_head, False
         return (*min(candidates, key=peak), True)
 
     def _guessed_uniform(self, head: HeadChoice | None) -> tuple[Mode, ...] | None:

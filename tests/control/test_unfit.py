@@ -406,6 +406,25 @@ def test_a_retry_never_runs_a_plan_that_only_puts_blocks_of_a_failed_one_in_none
         plans.succeeded()
 
 
+def test_a_plan_predicted_to_fit_that_failed_runs_again_rather_than_a_looser_one(monkeypatch):
+    """Plans predicted to fit that ran out of memory (the figures wrong, not the batch: another process
+    took memory for a while, say): with no plan predicted lower and none tighter in every block, the
+    plan that failed runs again, never one looser than a plan that failed. On a Phi-3 whose loss was
+    made outside its head, 4 x SELECTIVE ran after 4 x OFFLOAD and 4 x CHECKPOINT+OFFLOAD failed."""
+    from adaptmem import Mode
+
+    top = (Mode.CHECKPOINT | Mode.OFFLOAD,) * 4
+    with calibrated_plans() as (mem, plans, key, shape):
+        monkeypatch.setattr(plans, "_guessed_uniform", lambda head: None)
+        monkeypatch.setattr(plans, "predict", lambda modes, *a, **k: (90.0 if modes == top else 95.0) * MiB)
+        plans.start_attempt(1)
+        for failed in ((Mode.CHECKPOINT,) * 4, (Mode.OFFLOAD,) * 4, top):
+            plans.failure(failed, None, shape, foreseen=False)
+        retry = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert retry.modes == top
+        plans.succeeded()
+
+
 def test_a_refusal_after_an_attempt_names_the_plan_a_retry_would_run_not_the_tightest():
     """After an attempt ran out of memory, the plan refused is the retry's (the ladder it retreats
     along), which may be predicted higher than the attempt's: it was called the tightest plan."""
