@@ -343,8 +343,16 @@ def oom_report(
             "batch size or sequence length, or give adaptmem a larger budget (what the step holds before its "
             "blocks, the weights, gradients and optimizer state on the device among it, counts against it)."
         )
+    elif attempts and all(a["phase"] == HEAD for a in attempts):
+        lines.append(
+            "Every attempt ran out in the loss head, after every block's forward, where the blocks hold the "
+            "least they can under the modes tried: lower the tokens a batch (the batch size or sequence "
+            "length), or give adaptmem a larger budget."
+        )
     else:
-        more = "" if compression_allowed else " allow more modes (policy 'max-savings' adds compression),"
+        # compression holds more than a plan that keeps none of the blocks' saved tensors on the device
+        offloaded = any(a["plan_counts"] and all("OFFLOAD" in m for m in a["plan_counts"]) for a in attempts)
+        more = "" if compression_allowed or offloaded else " allow more modes (policy 'max-savings' adds compression),"
         lines.append(f"Lower the batch size or sequence length,{more} or give adaptmem a larger budget.")
     how, copied = snapshot
     if copied and how == "device":
