@@ -138,6 +138,6 @@ class StepState:
     planned_forwards: int = 1  # forwards the first forward's plan was made for (its batch counted them all)
     alike: bool = True  # every forward after the first had its shape and ran its plan
     later_plans: list = field(default_factory=list)  # the plans of the forwards after the first, as labels
-    head_calls: tuple[int, int, int] = (0, 0, 0)  # the loss head's training calls, chunked ones, armings before the step
+    head_calls: tuple[int, int, int] = (0, 0, 0)  # the loss head's calls, chunked calls, armings before the step
     refused: bool = False  # given up at the plan point: no plan can fit it
     shape: Any = None  # the step's InputShape, from its plan point

@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - the older package name
     import pytorch_lightning as pl
 
 from adaptmem.control.manager import MemoryManager
+from adaptmem.integrations.stand_in import count_loaded
 
 __all__ = ["AdaptMemCallback"]
 
@@ -86,6 +87,7 @@ class AdaptMemCallback(pl.Callback):
             self._build(trainer, pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        count_loaded(self.options["device"], *trainer.optimizers)  # a resume loaded their state by now
         self._build(trainer, pl_module)  # FSDP, DeepSpeed: restored after on_fit_start, before this
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

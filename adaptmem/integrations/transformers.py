@@ -42,6 +42,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from adaptmem.control.manager import MemoryManager
+from adaptmem.integrations.stand_in import count_loaded
 
 __all__ = ["AdaptMemTrainerCallback", "AdaptMemTrainerMixin"]
 
@@ -113,6 +114,7 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------ lifecycle
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        count_loaded(self.options.get("device"), kwargs.get("optimizer"))
         if self.manager is not None and not self.manager.closed:
             return
         self._own_checkpointing_off(model)

@@ -262,7 +262,8 @@ def test_retries_of_a_loss_made_elsewhere_that_ran_out_do_not_chunk_the_head():
     dev = SimulatedDevice(2**31)
     dev.track(model)
     with dev, adaptmem.manage(model, device=dev, budget="100%") as mem:
-        dev.set_capacity(dev.allocated_bytes + 80 * MiB)  # the blocks fit; the logits (64 MiB) and their log-softmax do not
+        # the blocks fit; the logits (64 MiB) and their log-softmax do not
+        dev.set_capacity(dev.allocated_bytes + 80 * MiB)
         with pytest.raises(adaptmem.StepOutOfMemoryError) as raised:
             mem.run_step(lambda: model(**batch).loss.backward())
     attempts = raised.value.attempts

@@ -148,6 +148,25 @@ def test_a_resumed_fit_continues_counters_costs_and_the_log(tmp_path):
     assert any(r["type"] == "resume" for r in records)
 
 
+def test_a_resumed_fit_on_the_stand_in_counts_the_optimizer_state_it_loaded(tmp_path):
+    """The optimizer state `fit(ckpt_path=...)` loads is made outside the stand-in, by an optimizer
+    Lightning builds inside `fit()`: the callback counts it as training starts, and the resumed steps
+    peak as the same steps of the fit never interrupted."""
+
+    def run(out, ckpt=None, every=None):
+        dev = SimulatedDevice(capacity_bytes=2**31)
+        callback = AdaptMemCallback(budget="1GiB", device=dev)
+        with dev:
+            fit(out, callback=callback, steps=4, ckpt=ckpt, checkpoint_every=every)
+        return [(r["step"], r["observed_peak_bytes"]) for r in callback.manager.events.of_type("step")]
+
+    whole = run(tmp_path / "a", every=2)
+    ckpt = next(p for p in (tmp_path / "a" / "ckpt").glob("*.ckpt") if "step=2" in p.name)
+    resumed = run(tmp_path / "b", ckpt=str(ckpt))
+    assert [s for s, _ in resumed] == [5, 6, 7, 8], resumed
+    assert all(abs(a - b) <= 64 for (_, a), (_, b) in zip(resumed, whole[-4:])), (whole, resumed)
+
+
 def test_the_manager_closes_on_an_exception(tmp_path):
     class Boom(LitTiny):
         def training_step(self, batch, batch_idx):
