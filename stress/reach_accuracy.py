@@ -3,6 +3,7 @@
     python -m stress.reach_accuracy                     # Qwen3 and Starcoder2 from configs (a few minutes each)
     python -m stress.reach_accuracy --arch qwen3 --json runs/reach.json
     python -m stress.reach_accuracy --arch qwen3 --batch 2 --accumulate 2   # two micro-batches a step
+    python -m stress.reach_accuracy --arch qwen3 --varying 11   # asked after 11 steps of 50 to 600 tokens
 
 For each architecture (4 layers, hidden 256, vocab 8000, random weights, AdamW, batch 1) on a
 `SimulatedDevice` of `DEVICE_MIB`: a run calibrates on `CALIBRATION` lengths (twice each), then
@@ -10,7 +11,8 @@ asks `MemoryManager.longest_sequence(batch)`. Empirically, a length L trains whe
 the same calibration goes on with two steps at L and no `StepOutOfMemoryError`; the longest such L
 is bisected to within 1% (the search starts from the prediction, so it costs a few runs). With
 `--accumulate N` every optimizer step is N micro-batches, each a managed step: the first allocates
-the weights' gradients, the others start with them.
+the weights' gradients, the others start with them. With `--varying N` the run calibrates on N
+lengths drawn from 50 to 600 tokens, as a fine-tune on varying lengths asks after N steps.
 
 Target: the prediction within 5% of the empirical longest, and never above it by more than that.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -77,27 +80,36 @@ def run(arch: str, lengths: list[int], *, ask: bool = False, size: int = 1, micr
         return mem.longest_sequence(size) if ask else None
 
 
-def trains(arch: str, length: int, **shape) -> bool:
+def calibration(varying: int = 0) -> list[int]:
+    """The lengths a run trains before it is asked: `CALIBRATION` twice, or `varying` lengths drawn
+    from 50 to 600 tokens (the same draws in every run)."""
+    if not varying:
+        return list(CALIBRATION) * 2
+    draw = random.Random(1)
+    return [draw.randint(50, 600) for _ in range(varying)]
+
+
+def trains(arch: str, length: int, calibrated: list[int], **shape) -> bool:
     try:
-        run(arch, list(CALIBRATION) * 2 + [length, length], **shape)
+        run(arch, calibrated + [length, length], **shape)
         return True
     except torch.OutOfMemoryError:  # StepOutOfMemoryError is one
         return False
 
 
-def empirical(arch: str, guess: int, **shape) -> tuple[int, int]:
+def empirical(arch: str, guess: int, calibrated: list[int], **shape) -> tuple[int, int]:
     """(longest that trained, shortest that did not), bisected to within 1%."""
     low, high = guess, guess
-    while not trains(arch, low, **shape):
+    while not trains(arch, low, calibrated, **shape):
         high, low = low, low * 3 // 4
     if high == low:
         high = low * 5 // 4
-        while trains(arch, high, **shape):
+        while trains(arch, high, calibrated, **shape):
             low, high = high, high * 5 // 4
     while high - low > max(8, low // 100):
         mid = (low + high) // 2
         began = time.perf_counter()
-        good = trains(arch, mid, **shape)
+        good = trains(arch, mid, calibrated, **shape)
         log(
             f"  {arch}: {mid:,} tokens {'trains' if good else 'runs out of memory'} "
             f"({time.perf_counter() - began:.0f} s)"
@@ -112,9 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--batch", type=int, default=1, help="samples a micro-batch (default 1)")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches an optimizer step (default 1)")
+    parser.add_argument(
+        "--varying", type=int, default=0, help="calibrate on this many lengths drawn from 50 to 600 (default: fixed)"
+    )
     args = parser.parse_args(argv)
-    if args.batch < 1 or args.accumulate < 1:
-        parser.error("--batch and --accumulate must be at least 1")
+    if args.batch < 1 or args.accumulate < 1 or args.varying < 0:
+        parser.error("--batch and --accumulate must be at least 1, --varying at least 0")
+    calibrated = calibration(args.varying)
     shape = {"size": args.batch, "micro": args.accumulate}
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     import logging
@@ -122,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("adaptmem").setLevel(logging.ERROR)  # the bisection runs out of memory on purpose
     rows, ok = [], True
     for arch in args.arch or ARCHS:
-        reach = run(arch, list(CALIBRATION) * 2, ask=True, **shape)
+        reach = run(arch, calibrated, ask=True, **shape)
         log(f"{arch}: predicted {reach}")
-        low, high = empirical(arch, reach.length, **shape)
+        low, high = empirical(arch, reach.length, calibrated, **shape)
         ratio = reach.length / low
         met = 1 - TOLERANCE <= ratio <= 1 + TOLERANCE
         ok &= met
@@ -146,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        figures = {"device_mib": DEVICE_MIB, "calibration": CALIBRATION, **shape, "rows": rows}
+        figures = {"device_mib": DEVICE_MIB, "calibration": calibrated, **shape, "rows": rows}
         args.json.write_text(json.dumps(figures, indent=2))
     return 0 if ok else 1
 

@@ -326,6 +326,11 @@ def attempt_text(attempt: dict) -> str:
     return plan + (f"; predicted peak {format_bytes(predicted)}" if predicted else "; not predicted (calibration)")
 
 
+#: The advice on memory after out-of-memory errors: they come from the device, not from the budget
+#: (the plans' aim, which a step may pass), so a larger budget would only have the plans aim higher.
+ROOM = "make room on the device (memory other processes or your own tensors hold, or a larger device)"
+
+
 def oom_report(
     attempts: list[dict], max_retries: int, compression_allowed: bool = False, snapshot: tuple[str, int] = ("", 0)
 ) -> str:
@@ -340,20 +345,20 @@ def oom_report(
     if attempts and all(a["phase"] == BEFORE_BLOCKS for a in attempts):  # no mode saves anything there
         lines.append(
             "Every attempt ran out before the first managed block ran, where no mode saves memory: lower the "
-            "batch size or sequence length, or give adaptmem a larger budget (what the step holds before its "
-            "blocks, the weights, gradients and optimizer state on the device among it, counts against it)."
+            f"batch size or sequence length, or {ROOM} (what the step holds before its blocks, the weights, "
+            "gradients and optimizer state among it, takes from it)."
         )
     elif attempts and all(a["phase"] == HEAD for a in attempts):
         lines.append(
             "Every attempt ran out in the loss head, after every block's forward, where the blocks hold the "
             "least they can under the modes tried: lower the tokens a batch (the batch size or sequence "
-            "length), or give adaptmem a larger budget."
+            f"length), or {ROOM}."
         )
     else:
         # compression holds more than a plan that keeps none of the blocks' saved tensors on the device
         offloaded = any(a["plan_counts"] and all("OFFLOAD" in m for m in a["plan_counts"]) for a in attempts)
         more = "" if compression_allowed or offloaded else " allow more modes (policy 'max-savings' adds compression),"
-        lines.append(f"Lower the batch size or sequence length,{more} or give adaptmem a larger budget.")
+        lines.append(f"Lower the batch size or sequence length,{more} or {ROOM}.")
     how, copied = snapshot
     if copied and how == "device":
         lines.append(

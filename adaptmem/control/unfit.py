@@ -43,7 +43,7 @@ from typing import Any
 
 from adaptmem.config.units import format_bytes
 from adaptmem.control.plans import PlanRecord
-from adaptmem.control.retry import attempt_text, counts_text
+from adaptmem.control.retry import ROOM, attempt_text, counts_text
 
 #: A measured shape is refused without running when even this share of its predicted bytes above
 #: the step's start, taken off, leaves the tightest plan over the device's usable memory.
@@ -166,7 +166,7 @@ def refusal(
         fits = None
     lines.append(
         (f"  The longest sequence predicted to fit at batch {batch}: {fits:,} tokens. " if fits else "  ")
-        + "Split or truncate this batch, lower the batch size, or raise the budget. The controller's "
+        + f"Split or truncate this batch, lower the batch size, or {ROOM}. The controller's "
         "state is as it was before this batch: catch the error and go on to skip it."
     )
     return "\n".join(lines)

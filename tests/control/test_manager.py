@@ -234,7 +234,7 @@ def test_a_batch_failing_from_its_first_step_names_each_plan_with_its_head_and_a
 def test_the_advice_after_every_retry_failed_names_only_what_could_help():
     """Compression is advised only to a policy without it, where no attempt kept every block's saved
     tensors off the device; where every attempt ran out in the loss head, the tokens a batch are."""
-    from adaptmem.control.retry import oom_report
+    from adaptmem.control.retry import BEFORE_BLOCKS, oom_report
 
     def attempts(phase, *plans):
         common = {"message": "out of memory", "head": "KEPT", "predicted_peak_bytes": MiB, "budget_bytes": 2 * MiB}
@@ -248,6 +248,10 @@ def test_the_advice_after_every_retry_failed_names_only_what_could_help():
     assert "allow more modes" not in oom_report(offloaded, 3)
     last = oom_report(head, 3).splitlines()[-1]
     assert last.startswith("Every attempt ran out in the loss head") and "lower the tokens a batch" in last, last
+    # the errors came from the device: a larger budget would only have the plans aim higher
+    for report in (oom_report(checkpointed, 3), oom_report(head, 3), oom_report(attempts(BEFORE_BLOCKS, {}), 3)):
+        advice = report.splitlines()[-1]
+        assert "make room on the device" in advice and "budget" not in advice, advice
 
 
 def test_retries_are_bounded_and_report_every_plan_tried():
