@@ -154,8 +154,9 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
         switch_own_checkpointing(model, False)
         log.warning(
             "adaptmem: switched off the model's own gradient checkpointing (gradient_checkpointing=True or "
-            "activation_checkpointing=True in the arguments); "
-            "adaptmem now decides which blocks to recompute. Pass keep_model_checkpointing=True to keep it."
+            "activation_checkpointing=True in the arguments, or the model's own; TRL's SFTConfig and DPOConfig "
+            "turn it on by default); adaptmem now decides which blocks to recompute. Pass "
+            "keep_model_checkpointing=True to keep it."
         )
 
     # ------------------------------------------------------------ brackets
