@@ -613,12 +613,6 @@ class Controller:
         )
         if decision == ESCALATE:  # the next step has something to teach: measure it block by block
             self.measuring.again()
-        elif missed and not self.costs.measured(sample.batch, sample.extent):
-            # predicted by the fits at a size never measured, and missed: their shape is wrong there.
-            # The next step, whatever its size, adds one to them: on varying lengths a bucket seldom
-            # comes back (a Phi-3's miss at 159 tokens never did, and its longest length, asked from
-            # sizes measured at 498 to 574 tokens, read 1,076 where 954 trained at the device's limit)
-            self.measuring.next = True
         elif missed:
             self.measuring.missed(now.key)
         # a first offload's time is cold (it allocated its host memory): a replan that is not for
