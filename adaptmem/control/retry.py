@@ -37,6 +37,7 @@ import torch
 
 from adaptmem.config.units import format_bytes
 from adaptmem.devices.tiers import host_allocations
+from adaptmem.modes import Mode
 from adaptmem.registrations import ListedModules
 
 
@@ -356,7 +357,7 @@ def oom_report(
         )
     else:
         # compression holds more than a plan that keeps none of the blocks' saved tensors on the device
-        offloaded = any(a["plan_counts"] and all("OFFLOAD" in m for m in a["plan_counts"]) for a in attempts)
+        offloaded = any(a["plan_counts"] and all(Mode.parse(m).offloads for m in a["plan_counts"]) for a in attempts)
         more = "" if compression_allowed or offloaded else " allow more modes (policy 'max-savings' adds compression),"
         lines.append(f"Lower the batch size or sequence length,{more} or {ROOM}.")
     how, copied = snapshot
