@@ -213,7 +213,8 @@ class Controller:
         before = self.now.head_calls
         calls, chunked, armed = head.calls - before[0], head.chunked_calls - before[1], head.armings - before[2]
         foreign = armed > 0 and calls == 0
-        if not ended and not (calls > 0 or (foreign and head.calls == 0 and self._ran_out_in_head(sample))):
+        in_head = not ended and foreign and head.calls == 0 and failure_phase(sample, len(self.blocks)) == HEAD
+        if not ended and not (calls > 0 or in_head):
             return
         if foreign:
             self.notices.head_bypassed(head.name, type(head.owner).__name__)
@@ -221,9 +222,6 @@ class Controller:
         if planned and not chunked:
             sample.head = KEPT
         self.plans.head_chunks(calls > 0 and (chunked > 0 or not planned))
-
-    def _ran_out_in_head(self, sample: StepSample) -> bool:
-        return failure_phase(sample, len(self.blocks)) == HEAD
 
     def abandon_step(self) -> None:
         """Closing with a step open: it ends unrecorded and unlearned."""
