@@ -35,6 +35,7 @@ def controller_state(ctl: Controller) -> dict[str, Any]:
         "head_can_chunk": ctl.plans.head_can_chunk,
         "head_kept_for": ctl.plans.head_kept_for,
         "ran": ctl.plans.ran_state(),
+        "measuring": ctl.measuring.state_dict(),
     }
 
 
@@ -60,6 +61,8 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
         ctl.plans.head_can_chunk = bool(state.get("head_can_chunk", True))
         ctl.plans.head_kept_for = state.get("head_kept_for")
         ctl.plans.load_ran_state(state.get("ran", []))
+        if "measuring" in state:  # (states saved before it was kept measure each bucket's next step)
+            ctl.measuring.load_state_dict(state["measuring"])
         head = state.get("current_head")
         ctl.blocks.apply(
             tuple(Mode.parse(m) for m in state["current"]),

@@ -41,6 +41,7 @@ from adaptmem.config.policy import Policy
 from adaptmem.control.costs import CostModel
 from adaptmem.control.coverage import generalises, guessed, needs_warm
 from adaptmem.control.plans import MAX_CACHED_PLANS, Key, PlanRecord
+from adaptmem.modes import Mode
 
 #: The most a bucket's measuring period stretches in steady state, in periods of `measure_every`.
 MAX_STRETCH = 32
@@ -103,3 +104,21 @@ class MeasureSchedule:
         other = MeasureSchedule(self.policy, self.costs)
         other.buckets, other.next = dict(self.buckets), self.next
         return other
+
+    def state_dict(self) -> dict:
+        """Each bucket's place in its period, for a saved state: a resumed run measures the steps the
+        run never interrupted would (a step measured teaches the fits, and so moves predictions)."""
+        rows = [
+            [list(key), None if last is None else [[m.label for m in last[0]], *last[1:]]]
+            for key, last in self.buckets.items()
+        ]
+        return {"buckets": rows, "next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buckets = {
+            (int(b), int(e), bool(r)): None
+            if last is None
+            else (tuple(Mode.parse(m) for m in last[0]), int(last[1]), int(last[2]), int(last[3]))
+            for (b, e, r), last in state["buckets"]
+        }
+        self.next = bool(state["next"])

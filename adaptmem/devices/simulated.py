@@ -444,8 +444,16 @@ def _tensors_of(obj: Any) -> list[torch.Tensor]:
         return _with_inner([*obj.parameters(), *obj.buffers()])
     if isinstance(obj, torch.optim.Optimizer):
         found: list[torch.Tensor] = []
-        for state in obj.state.values():
-            found.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        for group in obj.param_groups:
+            # a step count is kept on the host unless the group is capturable or fused (PyTorch's rule,
+            # in `Optimizer.load_state_dict` too): on a GPU it takes no device memory
+            host_step = not (group.get("capturable") or group.get("fused"))
+            for p in group["params"]:
+                found.extend(
+                    v
+                    for k, v in obj.state.get(p, {}).items()
+                    if isinstance(v, torch.Tensor) and not (k == "step" and host_step and v.dim() == 0)
+                )
         return _with_inner(found)
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in _tensors_of(item)]
