@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy
 import torch
 
 from adaptmem import Mode
@@ -232,6 +235,22 @@ def cnn(**kwargs) -> SmallCNN:
     return SmallCNN(**kwargs)
 
 
+class HostRandomCNN(SmallCNN):
+    """The small CNN drawing in forward from the host's generators, before its first stage, as
+    Wav2Vec2's SpecAugment draws from NumPy's: a NumPy mask over the images' rows, and a scale
+    chosen by Python's `random`."""
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> _Out:
+        rows = torch.from_numpy(numpy.random.rand(images.shape[-2]) < 0.8).to(images.dtype)
+        scale = 0.5 if random.random() < 0.5 else 1.0
+        return super().forward(images * rows[:, None] * scale, labels)
+
+
+def host_random_cnn(**kwargs) -> HostRandomCNN:
+    torch.manual_seed(0)
+    return HostRandomCNN(**kwargs)
+
+
 def image_batch(batch: int = 4, size: int = 16, classes: int = 10, seed: int = 1) -> dict:
     gen = torch.Generator().manual_seed(seed)
     return {
@@ -258,6 +277,7 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "rng": torch.get_rng_state(),
+        "host_rng": (random.getstate(), numpy.random.get_state()),
     }
     if optimizer is not None:
         state["optimizer"] = {
@@ -275,6 +295,11 @@ def assert_same_state(got: dict, expected: dict) -> None:
     for part in expected:
         if part == "rng":
             assert torch.equal(got["rng"], expected["rng"]), "RNG state differs"
+            continue
+        if part == "host_rng":
+            (python, (*numpy_got,)), (python_expected, (*numpy_expected,)) = got[part], expected[part]
+            assert python == python_expected, "Python's random state differs"
+            assert all(numpy.array_equal(a, b) for a, b in zip(numpy_got, numpy_expected)), "NumPy's state differs"
             continue
         assert got[part].keys() == expected[part].keys(), part
         bad = [k for k in expected[part] if not torch.equal(got[part][k], expected[part][k])]

@@ -131,6 +131,7 @@ class Controller:
         self.stats = RunStats()
         self.notices = Notices()
         self.now = StepState()  # the step in hand, from begin_step to end_step
+        self._run_rng: tuple | None = None  # the RNG states `run` took as its batch began
         self.lesson: Lesson | None = None  # what the last batch given up after running out of memory taught
         self.given_up: list[GivenUp] = []  # batches given up: answers are bound by them
         self.lock = threading.RLock()
@@ -145,7 +146,9 @@ class Controller:
         with self.lock:
             if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
                 self.retries.new_batch(self.trace())
-            self.now = StepState(open=True, label=label, rng=rng_state())
+            # inside `run_step` its guard's (every generator, taken as the batch began: each attempt and
+            # micro-step of it starts from there, or is put back there), else torch's own, taken now
+            self.now = StepState(open=True, label=label, rng=self._run_rng or rng_state())
             if (head := self.blocks.head) is not None:
                 self.now.head_calls = (head.calls, head.chunked_calls, head.armings)
             self.ranks.begin_attempt(self.model, self.blocks.handles, self.policy)
@@ -233,6 +236,7 @@ class Controller:
         """`run_step`: run `fn` as one step (`step()` opens and closes it); after an out-of-memory
         error, undo what the attempt changed, free, and run it again under a tighter plan."""
         guard = self.retries.guard(self.model, self.policy.accumulation_snapshot, self.policy.buffer_snapshot_limit)
+        self._run_rng = guard.rng
         self.plans.succeeded()  # a new batch: not a retry of whatever failed before
         self.ranks.deferring = True
         try:
@@ -271,6 +275,7 @@ class Controller:
             snapshot = (self.policy.accumulation_snapshot, guard.most_copied)
             raise self.retries.report(self.policy.max_retries, compressing, snapshot)
         finally:
+            self._run_rng = None
             self.ranks.deferring = False
             self.plans.start_attempt(0)
             self.plans.succeeded()

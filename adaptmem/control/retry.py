@@ -29,6 +29,8 @@ promised, `InexactRetryError` names the cause and the setting that avoids it.
 
 from __future__ import annotations
 
+import random
+import sys
 import weakref
 from collections import Counter
 from typing import Any
@@ -53,15 +55,27 @@ class InexactRetryError(RuntimeError):
     """A retry could not restore the training state exactly; the message says why and what avoids it."""
 
 
-def rng_state() -> tuple:
-    """The CPU's random generator state, and every initialized CUDA device's."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+def rng_state(host: bool = False) -> tuple:
+    """The CPU's random generator state, and every initialized CUDA device's; with `host`, also
+    Python's `random` and NumPy's global generator (a model may draw from them in forward:
+    Wav2Vec2's SpecAugment masks with `np.random`). Those cost the host about 40 us a step, so
+    they are taken where an attempt is run again (`run_step`), not for every step."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    if not host:
+        return torch.get_rng_state(), cuda, None, None
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), cuda, random.getstate(), numpy.random.get_state() if numpy is not None else None
 
 
 def set_rng_state(state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+    cpu, cuda, python, numpy = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    if python is not None:
+        random.setstate(python)
+    if numpy is not None:
+        sys.modules["numpy"].random.set_state(numpy)
 
 
 class BufferCopies:
@@ -126,7 +140,7 @@ class StepGuard:
         modules: ListedModules | None = None,
     ) -> None:
         self.snapshot = snapshot
-        self.rng = rng_state()
+        self.rng = rng_state(host=True)
         buffers = list(model.buffers()) if modules is None else modules.tensors("_buffers")
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
         self.buffer_limit = buffer_limit

@@ -2,11 +2,13 @@
 gradients, buffers (batch-norm statistics), RNG and optimizer state, whether the error
 comes in forward, in a recompute or in backward, and also inside an accumulation window."""
 
+import random
 import weakref
 
+import numpy
 import pytest
 import torch
-from helpers import assert_same_state, cnn, image_batch, mixed, mixed_batch, training_state
+from helpers import assert_same_state, cnn, host_random_cnn, image_batch, mixed, mixed_batch, training_state
 
 import adaptmem
 from adaptmem.config.policy import load_policy
@@ -15,6 +17,8 @@ from adaptmem.testing import SimulatedDevice
 MODELS = {
     "cnn": (cnn, image_batch, lambda m: m.stages, lambda block: block.body[0]),
     "mixed": (mixed, mixed_batch, lambda m: m.blocks, lambda block: block.up),
+    # draws from NumPy's and Python's generators in forward, as Wav2Vec2's SpecAugment does
+    "host-random": (host_random_cnn, image_batch, lambda m: m.stages, lambda block: block.body[0]),
 }
 
 
@@ -55,6 +59,8 @@ def run(make, make_batch, *, managed: bool, where: str | None = None):
         policy = load_policy("every-2").model_copy(update={"sample_interval_s": 30.0})
         mem = adaptmem.manage(model, policy=policy, budget=2**30, device=SimulatedDevice(capacity_bytes=2**31))
     torch.manual_seed(11)
+    random.seed(11)
+    numpy.random.seed(11)
     for s, batches in enumerate(micro):
         for m, batch in enumerate(batches):
             if managed:
