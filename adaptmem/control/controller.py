@@ -132,6 +132,7 @@ class Controller:
         self.notices = Notices()
         self.now = StepState()  # the step in hand, from begin_step to end_step
         self._run_rng: tuple | None = None  # the RNG states `run` took as its batch began
+        self._batch_traced = False  # inside `run`: its batch's trace is taken (`begin_step`)
         self.lesson: Lesson | None = None  # what the last batch given up after running out of memory taught
         self.given_up: list[GivenUp] = []  # batches given up: answers are bound by them
         self.lock = threading.RLock()
@@ -144,8 +145,11 @@ class Controller:
         """begin: open the step's record and start reading."""
         self._check_own_checkpointing()
         with self.lock:
-            if self.plans.failed is None:  # a new batch (not a retry of one that ran out of memory)
+            # a new batch: not a retry of one that ran out of memory, nor (inside `run_step`) an attempt or
+            # micro-step after its first (an attempt that ran out before its blocks records no failed plan)
+            if self.plans.failed is None and not self._batch_traced:
                 self.retries.new_batch(self.trace())
+                self._batch_traced = self._run_rng is not None
             # inside `run_step` its guard's (every generator, taken as the batch began: each attempt and
             # micro-step of it starts from there, or is put back there), else torch's own, taken now
             self.now = StepState(open=True, label=label, rng=self._run_rng or rng_state())
@@ -255,6 +259,7 @@ class Controller:
                     if kept or self.plans.head_kept_for is None or not self.ranks.alone:
                         raise  # not the chunked head's (it was kept already), or with other ranks
                     guard.restore()  # the head kept from now on (`end_step`): the same attempt again
+                    self._batch_traced = False  # from the controller as it keeps the head
                     continue
                 else:
                     self.stats.ooms_recovered += attempt
@@ -269,13 +274,15 @@ class Controller:
                 self._free_after_oom()
                 self.ranks.catch_up()  # under FSDP2: the rest of the step's collectives, once freed
                 attempt += 1
+                if self.retries.before_blocks_again():
+                    break  # no mode saves memory there, and freeing after the first did not make room
             self._keep_lesson(self.now.shape, self.retries.attempts[-1].get("available_bytes"))
             self.rewind(self.retries.trace)  # every retry failed: the batch leaves no trace either
             compressing = any(m & Mode.COMPRESS for m in self.plans.allowed)
             snapshot = (self.policy.accumulation_snapshot, guard.most_copied)
             raise self.retries.report(self.policy.max_retries, compressing, snapshot)
         finally:
-            self._run_rng = None
+            self._run_rng, self._batch_traced = None, False
             self.ranks.deferring = False
             self.plans.start_attempt(0)
             self.plans.succeeded()
@@ -386,7 +393,7 @@ class Controller:
         to fit, and not a retry's, is let through before reading the device (every step comes here)."""
         agree, attempts = self.ranks.agree, self.retries.attempts
         if agree is not None:
-            if self.plans.failed is None:
+            if self.plans.failed is None and not self._batch_traced:
                 return
         elif record.feasible and not record.exhausted:
             return

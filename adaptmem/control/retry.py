@@ -282,6 +282,11 @@ def failure_phase(sample: Any, blocks: int) -> str:
     return "forward" if ran else BEFORE_BLOCKS
 
 
+def phase_text(phase: str) -> str:
+    """Where an attempt ran out, as the messages write it: "in forward", "before the first managed block"."""
+    return phase if phase == BEFORE_BLOCKS else f"in {phase}"
+
+
 def failure_record(
     err: BaseException,
     sample: Any,
@@ -334,7 +339,9 @@ def counts_text(counts: dict[str, int]) -> str:
 def attempt_text(attempt: dict) -> str:
     """A failed attempt's plan and prediction, as the messages write them: "4 x CHECKPOINT; head
     CHUNKED:512; predicted peak 203.95 MiB" (no prediction: the first step's calibration plan)."""
-    plan = counts_text(attempt["plan_counts"]) or "no managed block ran"
+    if not attempt["plan_counts"]:
+        return "no managed block ran, so no plan"  # nor a prediction: a step is planned at its first block
+    plan = counts_text(attempt["plan_counts"])
     if attempt.get("head"):
         plan += f"; head {attempt['head']}"
     predicted = attempt["predicted_peak_bytes"]
@@ -355,13 +362,15 @@ def oom_report(
     for i, a in enumerate(attempts, 1):
         lines.append(
             f"  attempt {i}: {attempt_text(a)} against budget {format_bytes(a['budget_bytes'])} "
-            f"(headroom {a['headroom']:.2f}); out of memory in {a['phase']}: {a['message']}"
+            f"(headroom {a['headroom']:.2f}); out of memory {phase_text(a['phase'])}: {a['message']}"
         )
     if attempts and all(a["phase"] == BEFORE_BLOCKS for a in attempts):  # no mode saves anything there
         lines.append(
-            "Every attempt ran out before the first managed block ran, where no mode saves memory: lower the "
-            f"batch size or sequence length, or {ROOM} (what the step holds before its blocks, the weights, "
-            "gradients and optimizer state among it, takes from it)."
+            "Every attempt ran out before the first managed block ran, where no mode saves memory (given up "
+            "after a second attempt found no more room than the first): lower the batch size or sequence "
+            f"length, or {ROOM} (what the step holds before its blocks, the weights, gradients and optimizer "
+            "state among it, takes from it; a layer before the blocks that holds much, such as an audio "
+            "model's convolutional feature encoder, can be made a block with `blocks=`)."
         )
     elif attempts and all(a["phase"] == HEAD for a in attempts):
         lines.append(
@@ -412,6 +421,12 @@ class RetryGuard:
 
     def succeeded(self) -> None:
         self.attempts = []
+
+    def before_blocks_again(self) -> bool:
+        """The batch's last two attempts ran out before the first managed block: no mode saves memory
+        there, and the retry after the first (memory freed, a moment later) did not make room, so
+        the batch is given up rather than run to `max_retries`."""
+        return len(self.attempts) >= 2 and all(a["phase"] == BEFORE_BLOCKS for a in self.attempts[-2:])
 
     def guard(self, model: torch.nn.Module, snapshot: str, buffer_limit: int) -> StepGuard:
         """A `StepGuard` for one batch: what it changes can be undone before a retry."""

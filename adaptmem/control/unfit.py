@@ -43,7 +43,7 @@ from typing import Any
 
 from adaptmem.config.units import format_bytes
 from adaptmem.control.plans import PlanRecord
-from adaptmem.control.retry import ROOM, attempt_text, counts_text
+from adaptmem.control.retry import ROOM, attempt_text, counts_text, phase_text
 
 #: A measured shape is refused without running when even this share of its predicted bytes above
 #: the step's start, taken off, leaves the tightest plan over the device's usable memory.
@@ -160,7 +160,7 @@ def refusal(
         f"  budget {format_bytes(budget)}" + (f"; device usable {format_bytes(limit)}" if limit is not None else ""),
     ]
     for i, a in enumerate(attempts, 1):
-        lines.append(f"  attempt {i}: {attempt_text(a)} before it ran; out of memory in {a['phase']}")
+        lines.append(f"  attempt {i}: {attempt_text(a)} before it ran; out of memory {phase_text(a['phase'])}")
     fits = _longest(longest, batch) if seq else None
     if fits is not None and fits >= seq:  # the predictions this batch proved wrong: no answer from them
         fits = None

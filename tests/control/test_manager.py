@@ -280,9 +280,13 @@ def test_retries_are_bounded_and_report_every_plan_tried():
     # each retry is predicted lower than every plan that failed before it: the retries retreat
     peaks = [a["predicted_peak_bytes"] for a in attempts]
     assert all(later < min(peaks[:i]) for i, later in enumerate(peaks[1:], 1)), peaks
-    assert {a["phase"] for a in before_blocks.value.attempts} == {"before the first managed block"}
-    advice = str(before_blocks.value)  # no mode saves memory before the blocks: none is advised
-    assert "ran out before the first managed block ran" in advice and "allow more modes" not in advice
+    # no mode saves memory before the blocks: a second attempt that finds no more room gives the batch
+    # up, and the error lists both (it listed the last alone, the batch taken as new at each attempt)
+    assert [a["phase"] for a in before_blocks.value.attempts] == ["before the first managed block"] * 2
+    advice = str(before_blocks.value)  # and no mode is advised
+    assert "ran out of memory 2 time(s)" in advice and "ran out before the first managed block ran" in advice
+    assert "attempt 2: " in advice and "out of memory before the first managed block: " in advice, advice
+    assert "allow more modes" not in advice and " in before " not in advice and "calibration" not in advice
     text = str(err.value)
     assert f"attempt {len(attempts)}:" in text and "lower the batch size" in text.lower()
     if len(attempts) <= mem.policy.max_retries:  # given up before the retries ran out: it says why
