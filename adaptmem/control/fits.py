@@ -138,7 +138,18 @@ class Fit:
             y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
             center = float(t.mean())
             intercept, slope = _lstsq(torch.stack([torch.ones_like(t), t - center], dim=1), y)
-            self._terms = (float(y.mean()), None, center) if slope < 0 else (intercept, slope, center)
+            if slope < 0:
+                self._terms = (float(y.mean()), None, center)
+            elif intercept < slope * center:
+                # below zero at no tokens: the sizes grew faster than in proportion, which a constant part
+                # plus a part per token cannot; a step's other changes (its plan, its head's chunks) read as
+                # bytes per token where the sizes were close. Through the origin: in proportion at most
+                # (block 5 of a Nemotron, 2.49 and 4.72 MiB at 1,504 and 1,554 tokens, was extrapolated
+                # to 95.6 MiB at 3,592: a sequence 2.8 times as long as one predicted to fit trained)
+                through = float((t * y).sum() / (t * t).sum().clamp_min(1e-300))
+                self._terms = (through * center, through, center)
+            else:
+                self._terms = (intercept, slope, center)
         intercept, slope, center = self._terms
         if slope is None:  # gradients and the head do not shrink with more tokens
             return intercept

@@ -90,6 +90,7 @@ class Reach:
     extrapolated: bool
     measured_length: int  # the longest length (tokens per sample) the run has measured
     measured_tokens: int = 0  # the most tokens (batch x length) one step the run measured had
+    trained: bool = False  # a step this large ran to its end within the limit: `peak_bytes` is its peak, read
 
     @property
     def tokens(self) -> int:
@@ -114,6 +115,12 @@ class Reach:
             if self.extrapolated
             else ""
         )
+        if self.trained:  # the figures predicted it over the limit: a step that ran says otherwise
+            return (
+                f"batch {self.batch} x {self.length:,} tokens: a step this large trained at a peak of "
+                f"{format_bytes(self.peak_bytes)} of {format_bytes(self.limit_bytes)} under {plan}{head} "
+                "(the figures predict it over)"
+            )
         return (
             f"batch {self.batch} x {self.length:,} tokens{note}: predicted peak {format_bytes(self.peak_bytes)} "
             f"of {format_bytes(self.limit_bytes)} under {plan}{head}"
@@ -128,6 +135,7 @@ class Reach:
             "plan": [m.label for m in self.plan],
             "head": self.head,
             "extrapolated": self.extrapolated,
+            "trained": self.trained,
         }
 
 
@@ -304,12 +312,30 @@ class Reacher:
             with self.lock, self.costs.expecting(resident):
                 yield resident, start + before
 
+    def trained(self, batch: int, length: int, resident: bool) -> tuple | None:
+        """Of the plans that ran a step this large or larger to its end (as many samples or more, as
+        many elements a sample or more) in this gradients' state (`PlanBook.ran`, light steps too), the
+        one of the lowest peak: (modes, head, bytes above its first block's start), or None."""
+        extent, best = length * self.width, None
+        for (b, e, r), entry in self.plans.ran_at.items():
+            if r is resident and b >= batch and e >= extent and (best is None or entry[2] < best[2]):
+                best = entry
+        return best
+
     def fits(self, batch: int, length: int) -> bool:
+        """Some plan is predicted to fit this shape in each state the run's steps start in, or a step
+        as large trained there within the room: what ran is evidence the figures must not overrule (a
+        Nemotron that trained 2 x 6,953 tokens at 76% of the usable memory was answered 6,319)."""
         if any(g.rules_out(batch, length) for g in self.given_up):
             return False
-        for _, start in self._states(batch, length):
+        for resident, start in self._states(batch, length):
             room = self.limit - start
-            if room <= 0 or self.costs.tail_bytes(batch, length * self.width) > room:
+            if room <= 0:
+                return False
+            ran = self.trained(batch, length, resident)
+            if ran is not None and ran[2] <= room:
+                continue
+            if self.costs.tail_bytes(batch, length * self.width) > room:
                 return False
             rows, final = self.rows(batch, length)
             if not feasible(rows, room, final, BINS):
@@ -333,20 +359,27 @@ class Reacher:
         in the gradients' state whose peak is the higher."""
         if batch <= 0 or length <= 0:
             return Reach(batch, length, self.start, self.limit, self.start, (), None, False, *self.measured_figures)
-        highest = None
-        for _, start in self._states(batch, length):
+        highest, seen = None, True
+        for resident, start in self._states(batch, length):
             rows, final = self.rows(batch, length)
             result = solve(rows, self.limit - start, final, BINS)
             chosen = picked(rows, result.modes)
             peak = start + max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
+            modes, head = result.modes, None
+            if self.costs.head_costs is not None:
+                modes, head = modes[:-1], modes[-1]
+            ran = self.trained(batch, length, resident)
+            if not result.feasible and ran is not None and start + ran[2] <= self.limit:
+                peak, (modes, head) = start + ran[2], ran[:2]  # predicted over, but a step as large trained
+            else:
+                seen = False
             if highest is None or peak > highest[0]:
-                highest = (peak, start, result.modes)
-        peak, start, modes = highest
-        head = None
-        if self.costs.head_costs is not None:
-            modes, head = modes[:-1], modes[-1].label
-        extrapolated = not self.costs.measured(batch, length * self.width) and (
-            length > self.measured_length or batch * length > self.measured_tokens
+                highest = (peak, start, tuple(modes), head.label if head is not None else None)
+        peak, start, modes, head = highest
+        extrapolated = (
+            not seen
+            and not self.costs.measured(batch, length * self.width)
+            and (length > self.measured_length or batch * length > self.measured_tokens)
         )
         return Reach(
             batch,
@@ -354,10 +387,11 @@ class Reacher:
             int(peak),
             self.limit,
             start,
-            tuple(modes),
+            modes,
             head,
             extrapolated,
             *self.measured_figures,
+            trained=seen,
         )
 
     @property

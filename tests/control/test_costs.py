@@ -40,6 +40,22 @@ def test_base_fit_is_constant_downwards_and_linear_once_two_sizes_are_seen():
     assert fit.predict(1, 500) == pytest.approx(9000.0)
 
 
+def test_a_base_fit_grows_at_most_in_proportion_to_the_tokens():
+    """Two close sizes whose values grew faster than the sizes (a step's other changes, its plan or its
+    head's chunks, read as bytes per token) would put the line below zero at no tokens and extrapolate
+    it steeply: a constant part plus a part per token cannot do that, so the fit goes through the origin."""
+    fit = Fit("base")
+    fit.add(2, 752, 2.49e6)  # a Nemotron block's gradient figure at 1,504 and 1,554 tokens
+    fit.add(2, 777, 4.72e6)
+    through = (1504 * 2.49e6 + 1554 * 4.72e6) / (1504**2 + 1554**2)
+    assert fit.predict(2, 1796) == pytest.approx(through * 3592)  # the line read 100 MB here
+    assert fit.predict(2, 1796) <= 4.72e6 * 3592 / 1554  # no more than in proportion to the larger
+    growing = Fit("base")  # an intercept at or above zero: the line itself
+    growing.add(1, 100, 5000.0)
+    growing.add(1, 300, 7000.0)
+    assert growing.predict(1, 500) == pytest.approx(9000.0)
+
+
 def test_steps_that_find_the_gradients_kept_are_learned_apart_from_steps_that_allocate_them():
     """Accumulating, a step that finds the weights' gradients kept from the one before starts each
     block's backward without the later blocks' ones: learned in one fit, the two kinds of step

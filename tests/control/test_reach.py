@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import hf_batch, llama
+from helpers import TickingProbe, hf_batch, llama
 
 import adaptmem
 from adaptmem.testing import SimulatedDevice
@@ -65,6 +65,29 @@ def test_a_kept_head_reaches_less_far_than_one_chunked_when_needed():
         chunked, whole = mem.longest_sequence(), kept.longest_sequence()
         assert whole.head == "KEPT" and chunked.head.startswith("CHUNKED")
         assert chunked.length > 2 * whole.length
+
+
+def test_a_length_that_trained_is_answered_however_the_figures_predict_it():
+    """A step that ran to its end within the limit, measured block by block or only its peak read, is
+    evidence the figures do not overrule: asked with that peak as the limit, where the figures predict
+    the step's own plan over it, the answer is the length that trained, its plan and its peak, read."""
+    model = llama(layers=4, hidden=128)
+    dev = SimulatedDevice(60 * MiB)
+    dev.track(model)
+    only_none = adaptmem.load_policy().model_copy(update={"modes": ("NONE",), "head": "kept"})  # one plan
+    with dev, adaptmem.manage(model, budget=50 * MiB, device=TickingProbe(dev), policy=only_none) as mem:
+        for n in (64, 128, 96, 128, 100, 200):  # the last at a new length: only its peak read
+            ids = torch.randint(0, 512, (2, n), generator=torch.Generator().manual_seed(n))
+            mem.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
+            model.zero_grad(set_to_none=True)
+        step = mem.last_step
+        assert step["measured"] == "peak" and step["predicted_peak_bytes"] > step["observed_peak_bytes"]
+        reach = mem.longest_sequence(batch=2, limit=step["observed_peak_bytes"])
+        assert reach.length >= 200 and reach.trained and not reach.extrapolated  # (197 before)
+        if reach.length == 200:
+            assert reach.peak_bytes == step["observed_peak_bytes"] and set(reach.plan) == {adaptmem.Mode.NONE}
+            assert "a step this large trained at a peak of" in str(reach)
+        assert mem.longest_sequence(batch=3, limit=step["observed_peak_bytes"]).length < 200  # not for more samples
 
 
 def test_the_predicted_length_trains():
