@@ -43,6 +43,7 @@ from adaptmem.control.agreement import Ranks
 from adaptmem.control.blocks import ManagedBlocks
 from adaptmem.control.budgeting import BudgetKeeper
 from adaptmem.control.costs import CostModel
+from adaptmem.control.coverage import guessed
 from adaptmem.control.decisions import ESCALATE, HOLD, Decider
 from adaptmem.control.events import EventLog
 from adaptmem.control.headcosts import KEPT, HeadCosts
@@ -780,11 +781,25 @@ class Controller:
         of the model as that batch's failed attempts left it (`Lesson`)."""
         now = ask(self.reacher(limit))
         lesson = self.lesson
-        if lesson is None:
-            return now
-        with self._learned_as(lesson.costs, lesson.lengths):
-            then = ask(self.reacher(limit))
-        return then if then.tokens < now.tokens else now
+        if lesson is not None:
+            with self._learned_as(lesson.costs, lesson.lengths):
+                then = ask(self.reacher(limit))
+            now = then if then.tokens < now.tokens else now
+        return self._untried(now)
+
+    def _untried(self, reach: Reach) -> Reach:
+        """`reach`, naming the modes the answer counted by a guess (no block has run them: their figures
+        are made to err high, so the answer may be short); with the policy's `try_modes`, the next plans
+        try them on a block even where every block is in its fastest mode (`PlanBook.trials_asked`)."""
+        untried = tuple(m.label for m in self.plans.allowed if guessed(self.costs, m))
+        if not untried:
+            return reach
+        trying = self.policy.try_modes
+        if trying and not self.plans.trials_asked:
+            with self.lock:
+                self.plans.trials_asked = True
+                self.plans.forget()  # a cached plan would run on untried
+        return replace(reach, untried=untried, trying=trying)
 
     @contextmanager
     def _learned_as(self, costs: tuple, lengths: dict) -> Iterator[None]:

@@ -127,6 +127,9 @@ class PlanBook:
         self._planned: set[Key] = set()  # buckets planned for before (their plans may have been dropped since)
         self.fresh = True  # the last `choose` made its plan (False: it was the bucket's cached one)
         self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
+        # "how long can I go?" was asked while a mode was still a guess: plans try one on a block where
+        # every block is in its fastest mode too, so that the next answer counts what it showed
+        self.trials_asked = False
         self.unfit: tuple | None = None  # the last plan's shortfall warning, until `announce_unfit`
         self.head_can_chunk = True  # the loss head ran chunked where planned so, in the last step (`head_chunks`)
         self.head_kept_for: str | None = None  # why the head is kept for good (`keep_head`), None while it may chunk
@@ -309,7 +312,7 @@ class PlanBook:
             if not feasible and extent > seen:  # no plan fits the bucket's top: plan for the input itself
                 extent, shape, warn = seen, (key[0], seen), True
                 modes, head, predicted, feasible, shortfall, bound, free = self._solve(shape, start, budget, fixed)
-            if feasible and not free and not replanning and self.failed is None and p.try_modes:
+            if feasible and (not free or self.trials_asked) and not replanning and self.failed is None and p.try_modes:
                 tried = self._trial(modes, head, shape, start, budget, fixed)
                 if tried is not None:
                     modes, trial, predicted = tried
@@ -484,7 +487,9 @@ class PlanBook:
         guess, the longest length was predicted at 8,964 tokens without a trial and 15,206 with one
         (`python -m stress.reach_trials`). Each mode is tried once per run, on the one step the plan
         runs, which is measured block by block; the next step's plan is made from what it showed."""
-        untried = [m for m in self.allowed if guessed(self.costs, m) and m not in self.trials and m not in modes]
+        pending = [m for m in self.allowed if guessed(self.costs, m) and m not in self.trials]
+        self.trials_asked = self.trials_asked and bool(pending)
+        untried = [m for m in pending if m not in modes]
         if not untried:
             return None
         batch, extent = shape
@@ -552,8 +557,10 @@ class PlanBook:
             )
         elif within:
             advice = "it is within the budget; plans aim higher again as steps run calm."
+        elif predicted > self._capacity():  # a larger budget would not make room on the device
+            advice = "lower the batch or input size, or make room on the device."
         else:
-            advice = "lower the batch or input size, or raise the budget."
+            advice = "lower the batch or input size, or raise the budget (the device has room for this plan)."
         forwards = forwards if forwards > 1 and batch % forwards == 0 else 1
         counted = f"{batch} ({batch // forwards} in each of {forwards} forwards before one backward)"
         log.warning(
@@ -572,6 +579,13 @@ class PlanBook:
             ": the peak after the blocks' backward, which no plan lowers" if bound else "",
             advice,
         )
+
+    def _capacity(self) -> float:
+        """The device's size, or infinity where the probe knows none."""
+        try:
+            return float(self.probe.capacity())
+        except (ValueError, RuntimeError, AttributeError):
+            return math.inf
 
     def head_chunks(self, can: bool) -> None:
         """Whether the loss head can run chunked in the steps as they run now: False after a step in

@@ -91,12 +91,28 @@ class Reach:
     measured_length: int  # the longest length (tokens per sample) the run has measured
     measured_tokens: int = 0  # the most tokens (batch x length) one step the run measured had
     trained: bool = False  # a step this large ran to its end within the limit: `peak_bytes` is its peak, read
+    untried: tuple[str, ...] = ()  # modes counted by a guess made to err high: no block has run them yet
+    trying: bool = False  # the next steps try them on a block (the policy's `try_modes`)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.length
 
     def __str__(self) -> str:
+        return self._answer() + self._untried_note()
+
+    def _untried_note(self) -> str:
+        if not self.untried:
+            return ""
+        modes = " and ".join(self.untried)
+        then = (
+            "; the next steps try each on one block, and an answer asked after them counts what they showed"
+            if self.trying
+            else " (the policy's try_modes is off)"
+        )
+        return f". {modes} not run on this model yet: counted by a guess made to err high, so this may be short{then}"
+
+    def _answer(self) -> str:
         if self.batch <= 0 or self.length <= 0:
             what = (
                 f"one token a sample at batch {self.batch}"
@@ -136,6 +152,7 @@ class Reach:
             "head": self.head,
             "extrapolated": self.extrapolated,
             "trained": self.trained,
+            "untried": list(self.untried),
         }
 
 

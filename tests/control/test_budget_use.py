@@ -93,7 +93,17 @@ def test_a_shortfall_predicted_for_a_size_not_run_yet_says_it_is_extrapolated(ca
             book.make(key, 0, int(tightest / 2), fixed={}, reason="new", extent=160 * 64)
             book.announce_unfit()  # the plan runs: its shortfall is warned of
         (second,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
-        assert "lower the batch or input size, or raise the budget" in second
+        assert "lower the batch or input size, or raise the budget (the device has room" in second
+        # a plan predicted over the device itself: a larger budget would not make room for it
+        dev.set_capacity(dev.allocated_bytes + int(tightest / 4))
+        book._warned.clear()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="adaptmem"):
+            book.make(key, 0, int(tightest / 8), fixed={}, reason="new", extent=160 * 64)
+            book.announce_unfit()
+        (third,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+        assert third.endswith("lower the batch or input size, or make room on the device."), third
+        assert "raise the budget" not in third
 
 
 def test_a_plan_over_a_lowered_aim_but_within_the_budget_is_not_called_a_batch_to_shrink(caplog):

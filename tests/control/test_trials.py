@@ -14,30 +14,35 @@ from adaptmem.testing import SimulatedDevice
 LENGTHS = [512, 256, 384, 256, 512]
 
 
-def _trained(try_modes: bool, fraction: float = 0.5):
-    """A manager after AdamW steps at `LENGTHS` on a stand-in whose link is slow: the planner picks
-    OFFLOAD for no step on its own, by its guessed time or by its measured one."""
+def _trained(try_modes: bool, fraction: float = 0.5, then: tuple[int, ...] = (), link: float | None = 5e6):
+    """A manager after AdamW steps at `LENGTHS` on a stand-in whose link is slow (`link`): the planner picks
+    OFFLOAD for no step on its own, by its guessed time or by its measured one. With `then`, steps
+    at those lengths after the question, and the answer after them (else the first answer twice)."""
     torch.manual_seed(0)
     make = lambda: llama(layers=4, hidden=64, dropout=0.0)
     model = make()
     budget, worst = budget_between(make, hf_batch(2, max(LENGTHS)), fraction)
-    dev = SimulatedDevice(2 * worst, link_bytes_per_s=5e6)
+    dev = SimulatedDevice(2 * worst, link_bytes_per_s=link)
     dev.track(model)
     update = {"modes": ("NONE", "CHECKPOINT", "OFFLOAD"), "try_modes": try_modes}
     policy = load_policy("balanced").model_copy(update=update)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     mem = adaptmem.manage(model, device=dev, budget=budget, policy=policy, head=None)
     with dev:
-        for seq in LENGTHS:
+        for seq in [*LENGTHS, None, *then]:
+            if seq is None:
+                reach = after = mem.longest_sequence(2)
+                continue
             mem.run_step(lambda: model(**hf_batch(2, seq)).loss.backward())
             opt.step()
             opt.zero_grad(set_to_none=True)
-        reach = mem.longest_sequence(2)
-    return mem, reach
+        if then:
+            after = mem.longest_sequence(2)
+    return mem, reach, after
 
 
 def test_a_mode_no_block_ran_is_tried_on_one_block_once_measured_and_counted_in_the_reach():
-    mem, reach = _trained(True)
+    mem, reach, _ = _trained(True)
     trials = [p for p in mem.events.of_type("plan") if "trial" in p["reason"]]
     assert len(trials) == 1 and trials[0]["reason"].endswith("trial OFFLOAD"), trials
     assert list(trials[0]["plan"].values()).count("OFFLOAD") == 1
@@ -53,23 +58,36 @@ def test_a_mode_no_block_ran_is_tried_on_one_block_once_measured_and_counted_in_
 
     # without trials no step offloads, OFFLOAD's backward stays the guess (all its tensors back at
     # once), and the longest sequence is predicted under checkpointing alone
-    guessed, short = _trained(False)
+    guessed, short, _ = _trained(False)
     assert not any("OFFLOAD" in s["plan"] for s in guessed.events.of_type("step"))
     assert Mode.OFFLOAD in reach.plan and Mode.OFFLOAD not in short.plan
     assert reach.length > 1.3 * short.length, (reach, short)
 
 
-def test_no_mode_is_tried_where_the_plan_has_every_block_in_its_fastest_mode():
-    mem, _ = _trained(True, fraction=1.5)  # a budget past the unmanaged peak: every block NONE
-    assert all(set(s["plan"]) == {"NONE"} for s in mem.events.of_type("step")[1:])
-    assert not any("trial" in p["reason"] for p in mem.events.of_type("plan"))
+def test_no_mode_is_tried_where_the_plan_has_every_block_in_its_fastest_mode_until_a_reach_is_asked():
+    """With room for every block in NONE no mode is tried, until "how long can I go?" is asked: its answer
+    names the modes it counted by a guess, and the next step tries one on a block (even with every block
+    in its fastest mode), so that the answer asked after it counts what it showed, and no longer names it."""
+    # a budget past the unmanaged peak (every block NONE), a link that copies at once
+    mem, reach, after = _trained(True, fraction=1.5, then=(512, 256), link=None)
+    asked = len(LENGTHS)
+    assert all(set(s["plan"]) == {"NONE"} for s in mem.events.of_type("step")[1:asked])
+    assert not any("trial" in p["reason"] for p in mem.events.of_type("plan") if p["step"] <= asked)
+    assert reach.untried == ("OFFLOAD",) and reach.trying and Mode.OFFLOAD not in reach.plan
+    assert "OFFLOAD not run on this model yet: counted by a guess made to err high" in str(reach)
+    tried = [s for s in mem.events.of_type("step") if "OFFLOAD" in s["plan"]]
+    assert len(tried) == 1 and tried[0]["measured"] == "blocks", [s["plan"] for s in mem.events.of_type("step")]
+    assert after.untried == () and "not run on this model" not in str(after)
+    assert after.length > reach.length, (reach, after)
+    off = _trained(False, fraction=1.5)[1]  # trials off: named, and said so
+    assert off.untried == ("OFFLOAD",) and "try_modes is off" in str(off)
 
 
 def test_a_mode_is_tried_where_it_fits_once_and_its_step_measured_block_by_block():
     """Where it is predicted to fit the aim, else not at all; once, even where its step
     taught nothing; the plan made again once the cost model learned; and the step that tries it
     measured block by block where the bucket's schedule would read its peak alone."""
-    mem, _ = _trained(False)
+    mem, _, _ = _trained(False)
     ctl = mem._controller
     book = ctl.plans
     book.policy = book.policy.model_copy(update={"try_modes": True})
