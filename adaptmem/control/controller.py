@@ -775,19 +775,20 @@ class Controller:
             self._replan_when_warm,
         )
 
-    def answer(self, limit: int | None, ask: Callable[[Reacher], Reach]) -> Reach:
+    def answer(self, limit: int | None, ask: Callable[[Reacher], Reach], *, asked: bool = False) -> Reach:
         """ "How long can I go?" (`ask`, of a `Reacher` under `limit`): the cost model's answer, and
         where a batch was given up after running out of memory, the smaller of it and the answer
-        of the model as that batch's failed attempts left it (`Lesson`)."""
+        of the model as that batch's failed attempts left it (`Lesson`). `asked`: by the user (the
+        next steps try the modes the answer counted by a guess), not for a message or the log."""
         now = ask(self.reacher(limit))
         lesson = self.lesson
         if lesson is not None:
             with self._learned_as(lesson.costs, lesson.lengths):
                 then = ask(self.reacher(limit))
             now = then if then.tokens < now.tokens else now
-        return self._untried(now)
+        return self._untried(now, asked)
 
-    def _untried(self, reach: Reach) -> Reach:
+    def _untried(self, reach: Reach, asked: bool) -> Reach:
         """`reach`, naming the modes the answer counted by a guess (no block has run them: their figures
         are made to err high, so the answer may be short); with the policy's `try_modes`, the next plans
         try them on a block even where every block is in its fastest mode (`PlanBook.trials_asked`)."""
@@ -795,10 +796,9 @@ class Controller:
         if not untried:
             return reach
         trying = self.policy.try_modes
-        if trying and not self.plans.trials_asked:
+        if trying and asked:
             with self.lock:
-                self.plans.trials_asked = True
-                self.plans.forget()  # a cached plan would run on untried
+                self.plans.trials_asked = True  # a cached plan with every block in NONE is made again
         return replace(reach, untried=untried, trying=trying)
 
     @contextmanager

@@ -298,11 +298,11 @@ class MemoryManager:
     def longest_sequence(self, batch: int = 1, *, limit: Budget = None) -> Reach:
         """How long can I go? After a step or more, the longest sequence at `batch` samples some plan is
         predicted to fit, with that plan. `limit`: None (the device's usable size), bytes, "12GiB", "80%"."""
-        return self._controller.answer(self._limit(limit), lambda reacher: reacher.longest(batch))
+        return self._controller.answer(self._limit(limit), lambda reacher: reacher.longest(batch), asked=True)
 
     def largest_batch(self, length: int, *, limit: Budget = None) -> Reach:
         """The largest batch of `length`-token samples predicted to fit (see `longest_sequence`)."""
-        return self._controller.answer(self._limit(limit), lambda reacher: reacher.largest_batch(length))
+        return self._controller.answer(self._limit(limit), lambda reacher: reacher.largest_batch(length), asked=True)
 
     def _limit(self, limit: Budget) -> int | None:
         return None if limit is None else resolve_budget(limit, self.policy, self.probe, use_env=False)

@@ -162,7 +162,12 @@ class PlanBook:
             if len(self._planned) >= 4 * MAX_CACHED_PLANS:
                 self._planned.clear()
             self._planned.add(key)
-        elif start > record.start + 0.01 * budget or self.failed is not None or self._outlearned(record, start, budget):
+        elif (
+            start > record.start + 0.01 * budget
+            or self.failed is not None
+            or (self.trials_asked and record.free)  # made with no mode tried: a mode may be tried now
+            or self._outlearned(record, start, budget)
+        ):
             record = self.make(key, start, budget, fixed={}, reason="replan", extent=record.seen)
             self.cache[key] = record
         else:
@@ -511,6 +516,7 @@ class PlanBook:
                 if peak <= aim and (best is None or order < best[0]):
                     best = (order, i, mode, peak)
         if best is None:
+            self.trials_asked = False  # none fits the aim now: tried again when asked again
             return None
         _, i, mode, peak = best
         self.trials.add(mode)

@@ -18,6 +18,10 @@ ARCHS = {"llama": lambda: llama(layers=4, hidden=128, vocab=VOCAB), "gpt2": lamb
 OUTLIER = {"llama": 4096, "gpt2": 1024}  # GPT-2's longest position; either's attention scores outgrow the device
 
 
+#: Where the outlier comes, and where the run without it asks how long, as the other does after it.
+ASKED_AT = 4
+
+
 def run(arch: str, outlier_at: int | None, room: int = 24 * MiB):
     """Train SHORT (and the outlier before batch `outlier_at`, caught and skipped as the README shows).
     Returns the plans of the SHORT steps, the manager, what the outlier raised, and the state around it."""
@@ -46,6 +50,8 @@ def run(arch: str, outlier_at: int | None, room: int = 24 * MiB):
                         before,
                         (training_state(model, opt), torch.get_rng_state(), mem.state_dict(), dev.allocated_bytes),
                     )
+            elif i == ASKED_AT:  # the run without the outlier asks where the other did (an answer that
+                mem.longest_sequence(1)  # counted a mode no block has run has the next steps try it)
             mem.run_step(lambda: model(**hf_batch(1, seq, VOCAB)).loss.backward())
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -63,7 +69,7 @@ def _learned(state: dict) -> dict:
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_an_outlier_fails_fast_and_later_plans_are_as_without_it(arch):
     plain, plain_state, _, _, _ = run(arch, None)
-    with_outlier, state, err, (before, after), mem = run(arch, 4)
+    with_outlier, state, err, (before, after), mem = run(arch, ASKED_AT)
     assert err is not None, "the outlier should not fit"
     # fast: one attempt at most (a size never measured runs once under the tightest plan)
     assert len(err.attempts) <= 1
