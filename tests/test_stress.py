@@ -27,3 +27,19 @@ def test_reach_accuracy_calibrates_on_fixed_or_varying_lengths():
     assert calibration(11) == drawn
     with pytest.raises(SystemExit):
         main(["--varying", "-1"])
+    with pytest.raises(SystemExit):
+        main(["--rounds", "-1"])
+
+
+def test_reach_accuracy_asks_again_after_two_steps_at_each_answer(monkeypatch):
+    """`--rounds N`: after the first answer, two steps at it, then the question again, N times; a
+    round whose steps run out of memory ends the rounds. On the Llama of the tests, 128 tokens."""
+    from helpers import llama
+
+    import stress.reach_accuracy as ra
+
+    monkeypatch.setattr(ra, "build", lambda arch: llama(layers=2, hidden=64, vocab=ra.VOCAB))
+    monkeypatch.setattr(ra, "DEVICE_MIB", 48)
+    first, later = ra.run("qwen3", [64, 128, 64, 128], ask=True, rounds=2)
+    assert len(later) == 2 and all(a.length > 0 for a in later)
+    assert later[0].measured_length >= first.length  # the steps ran at the first answer, measured
