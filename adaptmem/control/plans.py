@@ -680,8 +680,16 @@ class PlanBook:
         for b, h in untried:
             if all(b != f and all(rank.get(m, 0) >= rank.get(g, 0) for m, g in zip(b, f)) for f, _ in self.tried):
                 # unless a uniform plan not tried is predicted lower than it: the ladder's top need
-                # not hold the least (CHECKPOINT+OFFLOAD recomputes a block whole in backward)
-                uniform = min((c for c in untried if len(set(c[0])) == 1), key=peak, default=None)
+                # not hold the least (CHECKPOINT+OFFLOAD recomputes a block whole in backward). Not
+                # one looser than every block of a plan that failed: it holds more in each, whatever
+                # figures that, for a size never run, are extrapolated (an Arcee's 4 x SELECTIVE,
+                # predicted at 948 MiB, ran after 4 x OFFLOAD had failed, and ran out too)
+                floors = [min(rank.get(g, 0) for g in f) for f, _ in self.tried]
+                uniform = min(
+                    (c for c in untried if len(set(c[0])) == 1 and all(rank.get(c[0][0], 0) >= r for r in floors)),
+                    key=peak,
+                    default=None,
+                )
                 if uniform is not None and peak(uniform) < peak((b, h)) * (1 - RETRY_STEP):
                     return (*uniform, False)
                 return b, h, False

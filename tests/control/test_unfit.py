@@ -381,6 +381,25 @@ def test_a_retry_offloads_every_block_where_the_failed_plan_kept_a_block_whole(m
         plans.succeeded()
 
 
+def test_a_retry_never_runs_a_uniform_plan_looser_than_every_block_of_one_that_failed(monkeypatch):
+    """At a size never run every figure is extrapolated: an Arcee's 4 x OFFLOAD was predicted at 224 MiB
+    and ran out; the plans tighter in every block (4 x CHECKPOINT+OFFLOAD) were predicted at 1.08 GiB and
+    4 x SELECTIVE at 948 MiB, which ran, as the uniform plan predicted lowest, and ran out too. A plan
+    looser than every block of one that failed holds more in each: the retry is the tighter one."""
+    from adaptmem import Mode
+
+    off, sel, co = Mode.OFFLOAD, Mode.SELECTIVE, Mode.CHECKPOINT | Mode.OFFLOAD
+    with calibrated_plans() as (mem, plans, key, shape):
+        assert co in plans.allowed and sel in plans.allowed
+        figures = {off: 224.0 * MiB, sel: 948.0 * MiB}  # every other mode: 1.08 GiB
+        monkeypatch.setattr(plans, "predict", lambda modes, *a, **k: max(figures.get(m, 1106.0 * MiB) for m in modes))
+        plans.start_attempt(1)
+        plans.failure((off,) * 4, None, shape, foreseen=True)
+        retry = plans.make(key, 0, mem.budget, fixed={}, reason="retry", extent=shape[1])
+        assert retry.modes == (co,) * 4 and not retry.exhausted, retry.modes
+        plans.succeeded()
+
+
 def test_a_retry_never_runs_a_plan_that_only_puts_blocks_of_a_failed_one_in_none(monkeypatch):
     """A block in NONE keeps all it saves: a plan that differs from one that ran out of memory in this
     step only by blocks in NONE holds at least what it held, and would fail too. A T5 whose figures
