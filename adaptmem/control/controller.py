@@ -124,6 +124,7 @@ class Controller:
             start_plan=user_modes,
             one_memory=isinstance(probe, HostProbe),
         )
+        self.plans.user_budget = lambda: self.budgets.user  # its warnings tell pressure's budget from the user's
         self.user_modes = user_modes
         self.lengths = LengthsSeen()  # what `longest_sequence` extrapolates from
         self.measuring = MeasureSchedule(p, self.costs)  # which steps are measured block by block

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -131,6 +132,9 @@ class PlanBook:
         # every block is in its fastest mode too, so that the next answer counts what it showed
         self.trials_asked = False
         self.unfit: tuple | None = None  # the last plan's shortfall warning, until `announce_unfit`
+        self.user_budget: Callable[[], int] | None = (
+            None  # the user's budget, which pressure may hold the one in force under
+        )
         self.head_can_chunk = True  # the loss head ran chunked where planned so, in the last step (`head_chunks`)
         self.head_kept_for: str | None = None  # why the head is kept for good (`keep_head`), None while it may chunk
         # per (batch, extent, gradients resident): the plan (and head) of the lowest peak that ran a step
@@ -565,6 +569,11 @@ class PlanBook:
             advice = "it is within the budget; plans aim higher again as steps run calm."
         elif predicted > self._capacity():  # a larger budget would not make room on the device
             advice = "lower the batch or input size, or make room on the device."
+        elif self.user_budget is not None and budget < (user := self.user_budget()):
+            advice = (
+                f"lower the batch or input size; the budget in force is held under yours ({format_bytes(user)}) "
+                f"while others take memory, and comes back once they have let go for {self.policy.calm_steps} steps."
+            )
         else:
             advice = "lower the batch or input size, or raise the budget (the device has room for this plan)."
         forwards = forwards if forwards > 1 and batch % forwards == 0 else 1

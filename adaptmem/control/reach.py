@@ -343,8 +343,11 @@ class Reacher:
         """Some plan is predicted to fit this shape in each state the run's steps start in, or a step
         as large trained there within the room: what ran is evidence the figures must not overrule (a
         Nemotron that trained 2 x 6,953 tokens at 76% of the usable memory was answered 6,319)."""
-        if any(g.rules_out(batch, length) for g in self.given_up):
-            return False
+        near = [g for g in self.given_up if g.rules_out(batch, length)]
+        if any(batch >= g.batch and length >= g.length for g in near):
+            return False  # a batch given up, or a larger one
+        # a step this large trained within the room in every state: it fits, also near a batch given up
+        trained = True
         for resident, start in self._states(batch, length):
             room = self.limit - start
             if room <= 0:
@@ -352,12 +355,13 @@ class Reacher:
             ran = self.trained(batch, length, resident)
             if ran is not None and ran[2] <= room:
                 continue
+            trained = False
             if self.costs.tail_bytes(batch, length * self.width) > room:
                 return False
             rows, final = self.rows(batch, length)
             if not feasible(rows, room, final, BINS):
                 return False
-        return True
+        return trained or not near  # near a batch given up, the figures' word alone is not taken
 
     def longest(self, batch: int) -> Reach:
         if not isinstance(batch, int) or batch < 1:

@@ -88,6 +88,7 @@ def test_a_shortfall_predicted_for_a_size_not_run_yet_says_it_is_extrapolated(ca
         assert "has not run yet" in first and "extrapolated" in first and "lower the batch" not in first
         run_steps(mem, model, seq=160)
         assert book.costs.measured(2, 160 * 64)
+        book.user_budget = None  # the book is driven here with budgets of the test's own, not the manager's
         caplog.clear()
         with caplog.at_level("WARNING", logger="adaptmem"):
             book.make(key, 0, int(tightest / 2), fixed={}, reason="new", extent=160 * 64)
@@ -104,6 +105,16 @@ def test_a_shortfall_predicted_for_a_size_not_run_yet_says_it_is_extrapolated(ca
         (third,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
         assert third.endswith("lower the batch or input size, or make room on the device."), third
         assert "raise the budget" not in third
+        # a budget held under the user's while others take memory: it comes back, it is not the user's to raise
+        dev.set_capacity(2**31)
+        book.user_budget = lambda: int(tightest)
+        book._warned.clear()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="adaptmem"):
+            book.make(key, 0, int(tightest / 2), fixed={}, reason="new", extent=160 * 64)
+            book.announce_unfit()
+        (fourth,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+        assert "the budget in force is held under yours" in fourth and "raise the budget" not in fourth, fourth
 
 
 def test_a_plan_over_a_lowered_aim_but_within_the_budget_is_not_called_a_batch_to_shrink(caplog):

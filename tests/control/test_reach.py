@@ -88,6 +88,13 @@ def test_a_length_that_trained_is_answered_however_the_figures_predict_it():
             assert reach.peak_bytes == step["observed_peak_bytes"] and set(reach.plan) == {adaptmem.Mode.NONE}
             assert "a step this large trained at a peak of" in str(reach)
         assert mem.longest_sequence(batch=3, limit=step["observed_peak_bytes"]).length < 200  # not for more samples
+        # a batch of 210 given up afterwards rules out lengths from 90% of it on that did not train since,
+        # not one that trained within the limit before it (the answer read 188); nor 210 itself
+        from adaptmem.control.reach import GivenUp
+
+        mem._controller.given_up.append(GivenUp(batch=2, length=210, room=None))
+        near = mem.longest_sequence(batch=2, limit=step["observed_peak_bytes"])
+        assert 200 <= near.length < 210 and near.trained, near
 
 
 def test_the_predicted_length_trains():
