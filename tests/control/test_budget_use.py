@@ -89,31 +89,28 @@ def test_a_shortfall_predicted_for_a_size_not_run_yet_says_it_is_extrapolated(ca
         run_steps(mem, model, seq=160)
         assert book.costs.measured(2, 160 * 64)
         book.user_budget = None  # the book is driven here with budgets of the test's own, not the manager's
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="adaptmem"):
-            book.make(key, 0, int(tightest / 2), fixed={}, reason="new", extent=160 * 64)
-            book.announce_unfit()  # the plan runs: its shortfall is warned of
-        (second,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+
+        def warned(budget: int) -> str:
+            """The shortfall warning of a plan made for the size under `budget`, which then runs."""
+            book._warned.clear()  # warned once per bucket and kind: each case here warns afresh
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="adaptmem"):
+                book.make(key, 0, budget, fixed={}, reason="new", extent=160 * 64)
+                book.announce_unfit()  # the plan runs: its shortfall is warned of
+            (message,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+            return message
+
+        second = warned(int(tightest / 2))
         assert "lower the batch or input size, or raise the budget (the device has room" in second
         # a plan predicted over the device itself: a larger budget would not make room for it
         dev.set_capacity(dev.allocated_bytes + int(tightest / 4))
-        book._warned.clear()
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="adaptmem"):
-            book.make(key, 0, int(tightest / 8), fixed={}, reason="new", extent=160 * 64)
-            book.announce_unfit()
-        (third,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+        third = warned(int(tightest / 8))
         assert third.endswith("lower the batch or input size, or make room on the device."), third
         assert "raise the budget" not in third
         # a budget held under the user's while others take memory: it comes back, it is not the user's to raise
         dev.set_capacity(2**31)
         book.user_budget = lambda: int(tightest)
-        book._warned.clear()
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="adaptmem"):
-            book.make(key, 0, int(tightest / 2), fixed={}, reason="new", extent=160 * 64)
-            book.announce_unfit()
-        (fourth,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+        fourth = warned(int(tightest / 2))
         assert "the budget in force is held under yours" in fourth and "raise the budget" not in fourth, fourth
 
 
