@@ -132,9 +132,8 @@ class PlanBook:
         # every block is in its fastest mode too, so that the next answer counts what it showed
         self.trials_asked = False
         self.unfit: tuple | None = None  # the last plan's shortfall warning, until `announce_unfit`
-        self.user_budget: Callable[[], int] | None = (
-            None  # the user's budget, which pressure may hold the one in force under
-        )
+        # the user's budget, under which others' memory may hold the one in force (the warnings tell which)
+        self.user_budget: Callable[[], int] | None = None
         self.head_can_chunk = True  # the loss head ran chunked where planned so, in the last step (`head_chunks`)
         self.head_kept_for: str | None = None  # why the head is kept for good (`keep_head`), None while it may chunk
         # per (batch, extent, gradients resident): the plan (and head) of the lowest peak that ran a step
