@@ -395,7 +395,7 @@ class Controller:
         to fit, and not a retry's, is let through before reading the device (every step comes here)."""
         agree, attempts = self.ranks.agree, self.retries.attempts
         if agree is not None:
-            if self.plans.failed is None and not self._batch_traced:
+            if self.plans.failed is None:
                 return
         elif record.feasible and not record.exhausted:
             return
