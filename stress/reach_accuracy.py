@@ -71,8 +71,8 @@ def batch(length: int, size: int = 1) -> dict:
 
 def run(arch: str, lengths: list[int], *, ask: bool = False, size: int = 1, micro: int = 1, rounds: int = 0):
     """Train one optimizer step of `micro` micro-batches of `size` at each length under adaptmem's
-    default policy; the prediction when `ask` (with `rounds`, the answers of each round: see the
-    module's docstring)."""
+    default policy; when `ask`, the prediction and the answers of each of `rounds` rounds after it
+    (see the module's docstring)."""
     model = build(arch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     device = SimulatedDevice(DEVICE_MIB << 20)
@@ -100,7 +100,7 @@ def run(arch: str, lengths: list[int], *, ask: bool = False, size: int = 1, micr
                 log(f"{arch}: {answers[-1].length:,} tokens ran out of memory")
                 break
             answers.append(mem.longest_sequence(size))
-        return (first, answers[1:]) if rounds else first
+        return first, answers[1:]
 
 
 def calibration(varying: int = 0) -> list[int]:
@@ -164,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("adaptmem").setLevel(logging.ERROR)  # the bisection runs out of memory on purpose
     rows, ok = [], True
     for arch in args.arch or ARCHS:
-        reach, later = run(arch, calibrated, ask=True, rounds=args.rounds, **shape) if args.rounds else (None, [])
-        reach = reach or run(arch, calibrated, ask=True, **shape)
+        reach, later = run(arch, calibrated, ask=True, rounds=args.rounds, **shape)
         log(f"{arch}: predicted {reach}")
         for i, again in enumerate(later, 1):
             log(f"{arch}: round {i}, after two steps at the answer before: {again}")
