@@ -297,7 +297,7 @@ def assert_same_state(got: dict, expected: dict) -> None:
             assert torch.equal(got["rng"], expected["rng"]), "RNG state differs"
             continue
         if part == "host_rng":
-            (python, (*numpy_got,)), (python_expected, (*numpy_expected,)) = got[part], expected[part]
+            (python, numpy_got), (python_expected, numpy_expected) = got[part], expected[part]
             assert python == python_expected, "Python's random state differs"
             assert all(numpy.array_equal(a, b) for a, b in zip(numpy_got, numpy_expected)), "NumPy's state differs"
             continue

@@ -28,15 +28,18 @@ def _trained(try_modes: bool, fraction: float = 0.5, then: tuple[int, ...] = (),
     policy = load_policy("balanced").model_copy(update=update)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     mem = adaptmem.manage(model, device=dev, budget=budget, policy=policy, head=None)
-    with dev:
-        for seq in [*LENGTHS, None, *then]:
-            if seq is None:
-                reach = after = mem.longest_sequence(2)
-                continue
+
+    def train(lengths) -> None:
+        for seq in lengths:
             mem.run_step(lambda: model(**hf_batch(2, seq)).loss.backward())
             opt.step()
             opt.zero_grad(set_to_none=True)
+
+    with dev:
+        train(LENGTHS)
+        reach = after = mem.longest_sequence(2)
         if then:
+            train(then)
             after = mem.longest_sequence(2)
     return mem, reach, after
 
