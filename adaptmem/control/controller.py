@@ -282,7 +282,7 @@ class Controller:
             self.rewind(self.retries.trace)  # every retry failed: the batch leaves no trace either
             compressing = any(m & Mode.COMPRESS for m in self.plans.allowed)
             snapshot = (self.policy.accumulation_snapshot, guard.most_copied)
-            raise self.retries.report(self.policy.max_retries, compressing, snapshot)
+            raise self.retries.report(self.policy.max_retries, compressing, snapshot, self.plans.head_kept_for)
         finally:
             self._run_rng, self._batch_traced = None, False
             self.ranks.deferring = False
@@ -437,6 +437,7 @@ class Controller:
             longest=self._longest_without_this_batch,
             elsewhere=elsewhere,
             failed_here=(record.modes, record.head) in self.plans.tried,
+            head_kept_for=self.plans.head_kept_for,
         )
         self.now.refused = True
         self.events.emit(

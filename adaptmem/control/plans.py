@@ -260,6 +260,8 @@ class PlanBook:
             modes, head, above = entry
             if any(modes[i] is not m for i, m in self.pinned.items()):
                 continue
+            if not self.head_runs(head):
+                continue
             if (
                 failed is not None
                 and failed.mode is HeadMode.KEPT
@@ -549,6 +551,9 @@ class PlanBook:
         batch, extent = shape
         measured = self.costs.measured(batch, extent)
         predicted = self.predict(modes, batch, extent, start, head)
+        target = self.decider.headroom * budget
+        if predicted <= target:  # a plan that ran this shape before, predicted within the aim: nothing to warn of
+            return
         within = predicted <= budget  # over the aim only: an out-of-memory error lowers the aim for a while
         # once each way: a shape warned of as within the budget that comes to run over it (the
         # optimizer's state, allocated after the first steps, raised every later micro-batch 10% over
@@ -556,7 +561,6 @@ class PlanBook:
         if (key[:2], measured, within) in self._warned:
             return
         self._warned.add((key[:2], measured, within))
-        target = self.decider.headroom * budget
         width = self.width
         size = f"{extent // width:,} tokens" if width and extent % width == 0 else f"{extent:,} input elements"
         if not measured:
@@ -616,6 +620,11 @@ class PlanBook:
         if self.head_kept_for is None:
             self.head_kept_for = why
             self.forget()
+
+    def head_runs(self, head: HeadChoice | None) -> bool:
+        """A plan's head choice can run as the steps run now: not a chunked head once the head is
+        kept (`keep_head`, `head_chunks`), as a plan that ran before may have had it."""
+        return head is None or head.mode is HeadMode.KEPT or self._head_allowed() != "kept"
 
     def _head_allowed(self) -> str:
         return self.policy.head if self.head_can_chunk and self.head_kept_for is None else "kept"
@@ -738,7 +747,7 @@ class PlanBook:
         the planner's choice: chunking it changes the order of summation, so it is done where the
         figures call for it, not on every retry (the blocks tighten first)."""
         chunked = [h for _, h in self.tried if h is not None and h.mode is HeadMode.CHUNKED]
-        if head is None or not chunked:
+        if head is None or not chunked or self._head_allowed() == "kept":
             return head
         smallest = min(chunked, key=lambda h: h.chunk or 0)
         if head.mode is HeadMode.KEPT or (head.chunk or 0) > (smallest.chunk or 0):

@@ -331,11 +331,14 @@ class Reacher:
 
     def trained(self, batch: int, length: int, resident: bool) -> tuple | None:
         """Of the plans that ran a step this large or larger to its end (as many samples or more, as
-        many elements a sample or more) in this gradients' state (`PlanBook.ran`, light steps too), the
-        one of the lowest peak: (modes, head, bytes above its first block's start), or None."""
+        many elements a sample or more) in this gradients' state (`PlanBook.ran`, light steps too) with
+        a head that can still run so, the one of the lowest peak: (modes, head, bytes above its first
+        block's start), or None."""
         extent, best = length * self.width, None
         for (b, e, r), entry in self.plans.ran_at.items():
-            if r is resident and b >= batch and e >= extent and (best is None or entry[2] < best[2]):
+            if r is not resident or b < batch or e < extent or not self.plans.head_runs(entry[1]):
+                continue
+            if best is None or entry[2] < best[2]:
                 best = entry
         return best
 

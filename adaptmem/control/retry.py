@@ -353,17 +353,35 @@ def attempt_text(attempt: dict) -> str:
 ROOM = "make room on the device (memory other processes or your own tensors hold, or a larger device)"
 
 
+def kept_head_text(why: str) -> str:
+    """Why a refused or given-up batch's plans keep the loss head whole, and what would chunk it."""
+    return (
+        f"  The loss head is kept whole for the rest of this run: a step used its chunked logits beyond what "
+        f"a chunk replays ({why}), so its logits are made whole, and they take the most memory at long "
+        "lengths. Leave the logits to the loss (docs/loss-head.md says which maps of them are replayed), or "
+        "take what you need of them from a smaller batch, to have the head chunked in a new run."
+    )
+
+
 def oom_report(
-    attempts: list[dict], max_retries: int, compression_allowed: bool = False, snapshot: tuple[str, int] = ("", 0)
+    attempts: list[dict],
+    max_retries: int,
+    compression_allowed: bool = False,
+    snapshot: tuple[str, int] = ("", 0),
+    head_kept_for: str | None = None,
 ) -> str:
     """`snapshot`: the policy's `accumulation_snapshot` and the most bytes of gradient copies an
-    attempt held (gradients from earlier micro-batches, copied before backward added into them)."""
+    attempt held (gradients from earlier micro-batches, copied before backward added into them).
+    `head_kept_for`: why the loss head is kept for good (`PlanBook.keep_head`), said where an
+    attempt kept it."""
     lines = [f"adaptmem: the step ran out of memory {len(attempts)} time(s) (max_retries={max_retries}); plans tried:"]
     for i, a in enumerate(attempts, 1):
         lines.append(
             f"  attempt {i}: {attempt_text(a)} against budget {format_bytes(a['budget_bytes'])} "
             f"(headroom {a['headroom']:.2f}); out of memory {phase_text(a['phase'])}: {a['message']}"
         )
+    if head_kept_for is not None and any(a.get("head") == "KEPT" for a in attempts):
+        lines.append(kept_head_text(head_kept_for))
     if attempts and all(a["phase"] == BEFORE_BLOCKS for a in attempts):  # no mode saves anything there
         lines.append(
             "Every attempt ran out before the first managed block ran, where no mode saves memory (given up "
@@ -435,9 +453,13 @@ class RetryGuard:
         return StepGuard(model, snapshot, buffer_limit=buffer_limit, copies=self._copies, modules=self._modules)
 
     def report(
-        self, max_retries: int, compression_allowed: bool, snapshot: tuple[str, int] = ("", 0)
+        self,
+        max_retries: int,
+        compression_allowed: bool,
+        snapshot: tuple[str, int] = ("", 0),
+        head_kept_for: str | None = None,
     ) -> StepOutOfMemoryError:
         """The error for a batch every retry failed: each attempt, what it ran, and what to do."""
         return StepOutOfMemoryError(
-            oom_report(self.attempts, max_retries, compression_allowed, snapshot), list(self.attempts)
+            oom_report(self.attempts, max_retries, compression_allowed, snapshot, head_kept_for), list(self.attempts)
         )

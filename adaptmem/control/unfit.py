@@ -43,7 +43,7 @@ from typing import Any
 
 from adaptmem.config.units import format_bytes
 from adaptmem.control.plans import PlanRecord
-from adaptmem.control.retry import ROOM, attempt_text, counts_text, phase_text
+from adaptmem.control.retry import ROOM, attempt_text, counts_text, kept_head_text, phase_text
 
 #: A measured shape is refused without running when even this share of its predicted bytes above
 #: the step's start, taken off, leaves the tightest plan over the device's usable memory.
@@ -131,11 +131,13 @@ def refusal(
     longest: Callable[[int], Any],
     elsewhere: bool = False,
     failed_here: bool = False,
+    head_kept_for: str | None = None,
 ) -> str:
     """The message of a refused step: what was asked, what the tightest plan needs (`predicted`),
     the budget and the device's usable memory (`limit`), and what fits (`longest(batch)`, a `Reach`).
     `elsewhere`: another rank gave the batch up, and every rank does. `failed_here`: the tightest
-    plan is one that ran out of memory in this step (its prediction is wrong at this size)."""
+    plan is one that ran out of memory in this step (its prediction is wrong at this size).
+    `head_kept_for`: why the loss head is kept for good, said where the plan keeps it."""
     size = f"batch {batch} x {seq:,} tokens" if seq else f"batch {batch} x {extent:,} input elements"
     # after an attempt failed the plan is a retry's: the plans it retreats to, not the one predicted lowest
     named = "plan a retry would run" if attempts else "tightest plan"
@@ -161,6 +163,8 @@ def refusal(
     ]
     for i, a in enumerate(attempts, 1):
         lines.append(f"  attempt {i}: {attempt_text(a)} before it ran; out of memory {phase_text(a['phase'])}")
+    if head_kept_for is not None and record.head is not None and record.head.label == "KEPT":
+        lines.append(kept_head_text(head_kept_for))
     fits = _longest(longest, batch) if seq else None
     if fits is not None and fits >= seq:  # the predictions this batch proved wrong: no answer from them
         fits = None

@@ -269,3 +269,58 @@ def test_retries_of_a_loss_made_elsewhere_that_ran_out_do_not_chunk_the_head():
     attempts = raised.value.attempts
     assert all(a["phase"] == "the loss head" and a["head"] == "KEPT" for a in attempts), attempts
     assert "head KEPT; predicted peak now" in str(raised.value)  # the kept head, priced as it ran
+
+
+def _reading_the_logits_from_the_third_step(capacity: int):
+    """A Llama trained at 2 x 256 then 2 x 512 tokens, under a budget that chunks the head at 512;
+    from the third step on, the step also takes the argmax of the logits, which the chunked head
+    cannot replay. Returns each step's outcome ("KEPT", "CHUNKED:n", or the error) and the manager's
+    answer for batch 2 after the last."""
+    from helpers import llama
+
+    vocab = 8000
+    model = llama(layers=2, hidden=64, dropout=0.0, vocab=vocab)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    outcomes = []
+    with SimulatedDevice(capacity) as dev, adaptmem.manage(model, device=dev, budget="80%") as mem:
+        for i, seq in enumerate((256, 512, 512, 512, 512)):
+            ids = torch.randint(0, vocab, (2, seq), generator=generator)
+
+            def step(i=i, ids=ids):
+                out = model(input_ids=ids, labels=ids)
+                if i >= 2:
+                    out.logits.argmax(-1)
+                out.loss.backward()
+
+            try:
+                mem.run_step(step)
+                outcomes.append(mem.last_step["head"])
+            except RuntimeError as error:
+                outcomes.append(error)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return outcomes, mem.longest_sequence(2)
+
+
+def test_once_a_step_reads_the_logits_no_plan_that_chunked_the_head_runs_again(caplog):
+    """A CodeGen whose loop began to read its logits' argmax after a step had trained its length with
+    the head chunked raised `LogitsNotMaterializedError` at that step and at every step after it: no
+    plan was predicted to fit with the head kept, and the plan that had run that length, its head
+    chunked, was run again as the evidence. Now a plan that ran is taken only with a head that can
+    run so: the head is kept and the steps train. Where the kept head cannot fit, the batch is given
+    up saying why the head is kept, and the answer of how long fits counts no length that trained
+    with the head chunked."""
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        outcomes, _ = _reading_the_logits_from_the_third_step(130 * MiB)
+    assert outcomes[1].startswith("CHUNKED:")
+    assert outcomes[2:] == ["KEPT"] * 3
+    assert sum("beyond what a chunk replays" in r.getMessage() for r in caplog.records) == 1
+
+    outcomes, reach = _reading_the_logits_from_the_third_step(60 * MiB)
+    assert outcomes[1].startswith("CHUNKED:")
+    for error in outcomes[2:]:
+        assert isinstance(error, adaptmem.StepOutOfMemoryError), error
+        assert "The loss head is kept whole for the rest of this run" in str(error)
+        assert "TensorBase.argmax" in str(error)
+    assert reach.head == "KEPT" and reach.length < 512
