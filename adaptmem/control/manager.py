@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from adaptmem.control.budgeting import BudgetKeeper
 from adaptmem.control.compiling import CompileCounter
 from adaptmem.control.controller import Controller
 from adaptmem.control.events import SCHEMA_VERSION, EventLog
-from adaptmem.control.reach import Reach, end_record
+from adaptmem.control.reach import Reach, end_record, position_limit
 from adaptmem.control.resume import announce_resume, controller_state, restore_controller_state, summary
 from adaptmem.control.retry import RETRY_NOTE, StepOutOfMemoryError, add_note
 from adaptmem.control.sampler import Sampler
@@ -298,11 +299,20 @@ class MemoryManager:
     def longest_sequence(self, batch: int = 1, *, limit: Budget = None) -> Reach:
         """How long can I go? After a step or more, the longest sequence at `batch` samples some plan is
         predicted to fit, with that plan. `limit`: None (the device's usable size), bytes, "12GiB", "80%"."""
-        return self._controller.answer(self._limit(limit), lambda reacher: reacher.longest(batch), asked=True)
+        return self._positioned(
+            self._controller.answer(self._limit(limit), lambda reacher: reacher.longest(batch), asked=True)
+        )
 
     def largest_batch(self, length: int, *, limit: Budget = None) -> Reach:
         """The largest batch of `length`-token samples predicted to fit (see `longest_sequence`)."""
-        return self._controller.answer(self._limit(limit), lambda reacher: reacher.largest_batch(length), asked=True)
+        return self._positioned(
+            self._controller.answer(self._limit(limit), lambda reacher: reacher.largest_batch(length), asked=True)
+        )
+
+    def _positioned(self, reach: Reach) -> Reach:
+        """`reach`, noting the model's configured positions where its length is past them."""
+        positions = position_limit(self.model)
+        return replace(reach, positions=positions) if positions and reach.length > positions else reach
 
     def _limit(self, limit: Budget) -> int | None:
         return None if limit is None else resolve_budget(limit, self.policy, self.probe, use_env=False)

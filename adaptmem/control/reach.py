@@ -93,13 +93,23 @@ class Reach:
     trained: bool = False  # a step this large ran to its end within the limit: `peak_bytes` is its peak, read
     untried: tuple[str, ...] = ()  # modes counted by a guess made to err high: no block has run them yet
     trying: bool = False  # the next steps try them on a block (the policy's `try_modes`)
+    positions: int = 0  # the model's configured positions (`max_position_embeddings`) where the length is past them
 
     @property
     def tokens(self) -> int:
         return self.batch * self.length
 
     def __str__(self) -> str:
-        return self._answer() + self._untried_note()
+        return self._answer() + self._untried_note() + self._positions_note()
+
+    def _positions_note(self) -> str:
+        if not self.positions or self.length <= self.positions:
+            return ""
+        return (
+            f". That is past the model's max_position_embeddings ({self.positions:,}): memory allows it, but a "
+            "model with a table of positions fails there (a CodeGen raised IndexError at 3,000 tokens), and "
+            "rotary positions run on positions the model was not configured for"
+        )
 
     def _untried_note(self) -> str:
         if not self.untried:
@@ -153,7 +163,18 @@ class Reach:
             "extrapolated": self.extrapolated,
             "trained": self.trained,
             "untried": list(self.untried),
+            "positions": self.positions,
         }
+
+
+def position_limit(model: torch.nn.Module) -> int:
+    """The positions a Hugging Face model's config says it takes (`max_position_embeddings`, which
+    GPT-2's and CodeGen's `n_positions` answer to), or 0 where it says none."""
+    for candidate in (model, getattr(model, "module", None)):
+        value = getattr(getattr(candidate, "config", None), "max_position_embeddings", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 def gradient_bytes(model: torch.nn.Module, device_type: str) -> int:

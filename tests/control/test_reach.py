@@ -7,6 +7,7 @@ import torch
 from helpers import TickingProbe, hf_batch, llama
 
 import adaptmem
+from adaptmem.control.reach import position_limit
 from adaptmem.testing import SimulatedDevice
 
 MiB = 2**20
@@ -304,3 +305,22 @@ def test_the_figures_survive_a_resume():
     with adaptmem.manage(llama(layers=3, hidden=64, dropout=0.0), device=dev) as again:
         again.load_state_dict(state)
         assert again.longest_sequence().length == expected
+
+
+def test_an_answer_past_the_models_positions_says_so():
+    """A CodeGen (positions in a table of 2,048) was answered 2,256 tokens at batch 1, and a step of
+    3,000 raised the model's own IndexError. An answer past the config's `max_position_embeddings`
+    (GPT-2's `n_positions` answers to it) says so; one within it, or for a model whose config names
+    none, does not."""
+    from helpers import gpt2
+
+    model = gpt2(layers=2, hidden=64, dropout=0.0)
+    with SimulatedDevice(2**30) as dev, adaptmem.manage(model, device=dev) as mem:
+        for seq in (64, 128):
+            mem.run_step(lambda seq=seq: model(**hf_batch(1, seq)).loss.backward())
+        far = mem.longest_sequence(1)
+        near = mem.longest_sequence(1, limit=dev.allocated_bytes + 8 * 2**20)
+    assert far.length > 1024 and far.positions == 1024
+    assert "past the model's max_position_embeddings (1,024)" in str(far)
+    assert near.length < 1024 and near.positions == 0 and "max_position_embeddings" not in str(near)
+    assert position_limit(torch.nn.Linear(2, 2)) == 0 and position_limit(torch.nn.Module()) == 0
