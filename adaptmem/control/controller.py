@@ -348,6 +348,8 @@ class Controller:
                 if now.open and start >= budget:  # every rank sees it here, and raises
                     raise ValueError(below_floor(start, budget))
                 now.plan_point_passed = True
+            elif now.open and start >= self.budgets.user:  # under the budget asked, not one others shrank
+                self.notices.budget_below_start(start, self.budgets.user)
             self.plans.width = shape.width
             record = self.plans.choose(batch, extent, start, budget)
             if agree:  # and runs rank 0's plan

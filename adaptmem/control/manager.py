@@ -23,6 +23,7 @@ from torch import nn
 
 from adaptmem.config.budget import Budget, resolve_budget
 from adaptmem.config.policy import Policy, load_policy
+from adaptmem.config.units import format_bytes
 from adaptmem.control.budgeting import BudgetKeeper
 from adaptmem.control.compiling import CompileCounter
 from adaptmem.control.controller import Controller
@@ -78,7 +79,7 @@ class MemoryManager:
         existing = get_instrumentation(model)
         if existing is not None and existing.runtime.observer is not None:
             raise RuntimeError("this model is already managed by another adaptmem.manage(); close that one first")
-        budgets = BudgetKeeper(resolve_budget(budget, p, self.probe), self.probe, p)
+        budgets = BudgetKeeper(self._above_allocation(resolve_budget(budget, p, self.probe)), self.probe, p)
         reuse = existing is not None and blocks == "auto"
         if not reuse:
             find_blocks(model, blocks)  # a bad selection is refused here, before anything changes
@@ -248,8 +249,25 @@ class MemoryManager:
         """A new budget (bytes, "12GiB" or "80%" of capacity), in force from the next block
         to run; returns it in bytes. Larger than the device is an error."""
         value = resolve_budget(budget, self.policy, self.probe, use_env=False)
+        if not self._controller.now.open:  # inside a step, the allocation holds the step's tensors too
+            self._above_allocation(value)
         self._controller.set_budget(value)
         return value
+
+    def _above_allocation(self, budget: int) -> int:
+        """`budget`, refused where the device already holds as much for this process (the weights, the
+        optimizer's state): no step could keep under it."""
+        try:
+            allocated = int(self.probe.allocated())
+        except (RuntimeError, ValueError, AttributeError):
+            return budget
+        if budget <= allocated:
+            raise ValueError(
+                f"budget {format_bytes(budget)} is not above what this process holds on the device already "
+                f"({format_bytes(allocated)}: the weights, and the gradients and optimizer state where they are "
+                "there), so no step could keep under it. Give more: bytes, '12GiB', or a share such as '80%'."
+            )
+        return budget
 
     def begin_step(self, label: Any = None) -> None:
         """Open one forward + backward; `label` (e.g. a framework's global step and micro-batch)

@@ -36,6 +36,19 @@ class Notices:
             "user's" if user_plan else "calibration (every block checkpointed)",
         )
 
+    def budget_below_start(self, start: int, budget: int) -> None:
+        """A step reached its first block holding more than the user's budget: no plan keeps it."""
+        if self._once("budget below start"):
+            log.warning(
+                "adaptmem: the budget (%s) is below what this step holds as its first block starts (%s: "
+                "weights, gradients and optimizer state on the device, and what ran before the blocks), so no "
+                "plan can keep a step under it; the steps run the tightest plans, and an out-of-memory error "
+                "comes only from the device. Raise the budget (budget= in bytes or a share of the device, or "
+                "mem.set_budget), or keep the optimizer's state off the device.",
+                format_bytes(budget),
+                format_bytes(start),
+            )
+
     def overlap(self) -> None:
         """A step ran a second forward before its backward."""
         if self._once("overlap"):

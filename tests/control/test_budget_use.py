@@ -265,3 +265,33 @@ def test_no_block_is_held_under_the_peak_that_follows_the_blocks_whatever_the_pl
             )
             assert set(record.modes) == {Mode.NONE}, record.modes
             assert not record.feasible and record.predicted == pytest.approx(start + tail)  # over by the tail alone
+
+
+def test_a_budget_no_step_can_keep_is_refused_or_warned_of(caplog):
+    """A budget of 1 byte, and `set_budget("5%")` with 60 MiB held, were taken without a word: the
+    steps ran over them, warned only to lower the batch. A budget at or under what the process holds
+    on the device already is refused, by `manage()` before the model is touched and by `set_budget`
+    with the budget as it was; one that only the optimizer's state, allocated at the first optimizer
+    step, puts under the step's start is warned of once, with what to do."""
+    import torch
+
+    model, dev = small()
+    weights = dev.allocated_bytes
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"budget 1 B is not above what this process holds on the device already"):
+        adaptmem.manage(model, budget=1, device=dev)
+    assert [type(m) for m in model.modules()] == before  # nothing wrapped
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    budget = weights + weights // 2  # above the weights, under the weights with Adam's two moments
+    with caplog.at_level("WARNING", logger="adaptmem"), dev, adaptmem.manage(model, budget=budget, device=dev) as mem:
+        with pytest.raises(ValueError, match="not above what this process holds"):
+            mem.set_budget(weights)
+        assert mem.budget == budget
+        for _ in range(3):
+            with mem.step():
+                model(**tiny_batch(model, batch=2, seq=16)).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    below = [r.getMessage() for r in caplog.records if "is below what this step holds" in r.getMessage()]
+    assert len(below) == 1 and "Raise the budget" in below[0]
