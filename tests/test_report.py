@@ -58,6 +58,37 @@ def test_the_table_agrees_with_the_log(log):
     assert all(len(s["plan"]) == 4 and s["rank"] == 0 and s["capacity_bytes"] == 2**31 for s in steps)
 
 
+def test_steps_over_a_budget_others_held_lower_are_told_from_steps_over_yours(log):
+    """A run whose budget others held lower counted "steps over budget: 10 (worst 156.9%)" where
+    no step went over the budget asked for. Step records carry the user's budget, and the row
+    tells the two apart where they differ."""
+    records = read_log(log)
+    steps = [r for r in records if r["type"] == "step"]
+    assert all(s["user_budget_bytes"] == 2**30 for s in steps)
+    (run,) = figures(records)
+    assert rows(run)["steps over budget"] == "0"
+    held = dict(steps[-1], budget_bytes=steps[-1]["observed_peak_bytes"] - 1)  # over the budget in force only
+    over = dict(steps[-1], budget_bytes=1, user_budget_bytes=1)  # over both
+    (run,) = figures([*records, held, held, over])
+    assert rows(run)["steps over budget"] == (
+        "3 (of the budget in force, held lower while others took memory); 1 over yours"
+    )
+
+
+def test_a_file_that_is_not_a_log_is_named_and_a_last_line_cut_short_is_left_out(log, tmp_path, capsys, caplog):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("step 1 went well\n", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        main([str(bad)])
+    assert "notes.txt, line 1: not an adaptmem log record" in capsys.readouterr().err
+    cut = tmp_path / "cut.jsonl"
+    text = log.read_text(encoding="utf-8")
+    cut.write_text(text + text.splitlines()[-1][:40], encoding="utf-8")
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        assert read_log(cut) == read_log(log)
+    assert any("left out its last line, cut short" in r.getMessage() for r in caplog.records)
+
+
 def test_the_command_prints_the_table_and_writes_the_picture(log, tmp_path, capsys):
     out = tmp_path / "run.png"
     assert main([str(log), "--out", str(out)]) == 0

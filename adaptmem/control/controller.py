@@ -555,6 +555,7 @@ class Controller:
             predicted_peak_bytes=pred,
             observed_peak_bytes=observed,
             budget_bytes=self.budget,
+            user_budget_bytes=self.budgets.user,
             capacity_bytes=self.budgets.capacity,
             external_bytes=self.budgets.external,
             host_bytes=sample.host_bytes,

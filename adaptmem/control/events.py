@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import queue
 import threading
 import time
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 2
+
+log = logging.getLogger("adaptmem")
 
 
 def new_run_id() -> str:
@@ -106,7 +109,23 @@ def _jsonable(value: Any) -> Any:
 
 
 def read_log(path: str | Path, run: str | None = None) -> list[dict]:
-    """The records of a log file, in order; with `run`, only that run's."""
+    """The records of a log file, in order; with `run`, only that run's. A last line cut short (a
+    run stopped as it wrote) is left out with a warning; any other line that is not a record is an
+    error naming it."""
     with Path(path).open(encoding="utf-8") as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+        lines = [(n, line) for n, line in enumerate(fh, 1) if line.strip()]
+    records = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if n == lines[-1][0] and records:
+                log.warning("adaptmem: %s: left out its last line, cut short (%s)", path, err)
+                break
+            raise ValueError(
+                f"{path}, line {n}: not an adaptmem log record ({err}); pass the file given as log= to adaptmem.manage"
+            ) from None
+        if not isinstance(record, dict) or "type" not in record:
+            raise ValueError(f"{path}, line {n}: not an adaptmem log record (no 'type'); pass the file given as log=")
+        records.append(record)
     return records if run is None else [r for r in records if r.get("run") == run]
