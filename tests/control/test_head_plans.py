@@ -324,3 +324,9 @@ def test_once_a_step_reads_the_logits_no_plan_that_chunked_the_head_runs_again(c
         assert "The loss head is kept whole for the rest of this run" in str(error)
         assert "TensorBase.argmax" in str(error)
     assert reach.head == "KEPT" and reach.length < 512
+
+    outcomes, _ = _reading_the_logits_from_the_third_step(90 * MiB)  # run, out of memory, then given up
+    assert isinstance(outcomes[2], adaptmem.StepOutOfMemoryError)
+    assert "plans tried" in str(outcomes[2]) and "The loss head is kept whole for the rest of this run" in str(
+        outcomes[2]
+    )
