@@ -11,10 +11,13 @@ from adaptmem.modes import Mode
 #: two fix both terms of an activation's fit (tokens, and tokens x sequence for attention's scores).
 GENERALISE_AFTER = 2
 #: How far past the largest size measured at a batch a new one is still predicted rather than
-#: measured: with two sizes, whose fit they fix but do not check, twice it; with three or more, the
-#: third a check of the fit, four times. Further out, the step is measured: the far fits answer
-#: "how long can I go" (`reach`), where a few percent of the peak is a long stretch of tokens.
-PREDICT_PAST = {2: 2.0, 3: 4.0}
+#: measured. Further out, the step is measured, once each time the largest grows by as much: the
+#: far fits answer "how long can I go" (`reach`), where a few percent of the peak is a long stretch
+#: of tokens, and a user creeping up to the answer gives them the sizes that check it (an Exaone
+#: measured up to 749 tokens a sample was answered 1,087 again after steps at 978 and 1,087, which
+#: read only their peaks, and the step at 1,087 peaked 1.4% over the limit; the limit was four
+#: times the largest size with three measured).
+PREDICT_PAST = 1.25
 
 
 def sizes(costs: CostModel, batch: int) -> set[int]:
@@ -41,7 +44,7 @@ def generalises(costs: CostModel, batch: int, extent: int) -> bool:
     measured = sizes(costs, batch)
     if len(measured) < GENERALISE_AFTER:
         return False
-    return extent <= max(measured) * PREDICT_PAST[min(len(measured), max(PREDICT_PAST))]
+    return extent <= max(measured) * PREDICT_PAST
 
 
 #: Modes whose figures are a guess until a block runs them, and which a plan tries on one block once

@@ -33,6 +33,7 @@ from adaptmem.control.resume import announce_resume, controller_state, restore_c
 from adaptmem.control.retry import RETRY_NOTE, StepOutOfMemoryError, add_note
 from adaptmem.control.sampler import Sampler
 from adaptmem.control.stats import RunStats
+from adaptmem.devices.host import HostProbe
 from adaptmem.devices.select import make_probe
 from adaptmem.modes import Mode
 from adaptmem.strategies import CompressOptions
@@ -256,7 +257,10 @@ class MemoryManager:
 
     def _above_allocation(self, budget: int) -> int:
         """`budget`, refused where the device already holds as much for this process (the weights, the
-        optimizer's state): no step could keep under it."""
+        optimizer's state): no step could keep under it. (On the host, where the process's resident
+        memory is the reading, the interpreter and its libraries count too: not checked.)"""
+        if isinstance(self.probe, HostProbe):
+            return budget
         try:
             allocated = int(self.probe.allocated())
         except (RuntimeError, ValueError, AttributeError):
