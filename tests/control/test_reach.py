@@ -77,7 +77,14 @@ def test_a_length_that_trained_is_answered_however_the_figures_predict_it():
     dev.track(model)
     only_none = adaptmem.load_policy().model_copy(update={"modes": ("NONE",), "head": "kept"})  # one plan
     with dev, adaptmem.manage(model, budget=50 * MiB, device=TickingProbe(dev), policy=only_none) as mem:
-        for n in (64, 128, 96, 128, 100, 200):  # the last at a new length: only its peak read
+        for n in (
+            64,
+            170,
+            96,
+            170,
+            100,
+            200,
+        ):  # the last at a new length, within a quarter past 170: only its peak read
             ids = torch.randint(0, 512, (2, n), generator=torch.Generator().manual_seed(n))
             mem.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
             model.zero_grad(set_to_none=True)
