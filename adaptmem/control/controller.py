@@ -172,6 +172,10 @@ class Controller:
             if self.plans.head_kept_for is None:
                 self.plans.keep_head(str(error).split(". ")[0])
                 self.notices.head_kept(self.plans.head_kept_for)
+                # the step runs again under run_step, as the same attempt: the record says it did
+                self.events.emit(
+                    "head_kept", step=self.stats.steps + 1, label=self.now.label, why=self.plans.head_kept_for
+                )
         if sample is not None and sample.detailed:
             self.notices.lengths_apart(sample, self.blocks.names)
         refused, self.now.refused = self.now.refused, False

@@ -478,6 +478,8 @@ def test_a_step_that_uses_the_chunked_logits_runs_again_with_the_head_kept_for_g
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert torch.equal(model.accuracy, reference.accuracy)
     assert sum("beyond what a chunk replays (TensorBase.argmax" in r.getMessage() for r in caplog.records) == 1
+    (kept,) = mem.events.of_type("head_kept")
+    assert kept["step"] == 1 and kept["why"].startswith("TensorBase.argmax on the logits")
     with adaptmem.manage(model, head="lm_head", policy="long-context") as resumed:
         resumed.load_state_dict(state)
         assert resumed._controller.plans.head_kept_for is not None
