@@ -45,8 +45,15 @@ class EventLog:
         self._lock = threading.Lock()  # guards the file and `_recent`
         self._file = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", encoding="utf-8")
+            except OSError as err:  # the same kind of error, saying what to pass instead
+                raise type(err)(
+                    err.errno,
+                    f"adaptmem: cannot write the decision log at {self.path} ({err.strerror}); pass log= a file "
+                    "path in a directory this process can write, or log=None",
+                ) from err
 
     def continue_run(self, run_id: str | None) -> str:
         """Log under a saved run's id from now on (a resumed run); returns the id used before."""

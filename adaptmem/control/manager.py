@@ -249,6 +249,8 @@ class MemoryManager:
     def set_budget(self, budget: int | str) -> int:
         """A new budget (bytes, "12GiB" or "80%" of capacity), in force from the next block
         to run; returns it in bytes. Larger than the device is an error."""
+        if self._closed:
+            raise RuntimeError("this MemoryManager is closed; create a new one to manage the model again")
         value = resolve_budget(budget, self.policy, self.probe, use_env=False)
         if not self._controller.now.open:  # inside a step, the allocation holds the step's tensors too
             self._above_allocation(value)

@@ -49,6 +49,8 @@ def test_built_without_with_and_closed_twice_records_one_end(tmp_path):
     assert adaptmem.get_handles(model) == [] and not mem.sampler.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         mem.begin_step()
+    with pytest.raises(RuntimeError, match="closed"):  # it was taken, and changed nothing
+        mem.set_budget("512MiB")
     with MemoryManager(model, budget="1GiB", device=device()) as again:  # itself a context manager
         with again.step():
             train(model)
@@ -114,9 +116,11 @@ def test_a_failed_construction_leaves_the_model_as_it_was(tmp_path, monkeypatch,
         monkeypatch.setattr(
             Sampler, "start", lambda self: (_ for _ in ()).throw(RuntimeError("can't start new thread"))
         )
-    with pytest.raises(expected):
+    with pytest.raises(expected) as raised:
         MemoryManager(model, **kwargs)
     assert untouched(model, keys)
+    if case == "log":
+        assert "cannot write the decision log at" in str(raised.value) and "log=None" in str(raised.value)
 
 
 def test_a_failed_construction_keeps_a_users_instrumentation(monkeypatch):
