@@ -35,7 +35,10 @@ class OutOfMemoryInjector:
         self.armed: tuple[int, str] | None = None
         self.fired = 0
         self._hooks = []
+        self._leaves = set()  # blocks with no layers of their own: their forward raises before it runs
         for i, block in enumerate(self.blocks):
+            if not any(True for _ in block.children()):
+                self._leaves.add(i)
             self._hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: self._before(i)))
             self._hooks.append(block.register_forward_hook(lambda m, a, out, i=i: self._after(i, out)))
             # a recompute runs the block's forward function, not the module: its layers are called
@@ -64,11 +67,14 @@ class OutOfMemoryInjector:
         raise torch.OutOfMemoryError("out of memory injected by OutOfMemoryInjector")
 
     def _before(self, i: int) -> None:
-        if self.armed == (i, "forward") and torch._C._current_graph_task_id() == -1:
+        if i in self._leaves and self.armed == (i, "forward") and torch._C._current_graph_task_id() == -1:
             self._fire()
 
     def _inside(self, i: int) -> None:
-        if self.armed == (i, "recompute") and torch._C._current_graph_task_id() != -1:  # inside backward
+        """A layer of block `i` called: in its forward (raised inside the block, as a real error is, not
+        before a wrapper around it has begun), or in its recompute (inside backward)."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        if self.armed == (i, "recompute" if in_backward else "forward"):
             self._fire()
 
     def _after(self, i: int, out: object) -> None:
@@ -77,5 +83,16 @@ class OutOfMemoryInjector:
             return
         outs = out if isinstance(out, (tuple, list)) else (out,)
         first = next((t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if first is not None:
-            first.register_hook(lambda grad: self._fire() if self.armed == (i, "backward") else None)
+        if first is None:
+            return
+
+        def hook(*grads: object) -> None:
+            if self.armed == (i, "backward"):
+                self._fire()
+
+        # on the node that makes the output, after what a wrapper registered there as the block ran (a
+        # tensor's own hooks run before the node's: the block's backward would not have begun)
+        if first.grad_fn is not None:
+            first.grad_fn.register_prehook(hook)
+        else:
+            first.register_hook(hook)

@@ -62,3 +62,29 @@ def test_bad_input_is_named():
     injector.remove()
     model(**batch(0)).loss.backward()  # the hooks are off: nothing fires
     assert injector.fired == 0
+
+
+@pytest.mark.parametrize("policy", ["none", "checkpoint"])
+def test_the_log_says_where_an_injected_error_ran_out_at_the_first_and_last_block(policy):
+    """An error armed at a block's forward is raised inside the block, as a real one is, and one armed
+    at its backward once that block's backward has begun: the log's `phase` says "forward" and
+    "backward" at the first block and the last, with or without a recompute (armed at the first
+    block's forward it read "before the first managed block"; at the last one's backward, "forward"
+    under NONE and "the loss head" under CHECKPOINT)."""
+    model = llama(layers=2, vocab=256)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    policy = (
+        adaptmem.Policy(modes=("NONE",), head="kept")
+        if policy == "none"
+        else adaptmem.load_policy("every-2").model_copy(update={"every_k": 1, "head": "kept"})
+    )
+    places = [(0, "forward"), (1, "forward"), (0, "backward"), (1, "backward")]
+    with dev, adaptmem.manage(model, device=dev, policy=policy) as mem:
+        injector = OutOfMemoryInjector(model.model.layers)
+        mem.run_step(lambda: model(**batch(0)).loss.backward())
+        for step, (index, place) in enumerate(places, 1):
+            injector.arm(index, place)
+            mem.run_step(lambda step=step: model(**batch(step)).loss.backward())
+            assert injector.fired == step and mem.last_step["attempt"] == 1
+            assert mem.events.of_type("oom")[-1]["phase"] == place, (index, place)
