@@ -136,6 +136,11 @@ class AdaptMemTrainerCallback(TrainerCallback, ExportableState):
         self.manager = MemoryManager(model, **self.options, state=saved)
         self.pending_state = self.final_state = None
         self._trained = weakref.ref(model) if model is not None else _nothing
+        callbacks = getattr(state, "stateful_callbacks", None)
+        if isinstance(callbacks, dict):
+            # a resumed Trainer's are the checkpoint's: one saved without this callback has no entry for
+            # it, and the next save looks the entry up (KeyError: 'AdaptMemTrainerCallback')
+            callbacks.setdefault(type(self).__name__, self.state())
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.manager is None or self.manager.closed:

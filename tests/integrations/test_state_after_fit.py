@@ -213,15 +213,23 @@ def test_transformers_a_resume_from_a_checkpoint_logs_under_the_saved_run_id_onl
     assert records[resume]["started_as"] == run and records[resume]["step"] == 4
 
 
-def test_transformers_a_resume_without_adaptmem_state_says_so_once(tmp_path, caplog):
+def test_transformers_a_resume_without_adaptmem_state_says_so_once_and_saves_it_at_the_next_checkpoint(
+    tmp_path, caplog
+):
+    """The resumed Trainer's `stateful_callbacks` are the checkpoint's, with no entry for this callback:
+    its next save looked the entry up and raised KeyError (as it does for any stateful callback added
+    on resume), losing the steps since the last save."""
     hf_train(tmp_path / "out", None, steps=2, save_steps=2)  # trained without adaptmem
     dev = SimulatedDevice(capacity_bytes=2**31)
     callback = AdaptMemTrainerCallback(budget="1GiB", device=dev)
     with dev, caplog.at_level(logging.WARNING, logger="adaptmem"):
-        hf_train(tmp_path / "out", callback, steps=3, resume=str(tmp_path / "out" / "checkpoint-2"))
+        hf_train(tmp_path / "out", callback, steps=4, resume=str(tmp_path / "out" / "checkpoint-2"), save_steps=2)
     (line,) = cold_warnings(caplog)
     assert "step 2" in line and "starts cold" in line
-    assert callback.manager.summary()["steps"] == 2  # the one step left, 2 micro-batches, counted from 0
+    assert callback.manager.summary()["steps"] == 4  # the two steps left, 2 micro-batches each, counted from 0
+    saved = json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json").read_text())
+    state = saved["stateful_callbacks"]["AdaptMemTrainerCallback"]["attributes"]["pending_state"]
+    assert state["run"] == callback.manager.summary()["run"] and state["counters"]["steps"] == 4
 
 
 # ------------------------------------------------------------------ the manager itself
