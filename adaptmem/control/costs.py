@@ -46,6 +46,7 @@ from adaptmem.control.priors import (
     Figures,
     Latents,
     Priors,
+    plain_transient,
 )
 from adaptmem.control.samples import BlockSample, StepSample
 from adaptmem.control.timings import ModeTimes
@@ -322,18 +323,27 @@ class CostModel:
             there = self._derive(mode, self.latents(index, b0, e0))  # its bytes: no covers needed
             linear = tokens / max(1, b0 * e0)
 
-            def carry(fit: Fit, here: float, at: float) -> float:
+            def carry(fit: Fit, here: float, at: float, least: float = 0.0) -> float:
                 # a derivation from measured latents differs from the block's own figure by a constant
                 # (a checkpoint's backward at 128 tokens holds part of its weights' gradients: scaled,
                 # that grew 21-fold, 64 MiB at 2727 tokens for 121), a guess by a share (an offload's
-                # backward brings back 0.7 of what the guess holds): offset the one, scale the other
+                # backward brings back 0.7 of what the guess holds): offset the one, scale the other,
+                # by no less than `least`
                 measured = fit.points[(b0, e0)]
                 if mode in _FROM_MEASURED:
                     return max(0.0, measured + here - at)
-                return measured * (here / at if at > 0 else linear)
+                return measured * max(least, here / at if at > 0 else linear)
 
+            # a forward's peak holds the plain forward's transient (the attention's scores, say), which
+            # no mode removes: it grows at least as that does. A guess that adds what a mode keeps grows
+            # slower where the transient is quadratic: a GptOss's SELECTIVE, measured at 768 tokens
+            # alone, was carried to 172 MiB at 2 x 1,296, where its plain forward's transient was 189
+            plain = plain_transient(self.latents(index, b0, e0))
+            growth = plain_transient(self.latents(index, batch, extent)) / plain if plain > 0 else 0.0
             held = carry(fits["held"], derived.held, there.held)
-            forward_transient = carry(fits["forward_transient"], derived.forward_transient, there.forward_transient)
+            forward_transient = carry(
+                fits["forward_transient"], derived.forward_transient, there.forward_transient, growth
+            )
             backward_transient = (
                 carry(fits["backward_transient"], derived.backward_transient, there.backward_transient)
                 if (b0, e0) in fits["backward_transient"].points
@@ -367,25 +377,28 @@ class CostModel:
             q = self.policy.quadratic_prior
             got = self._latents[key] = Latents(
                 **{
-                    k: self._carried(index, k, batch, extent) if _extents(f) == 1 else f.predict(batch, extent, q)
+                    k: self._carried(index, k, batch, extent)
+                    if _extents(f) == 1 or self._guide(index, k, batch, extent) is not None
+                    else f.predict(batch, extent, q)
                     for k, f in self.latent[index].items()
                 }
             )
         return got
 
     def _carried(self, index: int, name: str, batch: int, extent: int) -> float:
-        """A latent seen at one length, carried to another as a guide grows that was seen at two or
-        more: the same latent on a block alike (its class, its input size), else, for bytes, the
-        block's activations; with no guide, by the assumed quadratic share. A forward transient
-        seen at 128 tokens alone, grown with the prior's quadratic share, was predicted at 265 MiB
-        for 2389 tokens, where its siblings, seen at three lengths, showed it linear: 47 MiB."""
+        """A latent seen at fewer lengths than on a block alike (its class, its input size), carried
+        from its own nearest reading as that block's grows (`_guide`); one seen at a single length
+        with no such block, as the block's activations grow (bytes), else by the assumed quadratic
+        share. A forward transient seen at 128 tokens alone, grown with the prior's quadratic share,
+        was predicted at 265 MiB for 2389 tokens, where its siblings, seen at three lengths, showed it
+        linear: 47 MiB."""
         fit = self.latent[index][name]
         seen = fit.points.get((batch, extent)) if fit.kind == "act" else None
         if seen is not None:  # measured at this very shape: every guide carries it to itself
             return seen
-        group = self.times.alike_groups(batch, extent)[index]
-        guide = next((self.latent[j][name] for j in self._spanning(group, name, batch, extent) if j != index), None)
+        guide = self._guide(index, name, batch, extent)
         if guide is None and not _is_time(name):
+            group = self.times.alike_groups(batch, extent)[index]
             guide = next(
                 (self.latent[j]["activations"] for j in self._spanning(group, "activations", batch, extent)), None
             )
@@ -395,13 +408,30 @@ class CostModel:
         there = guide.predict(b0, e0)
         return y0 * guide.predict(batch, extent) / there if there > 0 else fit.predict(batch, extent)
 
+    def _guide(self, index: int, name: str, batch: int, extent: int) -> Fit | None:
+        """Latent `name` on the block alike with `index` that saw it at the most lengths, where that is
+        more than `index` saw, and as long a length. Two lengths leave a part that shows only past some
+        size (a backward's temporaries less the gradients they overlap: 1.4 and 12.5 MiB at 2 x 320 and
+        2 x 1,728 tokens) read as a square: extrapolated to 401 MiB at 2 x 13,120 tokens, where a block
+        alike, seen at four lengths, read 102 (an offload's backward, carried by it, was 257 there)."""
+        fit = self.latent[index][name]
+        if not fit.points:
+            return None
+        own, longest = _extents(fit), max(e for _, e in fit.points)
+        for j in self._spanning(self.times.alike_groups(batch, extent)[index], name, batch, extent):
+            other = self.latent[j][name]
+            if j != index and (own < 2 or (_extents(other) > own and max(e for _, e in other.points) >= longest)):
+                return other
+        return None
+
     def _spanning(self, group: tuple[int, ...], name: str, batch: int, extent: int) -> list[int]:
-        """The blocks of `group` whose latent `name` was seen at two lengths or more, in order (kept
-        with the figures pooled at this shape: every block of the group asks)."""
+        """The blocks of `group` whose latent `name` was seen at two lengths or more, most lengths first
+        (kept with the figures pooled at this shape: every block of the group asks)."""
         pool = self.times.shape_pool(batch, extent)
         key = ("spanning", group, name)
         if key not in pool:
-            pool[key] = [j for j in group if _extents(self.latent[j][name]) >= 2]
+            spanning = [j for j in group if _extents(self.latent[j][name]) >= 2]
+            pool[key] = sorted(spanning, key=lambda j: -_extents(self.latent[j][name]))
         return pool[key]
 
     def sibling(self, index: int, mode: Mode, batch: int, extent: int) -> dict[str, Fit] | None:

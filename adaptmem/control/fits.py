@@ -106,26 +106,40 @@ class Fit:
         guess = y0 * scale * ((1 - quadratic) + quadratic * extent / e0 if extent > e0 else 1.0)
         if self.extents < 2:
             return guess
-        lin, quad = self._activation_terms()
-        return max(lin * elements + quad * elements * extent, y0 * scale)
+        lin, quad, offset = self._activation_terms()
+        return max(offset + lin * elements + quad * elements * extent, y0 * scale)
 
-    def _activation_terms(self) -> tuple[float, float]:
-        """(bytes per token, bytes per token x token of sequence), both >= 0; solved once per change
-        of the points (a plan asks each fit many times)."""
+    def _activation_terms(self) -> tuple[float, float, float]:
+        """(bytes per token, bytes per token x token of sequence, both >= 0, and an offset <= 0);
+        solved once per change of the points (a plan asks each fit many times)."""
         if self._terms is None:
             self._terms = self._solve_activation_terms()
         return self._terms
 
-    def _solve_activation_terms(self) -> tuple[float, float]:
+    def _solve_activation_terms(self) -> tuple[float, float, float]:
         shapes = list(self.points)
         columns = torch.tensor([[b * s, b * s * s] for b, s in shapes], dtype=torch.float64)
         y = torch.tensor(list(self.points.values()), dtype=torch.float64)
+        if self.extents >= 3:
+            # a part that shows only past some size reads as an offset below zero, not as a square:
+            # a backward's temporaries less the gradients they overlap (0 at 2 x 128 tokens, then
+            # 1.9, 5.9 and 12.5 MiB to 2 x 1,728), fitted through the origin, took a share growing with
+            # the sequence and were extrapolated to 298 MiB at 2 x 13,120, where an offload's backward,
+            # carried by them, grew with the tokens alone
+            ones = torch.ones(len(shapes), 1, dtype=torch.float64)
+            offset, lin, quad = _lstsq(torch.cat([ones, columns], 1), y)
+            if offset < 0 and lin >= 0 and quad >= 0:
+                return lin, quad, offset
+            if offset < 0 and quad < 0:  # no square at all: a line below zero at no tokens
+                offset, lin = _lstsq(torch.cat([ones, columns[:, :1]], 1), y)
+                if offset < 0 and lin >= 0:
+                    return lin, 0.0, offset
         lin, quad = _lstsq(columns, y)
         if lin >= 0 and quad >= 0:
-            return lin, quad
+            return lin, quad, 0.0
         if quad > 0 > lin:
-            return 0.0, max(0.0, _lstsq(columns[:, 1:], y)[0])
-        return max(0.0, _lstsq(columns[:, :1], y)[0]), 0.0
+            return 0.0, max(0.0, _lstsq(columns[:, 1:], y)[0]), 0.0
+        return max(0.0, _lstsq(columns[:, :1], y)[0]), 0.0, 0.0
 
     def _base(self, tokens: int, constant: float) -> float:
         pts = [(b * s, y) for (b, s), y in self.points.items()]

@@ -198,7 +198,8 @@ def _irreducible(lat: Latents) -> float:
     return lat.input_bytes + lat.output_growth
 
 
-def _transient(lat: Latents) -> float:
+def plain_transient(lat: Latents) -> float:
+    """A plain forward's transient above the block's start: what every mode's forward peak holds."""
     return lat.forward_transient or (lat.activations + lat.input_bytes)
 
 
@@ -210,7 +211,9 @@ def _moved(lat: Latents) -> float:
 def none(lat: Latents, a: Assumptions) -> Figures:
     """Keeps everything: its figures follow from the latents."""
     held = _irreducible(lat) + lat.activations
-    return Figures(a.measured * held, a.measured * max(_transient(lat), held), a.measured * lat.backward_temp, 0.0, 0.0)
+    return Figures(
+        a.measured * held, a.measured * max(plain_transient(lat), held), a.measured * lat.backward_temp, 0.0, 0.0
+    )
 
 
 def selective(lat: Latents, a: Assumptions) -> Figures:
@@ -219,7 +222,7 @@ def selective(lat: Latents, a: Assumptions) -> Figures:
     recompute = lat.recompute_s or lat.forward_s
     return Figures(
         a.guess * (_irreducible(lat) + keep),
-        a.guess * (_transient(lat) + keep),
+        a.guess * (plain_transient(lat) + keep),
         a.measured * (lat.activations + lat.backward_temp),
         a.priors.selective_recompute_share * recompute,
         0.0,
@@ -230,7 +233,7 @@ def checkpoint(lat: Latents, a: Assumptions) -> Figures:
     """Keeps the input; rematerializes the activations in backward, for one more forward."""
     return Figures(
         a.measured * _irreducible(lat),
-        a.measured * _transient(lat),
+        a.measured * plain_transient(lat),
         a.measured * (lat.activations + lat.backward_temp),
         lat.recompute_s or lat.forward_s,
         0.0,
@@ -243,7 +246,7 @@ def offload(lat: Latents, a: Assumptions) -> Figures:
     held = _irreducible(lat) + a.priors.offload_residue_share * lat.activations + a.in_flight(move, lat.forward_s)
     return Figures(
         a.guess * held,
-        a.guess * _transient(lat),
+        a.guess * plain_transient(lat),
         a.guess * (move + lat.backward_temp + a.prefetched(move)),
         a.transfer_s(move),
         move,
@@ -255,7 +258,7 @@ def checkpoint_offload(lat: Latents, a: Assumptions) -> Figures:
     x = lat.input_bytes
     return Figures(
         a.measured * (_irreducible(lat) + a.in_flight(x, lat.forward_s)),
-        a.measured * _transient(lat),
+        a.measured * plain_transient(lat),
         a.measured * (_moved(lat) + lat.backward_temp),
         (lat.recompute_s or lat.forward_s) + a.transfer_s(x),
         x,
@@ -268,7 +271,7 @@ def compress(lat: Latents, a: Assumptions) -> Figures:
     move, k = _moved(lat), a.kappa
     return Figures(
         a.guess * (_irreducible(lat) + k * move),
-        a.guess * (_transient(lat) + k * move),
+        a.guess * (plain_transient(lat) + k * move),
         a.guess * (a.decoded(move) + lat.backward_temp),
         a.codec_s(move),
         0.0,
@@ -281,7 +284,7 @@ def compress_offload(lat: Latents, a: Assumptions) -> Figures:
     held = _irreducible(lat) + a.in_flight(k * move, lat.forward_s)
     return Figures(
         a.guess * held,
-        a.guess * (_transient(lat) + k * move),
+        a.guess * (plain_transient(lat) + k * move),
         a.guess * (a.brought_back(k * move) + a.decoded(move) + lat.backward_temp + k * a.prefetched(move)),
         a.codec_s(move) + a.transfer_s(k * move),
         k * move,

@@ -31,6 +31,26 @@ def test_activation_fit_scales_with_tokens_and_learns_the_quadratic_term():
     assert fit.predict(3, 1024) == pytest.approx(truth(3, 1024), rel=1e-6)
 
 
+def test_an_activation_fit_through_three_lengths_reads_a_part_that_shows_past_some_size_as_an_offset():
+    """A Llama block's backward temporaries less the gradients they overlap, 0 at 2 x 128 tokens, then
+    1.9, 5.9 and 12.5 MiB to 2 x 1,728: a line below zero at no tokens. Through the origin the fit took
+    a square and read 289 MiB at 2 x 13,120 (the line through the two longest: 108; with an offset, 127);
+    a quantity that is a square still is one."""
+    mib = 2**20
+    fit = Fit("act")
+    for seq, y in ((128, 0.0), (384, 1.9), (896, 5.9), (1728, 12.5)):
+        fit.add(2, seq, y * mib)
+    line = (12.5 - 5.9) / (2 * (1728 - 896))  # MiB a token, between the two longest
+    truth = 12.5 + line * 2 * (13120 - 1728)
+    assert truth * mib <= fit.predict(2, 13120) <= 1.25 * truth * mib
+    assert fit.predict(2, 64) >= 0
+    square = lambda b, s: 7.0 * b * s + 0.25 * b * s * s
+    fit = Fit("act")
+    for seq in (128, 512, 1024):
+        fit.add(2, seq, square(2, seq))
+    assert fit.predict(2, 8192) == pytest.approx(square(2, 8192), rel=1e-6)
+
+
 def test_base_fit_is_constant_downwards_and_linear_once_two_sizes_are_seen():
     fit = Fit("base")
     fit.add(1, 100, 5000.0)
@@ -181,7 +201,7 @@ def test_pinned_bytes_at_a_shape_seen_are_what_was_seen_there_and_a_time_is_smoo
     for seq in (24, 32, 40):
         held.add(2, seq, gathered + per_token * 2 * seq)
         time.add(2, seq, gathered + per_token * 2 * seq)
-    lin, quad = held._activation_terms()
+    lin, quad, _ = held._activation_terms()
     assert abs(lin * 80 + quad * 80 * 40 - (gathered + per_token * 80)) > 0.01 * (gathered + per_token * 80)
     for seq in (24, 32, 40):
         assert held.predict(2, seq) == gathered + per_token * 2 * seq
@@ -747,6 +767,47 @@ def test_a_figure_seen_at_one_length_grows_as_its_alike_blocks_showed_not_by_the
     alone = CostModel(["Layer"], load_policy("balanced"), cuda=False)  # nothing alike: the prior's share
     alone.learn(_linear_step([Mode.CHECKPOINT], 1000))
     assert alone.figures(0, Mode.CHECKPOINT, 1, far).forward_transient > 4 * 2 * far
+
+
+def test_a_figure_seen_at_two_lengths_grows_as_an_alike_block_seen_at_more_showed():
+    """Two lengths leave a part that shows only past some size read as a square: block 0's backward
+    temporaries, seen at 2 x 320 and 2 x 1,728 tokens, were extrapolated to 401 MiB at 2 x 13,120, where
+    block 1, alike and seen at four lengths, read about 102 (and an offload's backward, carried by
+    them, grew with the tokens alone). Block 0's is carried from its own reading as block 1's grows."""
+    mib = 2**20
+    costs = CostModel(["Layer"] * 2, load_policy("balanced"), cuda=False)
+    temporaries = {320: 1.4, 1728: 12.5, 2432: 18.0, 4096: 31.1}
+    for seq, y in temporaries.items():
+        for i in (0, 1):
+            costs.latent[i]["input_bytes"].add(2, seq, 2 * seq * 1024.0)
+            if i == 1 or seq in (320, 1728):
+                costs.latent[i]["backward_temp"].add(2, seq, y * mib)
+    alike = costs.latents(1, 2, 13120).backward_temp
+    assert 95 * mib < alike < 110 * mib
+    assert costs.latents(0, 2, 13120).backward_temp == pytest.approx(alike, rel=0.05)
+    assert costs.latents(0, 2, 1728).backward_temp == 12.5 * mib  # a length seen is what was seen
+    alone = CostModel(["Layer"], load_policy("balanced"), cuda=False)  # nothing alike: its own fit
+    for seq in (320, 1728):
+        alone.latent[0]["backward_temp"].add(2, seq, temporaries[seq] * mib)
+    assert alone.latents(0, 2, 13120).backward_temp > 300 * mib
+
+
+def test_a_modes_forward_carried_from_one_length_grows_at_least_as_the_plain_forwards_transient():
+    """SELECTIVE's forward, read at one length alone, carried by its guess (the plain transient plus
+    what it keeps, linear) grew slower than the attention's scores it holds at its peak, a square: a
+    GptOss's was predicted at 172 MiB at 2 x 1,296 tokens, where a plain forward's transient was 189."""
+    costs = CostModel(["Layer"], load_policy("balanced"), cuda=False)
+    square = lambda s: 1000.0 * 2 * s + 50.0 * 2 * s * s
+    for seq in (256, 512, 768):
+        costs.latent[0]["forward_transient"].add(2, seq, square(seq))
+        costs.latent[0]["activations"].add(2, seq, 4000.0 * 2 * seq)
+        costs.latent[0]["input_bytes"].add(2, seq, 256.0 * 2 * seq)
+    fits = {q: Fit() for q in ("held", "forward_transient", "backward_transient")} | {"seconds": Fit(span=4)}
+    fits["held"].add(2, 768, 2000.0 * 2 * 768)
+    fits["forward_transient"].add(2, 768, square(768))
+    costs.direct[0][Mode.SELECTIVE] = fits
+    carried = costs.figures(0, Mode.SELECTIVE, 2, 1296).forward_transient
+    assert carried >= square(1296) * 0.999
 
 
 def test_a_checkpoints_constant_backward_part_is_carried_as_a_constant_not_scaled():
