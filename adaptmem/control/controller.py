@@ -58,6 +58,7 @@ from adaptmem.control.retry import (
     StepOutOfMemoryError,
     failure_phase,
     failure_record,
+    lacked,
     rng_state,
     set_rng_state,
 )
@@ -444,6 +445,7 @@ class Controller:
             elsewhere=elsewhere,
             failed_here=(record.modes, record.head) in self.plans.tried,
             head_kept_for=self.plans.head_kept_for,
+            head_lacked=self.plans.head_short[2] if self.plans.head_short is not None else None,
         )
         self.now.refused = True
         self.events.emit(
@@ -675,7 +677,12 @@ class Controller:
         running = self.blocks.running()
         executed = tuple(sample.plan.get(i, mode) for i, mode in enumerate(running)) if ran else ()
         if ran:  # a plan was running: the retry must not run it again
-            self.plans.failure(executed, sample.head, (sample.batch, sample.extent), foreseen=not self.now.feasible)
+            short = None
+            if failure_phase(sample, len(self.blocks)) == HEAD and (need := lacked(err)) is not None:
+                short = (sum(b.held for b in sample.blocks), need)  # what the blocks held as it ran out there
+            self.plans.failure(
+                executed, sample.head, (sample.batch, sample.extent), foreseen=not self.now.feasible, in_head=short
+            )
         record = failure_record(
             err,
             sample,

@@ -119,6 +119,9 @@ class PlanBook:
         self.tried: set[tuple[tuple[Mode, ...], HeadChoice | None]] = set()
         self.failed_shape: Shape | None = None  # the (batch, extent) they failed on
         self.failed_unforeseen = False  # every plan that failed was predicted to fit: the figures were wrong
+        # after an attempt ran out in the loss head: its head, the most a retry's blocks may hold as it
+        # runs, and what the head's allocation lacked there
+        self.head_short: tuple[HeadChoice | None, float, float] | None = None
         self.attempt = 0  # the retry in hand (0: the batch's first run); `start_attempt` sets it
         # predicted peaks above the start, per (modes, batch, extent), while the cost model and the
         # policy stay as they were: steady-state steps ask for the same plan's prediction each step
@@ -403,10 +406,16 @@ class PlanBook:
         head: HeadChoice | None = None,
         shape: Shape | None = None,
         foreseen: bool = True,
+        in_head: tuple[float, float] | None = None,
     ) -> None:
         """`executed` (with `head`) ran out of memory on `shape`: retries must be predicted lower.
-        `foreseen`: it ran although no plan was predicted to fit (it was the tightest)."""
+        `foreseen`: it ran although no plan was predicted to fit (it was the tightest). `in_head`: it
+        ran out in the loss head, (what its blocks held there, what the allocation lacked)."""
         self.failed_unforeseen = (not self.tried or self.failed_unforeseen) and not foreseen
+        if in_head is not None and shape is not None:
+            most = in_head[0] - in_head[1]
+            if self.head_short is None or self.head_short[0] != head or most < self.head_short[1]:
+                self.head_short = (head, most, in_head[1])
         self.failed, self.failed_head = executed, head
         if shape is not None:  # a plan that ran this shape, or a larger one, and failed here is no evidence
             resident = self.costs.grads_resident
@@ -420,7 +429,7 @@ class PlanBook:
             self.failed_shape = shape
 
     def succeeded(self) -> None:
-        self.failed = self.failed_head = self.failed_shape = None
+        self.failed = self.failed_head = self.failed_shape = self.head_short = None
         self.failed_unforeseen = False
         self.tried.clear()
 
@@ -663,7 +672,7 @@ class PlanBook:
         blocks = self._tighter_than_failed(modes, shape)
         head = self._tighter_head(head)
         guess = self._guessed_uniform(head)
-        if guess is not None:
+        if guess is not None and self._frees_the_head(guess, head, shape):
             return guess, head, False
         smallest = None
         costs = self.costs.head_costs
@@ -682,6 +691,11 @@ class PlanBook:
 
         def peak(plan: tuple[tuple[Mode, ...], HeadChoice | None]) -> float | None:
             return self.predict(plan[0], *at, 0, plan[1])
+
+        if self.head_short is not None and self.costs.known:
+            untried = [c for c in untried if self._frees_the_head(*c, shape)]
+            if not untried:  # none leaves the head what it lacked: running one would fail there again
+                return (*min(candidates, key=peak), True)
 
         failed = [peak(c) for c in self.tried] if at is not None else [None]
         if None in failed or min(failed) <= 0:  # nothing predicted (a calibration step failed): by rank alone
@@ -717,6 +731,16 @@ class PlanBook:
             # blocks in SELECTIVE ran after OFFLOAD and CHECKPOINT+OFFLOAD had failed
             return self.failed, self.failed_head, False
         return (*min(candidates, key=peak), True)
+
+    def _frees_the_head(self, modes: tuple[Mode, ...], head: HeadChoice | None, shape: Shape) -> bool:
+        """After an attempt ran out of memory in the loss head, a plan with that head holds, as the
+        head runs, no more than that attempt's blocks did less what the head's allocation lacked (the
+        error says both): no block's mode changes what the head itself needs. An OLMoE's batch past its
+        longest, its head kept, ran three plans that each ran out there, short of the same 17 MiB."""
+        if self.head_short is None or head != self.head_short[0] or not self.costs.known:
+            return True
+        rows = self.costs.options(*shape, self.allowed, fixed=dict(enumerate(modes)))
+        return sum(row[0].saved for row in rows) <= self.head_short[1]
 
     def _guessed_uniform(self, head: HeadChoice | None) -> tuple[Mode, ...] | None:
         """Every block in a lossless mode whose figures are still a guess (no block has run it: a guess

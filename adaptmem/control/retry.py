@@ -30,6 +30,7 @@ promised, `InexactRetryError` names the cause and the setting that avoids it.
 from __future__ import annotations
 
 import random
+import re
 import sys
 import weakref
 from collections import Counter
@@ -282,6 +283,22 @@ def failure_phase(sample: Any, blocks: int) -> str:
     return "forward" if ran else BEFORE_BLOCKS
 
 
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_WANTED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+_FREE = re.compile(r"of which ([0-9.]+) (B|KiB|MiB|GiB|TiB) is free")
+
+
+def lacked(err: BaseException) -> float | None:
+    """What an out-of-memory error's allocation lacked: the bytes it asked for less those free, as
+    CUDA's message (and the stand-in's) says them; None where the message does not say both."""
+    text = str(err)
+    wanted, free = _WANTED.search(text), _FREE.search(text)
+    if wanted is None or free is None:
+        return None
+    short = float(wanted[1]) * _UNITS[wanted[2]] - float(free[1]) * _UNITS[free[2]]
+    return short if short > 0 else None
+
+
 def phase_text(phase: str) -> str:
     """Where an attempt ran out, as the messages write it: "in forward", "before the first managed block"."""
     return phase if phase == BEFORE_BLOCKS else f"in {phase}"
@@ -387,8 +404,10 @@ def oom_report(
             "Every attempt ran out before the first managed block ran, where no mode saves memory (given up "
             "after a second attempt found no more room than the first): lower the batch size or sequence "
             f"length, or {ROOM} (what the step holds before its blocks, the weights, gradients and optimizer "
-            "state among it, takes from it; a layer before the blocks that holds much, such as an audio "
-            "model's convolutional feature encoder, can be made a block with `blocks=`)."
+            "state among it, takes from it). What runs there is the model's own: an attention mask built "
+            "for the whole sequence (packed sequences' position_ids make one of batch x length x length "
+            "on the eager and SDPA paths), or a layer that holds much, such as an audio model's "
+            "convolutional feature encoder, which can be made a block with `blocks=`."
         )
     elif attempts and all(a["phase"] == HEAD for a in attempts):
         lines.append(

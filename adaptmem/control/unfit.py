@@ -132,17 +132,24 @@ def refusal(
     elsewhere: bool = False,
     failed_here: bool = False,
     head_kept_for: str | None = None,
+    head_lacked: float | None = None,
 ) -> str:
     """The message of a refused step: what was asked, what the tightest plan needs (`predicted`),
     the budget and the device's usable memory (`limit`), and what fits (`longest(batch)`, a `Reach`).
     `elsewhere`: another rank gave the batch up, and every rank does. `failed_here`: the tightest
     plan is one that ran out of memory in this step (its prediction is wrong at this size).
-    `head_kept_for`: why the loss head is kept for good, said where the plan keeps it."""
+    `head_kept_for`: why the loss head is kept for good, said where the plan keeps it. `head_lacked`:
+    an attempt ran out in the loss head, short of these bytes, and no plan with its head frees them."""
     size = f"batch {batch} x {seq:,} tokens" if seq else f"batch {batch} x {extent:,} input elements"
     # after an attempt failed the plan is a retry's: the plans it retreats to, not the one predicted lowest
     named = "plan a retry would run" if attempts else "tightest plan"
     if elsewhere:
         why = "another rank found no plan predicted lower than those that ran out of memory there"
+    elif record.exhausted and head_lacked is not None:
+        why = (
+            f"it ran out of memory in the loss head, {format_bytes(head_lacked)} short, and no plan with that "
+            "head holds that much less while it runs: a block's mode does not change what the head needs"
+        )
     elif record.exhausted:
         why = (
             f"no plan was predicted lower than the {len(attempts)} that ran out of memory in this step, "
