@@ -580,3 +580,59 @@ def test_a_batch_given_up_is_freed_without_a_garbage_collection():
             assert held() is None, "the batch given up is still alive without a collection"
         finally:
             gc.enable()
+
+
+def test_a_batch_given_up_past_a_length_that_trained_leaves_that_length_an_answer():
+    """A Gemma 3 (sliding and full attention) asked how long fits at batch 2, trained at the answer
+    at the limit, then given a batch a tenth longer, which is refused: the answer after it stays the
+    length that trained (it read 5,239 after 2 x 5,293 had trained at 195.93 of 196 MiB)."""
+    import random
+
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    order = random.Random(0)
+    config = Gemma3TextConfig(
+        vocab_size=8000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=128,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=32768,
+        use_cache=False,
+    )
+    model = Gemma3ForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dev = SimulatedDevice(200 * MiB)
+    dev.track(model)
+
+    def step(mem, length: int) -> bool:
+        ids = torch.randint(0, 8000, (2, length))
+
+        def forward_backward():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+
+        try:
+            mem.run_step(forward_backward)
+        except StepOutOfMemoryError:
+            return False
+        finally:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return True
+
+    with dev, adaptmem.manage(model, device=dev) as mem:
+        for _ in range(15):
+            step(mem, order.randint(64, 768))
+        assert step(mem, int(mem.longest_sequence(batch=2).length * 0.9))
+        answer = mem.longest_sequence(batch=2).length
+        assert step(mem, answer)
+        assert mem.longest_sequence(batch=2).length >= answer
+        assert not step(mem, int(answer * 1.1))
+        assert mem.longest_sequence(batch=2).length >= answer
