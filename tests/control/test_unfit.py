@@ -312,6 +312,11 @@ def test_a_plan_that_ran_a_shape_is_run_where_the_figures_fit_none_and_retried_f
         assert smaller.modes == worked  # a plan that ran a larger shape peaks no higher on a smaller one
         larger = plans.make(plans.bucket(2, 128 * 64), start, mem.budget, fixed={}, reason="replan", extent=128 * 64)
         assert larger.modes != worked or "ran here before" not in larger.reason
+        # a hair longer (under 1%: a Gemma 3 trained 2 x 1,321 tokens under 4 x OFFLOAD and at 1,322 ran, and
+        # retried, recomputing plans its figures priced low), with its peak grown as the square of the length
+        hair = shape[1] + 1
+        near = plans.make(plans.bucket(2, hair), start, mem.budget, fixed={}, reason="replan", extent=hair)
+        assert near.modes == worked and near.predicted == pytest.approx(start + 1024 * (hair / shape[1]) ** 2)
         plans.start_attempt(1)
         plans.failure((ck,) * 4, None, shape, foreseen=True)
         retry = plans.make(key, start, mem.budget, fixed={}, reason="retry", extent=shape[1])
