@@ -376,27 +376,29 @@ class CostModel:
         if got is None:
             q = self.policy.quadratic_prior
             got = self._latents[key] = Latents(
-                **{
-                    k: self._carried(index, k, batch, extent)
-                    if _extents(f) == 1 or self._guide(index, k, batch, extent) is not None
-                    else f.predict(batch, extent, q)
-                    for k, f in self.latent[index].items()
-                }
+                **{k: self._latent(index, k, batch, extent, q) for k in self.latent[index]}
             )
         return got
 
-    def _carried(self, index: int, name: str, batch: int, extent: int) -> float:
+    def _latent(self, index: int, name: str, batch: int, extent: int, quadratic: float) -> float:
+        """Latent `name` of block `index` at a shape: its own fit, or carried (`_carried`) where it was
+        seen at one length, or at fewer than a block alike (`_guide`)."""
+        fit, guide = self.latent[index][name], self._guide(index, name, batch, extent)
+        if guide is None and _extents(fit) != 1:
+            return fit.predict(batch, extent, quadratic)
+        return self._carried(index, name, batch, extent, guide)
+
+    def _carried(self, index: int, name: str, batch: int, extent: int, guide: Fit | None) -> float:
         """A latent seen at fewer lengths than on a block alike (its class, its input size), carried
-        from its own nearest reading as that block's grows (`_guide`); one seen at a single length
-        with no such block, as the block's activations grow (bytes), else by the assumed quadratic
-        share. A forward transient seen at 128 tokens alone, grown with the prior's quadratic share,
-        was predicted at 265 MiB for 2389 tokens, where its siblings, seen at three lengths, showed it
-        linear: 47 MiB."""
+        from its own nearest reading as that block's grows (`guide`, `_guide`'s); one seen at a single
+        length with no such block, as the block's activations grow (bytes), else by the assumed
+        quadratic share. A forward transient seen at 128 tokens alone, grown with the prior's
+        quadratic share, was predicted at 265 MiB for 2389 tokens, where its siblings, seen at three
+        lengths, showed it linear: 47 MiB."""
         fit = self.latent[index][name]
         seen = fit.points.get((batch, extent)) if fit.kind == "act" else None
         if seen is not None:  # measured at this very shape: every guide carries it to itself
             return seen
-        guide = self._guide(index, name, batch, extent)
         if guide is None and not _is_time(name):
             group = self.times.alike_groups(batch, extent)[index]
             guide = next(

@@ -51,7 +51,7 @@ GIVEN_UP_BACKOFF = 0.9
 class GivenUp:
     """A batch given up (no plan fitted it, or every retry ran out of memory): no answer names its
     shape, nor, from `GIVEN_UP_BACKOFF` of its length on, a length longer than a step of as many
-    samples or more has trained at since."""
+    samples or more has trained at (`trained`: before it, then since)."""
 
     batch: int
     length: int  # tokens a sample

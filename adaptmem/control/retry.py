@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from adaptmem.config.units import format_bytes
+from adaptmem.config.units import format_bytes, parse_bytes
 from adaptmem.devices.tiers import host_allocations
 from adaptmem.modes import Mode
 from adaptmem.registrations import ListedModules
@@ -283,9 +283,8 @@ def failure_phase(sample: Any, blocks: int) -> str:
     return "forward" if ran else BEFORE_BLOCKS
 
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-_WANTED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
-_FREE = re.compile(r"of which ([0-9.]+) (B|KiB|MiB|GiB|TiB) is free")
+_WANTED = re.compile(r"Tried to allocate ([0-9.]+ (?:B|KiB|MiB|GiB|TiB))")
+_FREE = re.compile(r"of which ([0-9.]+ (?:B|KiB|MiB|GiB|TiB)) is free")
 
 
 def lacked(err: BaseException) -> float | None:
@@ -295,7 +294,7 @@ def lacked(err: BaseException) -> float | None:
     wanted, free = _WANTED.search(text), _FREE.search(text)
     if wanted is None or free is None:
         return None
-    short = float(wanted[1]) * _UNITS[wanted[2]] - float(free[1]) * _UNITS[free[2]]
+    short = parse_bytes(wanted[1]) - parse_bytes(free[1])
     return short if short > 0 else None
 
 
