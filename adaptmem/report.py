@@ -80,6 +80,8 @@ def figures(records: list[dict]) -> list[RunFigures]:
             run.plans.append(record)
         elif kind == "start" and not run.blocks:
             run.blocks = list(record.get("blocks", []))
+        elif kind == "blocks":  # a block the model calls more than once became one per call
+            run.blocks = list(record.get("blocks", []))
         elif kind == "end" and record.get("reach"):
             run.reach = record["reach"]
     return list(runs.values())

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -47,6 +48,7 @@ from adaptmem.control.coverage import guessed
 from adaptmem.control.decisions import ESCALATE, HOLD, Decider
 from adaptmem.control.events import EventLog
 from adaptmem.control.headcosts import KEPT, HeadCosts
+from adaptmem.control.loops import LoopFinder
 from adaptmem.control.notices import Notices, own_checkpointing
 from adaptmem.control.plans import RETRY_STEP, PlanBook, PlanRecord
 from adaptmem.control.priors import priors_for
@@ -72,7 +74,7 @@ from adaptmem.devices.host import HostProbe
 from adaptmem.modes import HeadMode, Mode
 from adaptmem.registrations import parameters_of
 from adaptmem.strategies.head import LogitsNotMaterializedError
-from adaptmem.wrapping import BlockHandle, HeadHandle
+from adaptmem.wrapping import BlockHandle, HeadHandle, repeat_calls
 from adaptmem.wrapping.selection import class_name
 
 
@@ -97,22 +99,39 @@ class Controller:
         user_modes: tuple[Mode, ...] | None,
         ddp: nn.parallel.DistributedDataParallel | None,
     ) -> None:
-        p = policy
         self.model, self.policy, self.probe = model, policy, probe
         self.budgets, self.events = budgets, events
+        self._in_flight = in_flight
+        self._runtime = handles[0].runtime if handles else None
+        self._offload = self._runtime.offload if self._runtime is not None else None
+        self._take_blocks(handles, head, user_modes)
+        # until a step completes: blocks the model calls more than once a forward (`_call_per_block`)
+        self.loops: LoopFinder | None = LoopFinder(model, handles) if handles else None
+        self.ranks = Ranks(ddp)  # with other ranks: one plan for all, retries taken together
+        self.retries = RetryGuard()
+        self.stats = RunStats()
+        self.notices = Notices()
+        self.now = StepState()  # the step in hand, from begin_step to end_step
+        self._run_rng: tuple | None = None  # the RNG states `run` took as its batch began
+        self._batch_traced = False  # inside `run`: its batch's trace is taken (`begin_step`)
+        self.lock = threading.RLock()
+        self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
+        self.forwards = 1  # forwards the last step ran before its backward (kept in the state)
+        self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
+
+    def _take_blocks(self, handles: list[BlockHandle], head: HeadHandle | None, user_modes: tuple | None) -> None:
+        """The collaborators that know the blocks, made for `handles`: what they learned of others is
+        not theirs (a model whose calls became blocks of their own calibrates them from the start)."""
+        p, probe = self.policy, self.probe
         self.blocks = ManagedBlocks(handles, head)
-        runtime = handles[0].runtime if handles else None
-        self._offload = runtime.offload if runtime is not None else None
-        self.recorder = StepRecorder(probe, in_flight, last_index=len(handles) - 1, runtime=runtime)
+        self.recorder = StepRecorder(probe, self._in_flight, last_index=len(handles) - 1, runtime=self._runtime)
         cuda = isinstance(probe, CudaProbe)
         self.costs = CostModel(
             [class_name(h.module) for h in handles],
             p,
             cuda=cuda,
             priors=priors_for(probe, cuda, [h.offload_options for h in handles]),
-            weight_grad_bytes=[
-                sum(w.numel() * w.element_size() for w in h.module.parameters() if w.requires_grad) for h in handles
-            ],
+            weight_grad_bytes=weight_grad_bytes(handles),
             head_costs=HeadCosts(head.vocab, head.hidden, head.weight_bytes, cuda=cuda) if head is not None else None,
         )
         self.decider = Decider(p)
@@ -129,25 +148,19 @@ class Controller:
         self.user_modes = user_modes
         self.lengths = LengthsSeen()  # what `longest_sequence` extrapolates from
         self.measuring = MeasureSchedule(p, self.costs)  # which steps are measured block by block
-        self.ranks = Ranks(ddp)  # with other ranks: one plan for all, retries taken together
-        self.retries = RetryGuard()
-        self.stats = RunStats()
-        self.notices = Notices()
-        self.now = StepState()  # the step in hand, from begin_step to end_step
-        self._run_rng: tuple | None = None  # the RNG states `run` took as its batch began
-        self._batch_traced = False  # inside `run`: its batch's trace is taken (`begin_step`)
         self.lesson: Lesson | None = None  # what the last batch given up after running out of memory taught
         self.given_up: list[GivenUp] = []  # batches given up: answers are bound by them
-        self.lock = threading.RLock()
-        self._replan_when_warm = False  # a replan waits for the warm reading of a first offload
-        self.forwards = 1  # forwards the last step ran before its backward (kept in the state)
-        self._alloc_retries: int | None = None  # the CUDA allocator's retry count after the last step
 
     # ------------------------------------------------------------ the step
-    def begin_step(self, label: Any = None) -> None:
-        """begin: open the step's record and start reading."""
+    def begin_step(self, label: Any = None, *, by_a_block: bool = False) -> None:
+        """begin: open the step's record and start reading. `by_a_block`: opened as a block's call
+        began a second micro-batch, whose calls count from that one."""
         self._check_own_checkpointing()
         with self.lock:
+            if self._runtime is not None and not by_a_block:
+                self._runtime.epoch += 1  # a module called more than once a forward counts its calls anew
+            if self.loops is not None:
+                self.loops.begin()
             # a new batch: not a retry of one that ran out of memory, nor (inside `run_step`) an attempt or
             # micro-step after its first (an attempt that ran out before its blocks records no failed plan)
             if self.plans.failed is None and not self._batch_traced:
@@ -207,8 +220,40 @@ class Controller:
                 if self.lesson is not None and self.lesson.passed(sample.batch, sample.seq):
                     self.lesson = None
                 self.given_up = [g for g in self.given_up if not g.ran(sample.batch, sample.seq)]
-                return self._after_step(sample)
+                record = self._after_step(sample)
+                if self.loops is not None and sample.blocks:
+                    calls = self.loops.calls()
+                    self._stop_finding_loops()
+                    if calls is not None:
+                        self.call_per_block(calls)
+                return record
             return None
+
+    def call_per_block(self, calls: list[int], announce: bool = True) -> None:
+        """The model calls some blocks more than once in a forward (`calls`: the blocks of one forward's
+        calls, by their place among those selected, in the order they ran): each call becomes a block
+        of its own, with its own mode, and the blocks are calibrated again from the next step.
+        `announce`: say so (a resumed run's blocks are the saved run's, said when it found them); the
+        log's `blocks` record names them either way."""
+        with self.lock:
+            self._stop_finding_loops()
+            before = len(self.blocks)
+            handles = repeat_calls(self.model, calls)
+            user = self.user_modes
+            if user is not None and len(user) == before:
+                user = tuple(user[h.order] for h in handles)
+            self._take_blocks(handles, self.blocks.head, user)
+            self.recorder.last_index = len(handles) - 1
+            if announce:
+                first = {h.order: h.name for h in handles if h.call == 0}
+                counts = Counter(h.order for h in handles)
+                self.notices.calls_per_block([(first[o], n) for o, n in counts.items() if n > 1], len(handles))
+            self.events.emit("blocks", step=self.stats.steps, blocks=[h.name for h in handles])
+
+    def _stop_finding_loops(self) -> None:
+        if self.loops is not None:
+            self.loops.remove()
+            self.loops = None
 
     def _head_ran(self, sample: StepSample, ended: bool) -> None:
         """The loss head as the step ran it: a head planned CHUNKED that made no chunked logits (a
@@ -298,6 +343,14 @@ class Controller:
     # ------------------------------------------------------- observer API
     def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
         now = self.now
+        if now.open and self.loops is not None and self.loops.call(handle.index) and not self.recorder.backward_done:
+            # the model calls this block again in the same forward: the step is read for its peak, and
+            # each call becomes a block of its own once it ends (`_call_per_block`)
+            if not now.looping:
+                now.looping = True
+                self.recorder.overlap(handle.index)
+            self.recorder.block_start(handle, args, kwargs)
+            return
         if now.open and self.recorder.ran(handle.index):
             self._second_forward(handle.index)
             now = self.now  # a second micro-batch: the step just opened for it
@@ -472,7 +525,7 @@ class Controller:
         if self.recorder.backward_done:
             label = self.now.label
             self.end_step()
-            self.begin_step(label)
+            self.begin_step(label, by_a_block=True)
             return
         if not self.now.overlapping:
             self.now.overlapping = True
@@ -871,3 +924,15 @@ class Controller:
             self.costs.restore(trace.costs)
             self.lengths.load_state_dict(trace.lengths)
         self.blocks.apply(trace.modes, trace.head)
+
+
+def weight_grad_bytes(handles: list[BlockHandle]) -> list[int]:
+    """Each block's trainable weights' gradient bytes; a module called more than once a forward
+    counts them at its last call, whose backward, the first to reach it, allocates them."""
+    last = {h.order: h.index for h in handles}
+    return [
+        sum(w.numel() * w.element_size() for w in h.module.parameters() if w.requires_grad)
+        if last[h.order] == h.index
+        else 0
+        for h in handles
+    ]

@@ -44,6 +44,7 @@ from adaptmem.wrapping import (
     find_blocks,
     find_head,
     get_instrumentation,
+    repeat_calls,
     restore,
     tell_observer,
     unwrap,
@@ -88,7 +89,7 @@ class MemoryManager:
         self.events = EventLog(log, run_id=state.get("run") if state is not None else None)
         self.model = model
         self._owns_instrumentation = existing is None
-        self.handles: list[BlockHandle] = (
+        handles: list[BlockHandle] = (
             list(existing.handles)
             if reuse
             else _instrument(
@@ -101,7 +102,8 @@ class MemoryManager:
                 managed=True,
             )
         )
-        self._user_modes = None if existing is None else tuple(h.mode for h in self.handles)
+        self._handles_before = handles  # each call of a block the model calls more than once may become one
+        self._user_modes = None if existing is None else tuple(h.mode for h in handles)
         self._closed = False
         try:
             self._start(model, budgets, ddp, state, made_here=self.probe is not device)
@@ -117,7 +119,7 @@ class MemoryManager:
         self.head = get_instrumentation(model).head
         self._controller = ctl = Controller(
             model,
-            self.handles,
+            self._handles_before,
             self.head,
             policy=self.policy,
             probe=self.probe,
@@ -148,7 +150,7 @@ class MemoryManager:
             device=self.probe.name,
             budget_bytes=self.budget,
             capacity_bytes=budgets.capacity,
-            blocks=[h.name for h in self.handles],
+            blocks=[h.name for h in self._handles_before],
             start_plan="resume" if state else "user" if self._user_modes is not None else "calibrate",
             modes=[m.label for m in ctl.plans.allowed],
         )
@@ -156,6 +158,12 @@ class MemoryManager:
             announce_resume(ctl, self.events.run_id)
 
     # ------------------------------------------------------------ what it shows
+    @property
+    def handles(self) -> list[BlockHandle]:
+        """The managed blocks' handles, in forward order: one per call of a block the model calls
+        more than once a forward, once a step has shown it (named `<block>#2`, ... after the first)."""
+        return self._controller.blocks.handles
+
     @property
     def plan(self) -> dict[str, Mode]:
         """The mode each block runs in now: {block name: Mode}."""
@@ -367,7 +375,10 @@ class MemoryManager:
         if self._owns_instrumentation:
             restore(self.model)
         elif self._user_modes is not None:
-            for handle, mode in zip(self.handles, self._user_modes):
+            handles = self._handles_before
+            if self.handles != handles:  # the blocks the model calls more than once, as they were
+                handles = repeat_calls(self.model, [h.order for h in handles])
+            for handle, mode in zip(handles, self._user_modes):
                 handle.mode = mode
 
     # ------------------------------------------------------------- resume

@@ -61,6 +61,19 @@ class Notices:
                 "(each forward's plan is in the step's record, `forward_plans`)."
             )
 
+    def calls_per_block(self, repeated: list[tuple[str, int]], blocks: int) -> None:
+        """Blocks the model calls more than once a forward became a block per call."""
+        if self._once("calls per block"):
+            named = ", ".join(f"{name} {n} times" for name, n in repeated[:3]) + (", ..." if len(repeated) > 3 else "")
+            log.warning(
+                "adaptmem: the model calls a block more than once in each forward (%s): each call keeps "
+                "its own activations, so each is now planned as a block of its own, named <block>#2, "
+                "#3, ... after the first (%d blocks in all), with its own mode. Their costs are measured "
+                "again from the next step, which runs every call checkpointed.",
+                named,
+                blocks,
+            )
+
     def head_kept(self, why: str) -> None:
         """A step used the chunked head's logits beyond what a chunk replays: the head is kept."""
         if self._once("head kept"):

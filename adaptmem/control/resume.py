@@ -44,7 +44,11 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
     had before. Logs nothing: a manager built with `state=` restores before its `start` record,
     so that record, like all that follow, is under the saved run id."""
     names = ctl.blocks.names
-    if state.get("blocks") != names:
+    saved = state.get("blocks")
+    if saved != names and (calls := calls_named(saved or [], ctl.blocks.handles)) is not None:
+        ctl.call_per_block(calls, announce=False)  # the saved run found blocks called more than once
+        names = ctl.blocks.names
+    if saved != names:
         raise ValueError(
             f"manager state is for blocks {state.get('blocks', [])[:3]}... ({len(state.get('blocks', []))}), "
             f"this model has {names[:3]}... ({len(names)}); resume with the same model and block selection"
@@ -69,6 +73,22 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
             HeadChoice.parse(head) if head is not None and ctl.blocks.head is not None else None,
         )
         return ctl.events.continue_run(state.get("run"))
+
+
+def calls_named(saved: list[str], handles: list) -> list[int] | None:
+    """The calls of one forward, by block, that a saved run's block names (`<block>#2`, ... for a
+    block's calls after its first) describe for these blocks; None where they name others."""
+    order = {h.name: h.order for h in handles if h.call == 0}
+    calls = []
+    for name in saved:
+        base, _, nth = name.rpartition("#")
+        if name in order:
+            calls.append(order[name])
+        elif base in order and nth.isdigit():
+            calls.append(order[base])
+        else:
+            return None
+    return calls if len(calls) > len(set(calls)) else None
 
 
 def announce_resume(ctl: Controller, started_as: str) -> None:

@@ -134,6 +134,7 @@ class StepState:
     start: int = 0  # bytes allocated at the plan point (the first block's forward)
     plan_point_passed: bool = False  # with other ranks: this rank took part in the plan point's collectives
     overlapping: bool = False  # a second forward ran before this step's backward
+    looping: bool = False  # a block ran again in this step's forward (a module called more than once)
     forwards: int = 1  # forwards run before the step's backward (the first block started anew)
     planned_forwards: int = 1  # forwards the first forward's plan was made for (its batch counted them all)
     alike: bool = True  # every forward after the first had its shape and ran its plan

@@ -16,6 +16,7 @@ from adaptmem.wrapping.attach import (
     get_head,
     get_instrumentation,
     instrument,
+    repeat_calls,
     restore,
     unwrap,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "get_head",
     "get_instrumentation",
     "instrument",
+    "repeat_calls",
     "restore",
     "tell_observer",
     "unwrap",

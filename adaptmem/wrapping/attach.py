@@ -56,6 +56,10 @@ class _BlockForward:
         self.compiled: Callable[..., Any] | None = None  # the block's own forward, compiled (compile_blocks)
         self.compile_options: dict = {}  # compile_blocks' options, for the compiled checkpoints too
         self.checkpoints: dict = {}  # context_fn -> the forward under that checkpoint, compiled (lazily)
+        # a module called more than once in a forward: the handle of each call, in turn (`repeat_calls`)
+        self.calls: tuple[weakref.ref, ...] | None = None
+        self._epoch = -1  # the runtime's epoch at the calls counted in `_count`
+        self._count = 0
 
     def original(self, module: nn.Module) -> Callable[..., Any]:
         if self.compiled is not None:
@@ -116,6 +120,8 @@ class _BlockForward:
             or torch._C._current_graph_task_id() != -1
         ):
             return self._as_is(module, args, kwargs)
+        if self.calls is not None:
+            handle = self.next_call(handle.runtime)
         runtime = handle.runtime
         observer = runtime.observer
         quiet = runtime.quiet
@@ -153,6 +159,17 @@ class _BlockForward:
             runtime.mark(output)
         return output
 
+    def next_call(self, runtime: BlockRuntime) -> BlockHandle:
+        """The handle of this call of a module called more than once a forward: its calls are
+        counted from the step's start (the runtime's `epoch`), and take the handles in turn (a
+        second forward before the backward starts again from the first)."""
+        if self._epoch != runtime.epoch:
+            self._epoch, self._count = runtime.epoch, 0
+        calls = self.calls
+        handle = calls[self._count % len(calls)]()
+        self._count += 1
+        return handle
+
     def _traced(self, *args: Any, **kwargs: Any) -> Any:
         """A call torch.compile traces (the wrapper inside a compiled model)."""
         module = self._module()
@@ -160,6 +177,8 @@ class _BlockForward:
         handle = self._handle()
         if handle is None or not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
+        if self.calls is not None:  # counted eagerly: the compiler never traces the count
+            handle = _next_call_eagerly(self, handle.runtime)
         runtime = handle.runtime
         observer = runtime.observer
         # the observer is called through `runtime.tell`, which the compiler never traces
@@ -184,10 +203,14 @@ class _BlockForward:
         new._handle = weakref.ref(new_handle) if new_handle is not None else _dead
         new.previous = copy.deepcopy(self.previous, memo)
         new.drop_compiled()  # compiled code is not copied: compile the copy again
+        new.calls, new._epoch, new._count = None, -1, 0
+        if self.calls is not None:
+            new.calls = tuple(weakref.ref(copy.deepcopy(ref(), memo)) for ref in self.calls)
         return new
 
     def __reduce__(self) -> tuple:
-        return (_rebuild_forward, (self._module(), self._handle(), self.previous))
+        calls = [ref() for ref in self.calls] if self.calls is not None else None
+        return (_rebuild_forward, (self._module(), self._handle(), self.previous, calls))
 
 
 def _run(handle: BlockHandle, call: Any) -> Any:
@@ -209,13 +232,22 @@ def _dead() -> None:
     return None
 
 
-def _rebuild_forward(module: nn.Module, handle: BlockHandle | None, previous: Callable | None) -> _BlockForward:
+def _rebuild_forward(
+    module: nn.Module, handle: BlockHandle | None, previous: Callable | None, calls: list | None = None
+) -> _BlockForward:
     fwd = _BlockForward.__new__(_BlockForward)
     fwd._module = weakref.ref(module)
     fwd._handle = weakref.ref(handle) if handle is not None else _dead
     fwd.previous = previous
     fwd.drop_compiled()
+    fwd.calls = tuple(weakref.ref(h) for h in calls) if calls is not None else None
+    fwd._epoch, fwd._count = -1, 0
     return fwd
+
+
+@torch.compiler.disable
+def _next_call_eagerly(forward: _BlockForward, runtime: BlockRuntime) -> BlockHandle:
+    return forward.next_call(runtime)
 
 
 def instrument(
@@ -277,8 +309,8 @@ def _instrument(
         if [id(m) for _, m in chosen] == [id(m) for m in existing.modules]:
             return list(existing.handles)
         raise ValueError(
-            f"{type(model).__name__} is already instrumented with {len(existing.handles)} blocks "
-            f"({_names(existing.handles)}); blocks={blocks!r} selects {len(chosen)} others. "
+            f"{type(model).__name__} is already instrumented with {len(existing.modules)} blocks "
+            f"({_names(existing.primary)}); blocks={blocks!r} selects {len(chosen)} others. "
             "Call adaptmem.restore(model) first to change the selection."
         )
     for name, module in chosen:
@@ -315,7 +347,8 @@ def restore(model: nn.Module) -> None:
     inst: Instrumentation | None = model.__dict__.get(_ATTR)
     if inst is None:
         return
-    for handle in inst.handles:  # check everything before changing anything
+    primary = inst.primary
+    for handle in primary:  # check everything before changing anything
         current = handle.module.__dict__.get("forward")
         if not (isinstance(current, _BlockForward) and current.belongs_to(handle)):
             raise RuntimeError(
@@ -324,7 +357,7 @@ def restore(model: nn.Module) -> None:
             )
     if inst.head is not None:
         detach_head(inst.head)
-    for handle in inst.handles:
+    for handle in primary:
         module = handle.module
         previous = module.__dict__["forward"].previous
         if previous is None:
@@ -360,9 +393,62 @@ def compile_blocks(model: nn.Module, **compile_options: Any) -> list[BlockHandle
             "raises). Set model.config.use_cache = False for training",
             type(unwrap(model)).__name__,
         )
-    for handle in inst.handles:
+    for handle in inst.primary:
         handle.module.__dict__["forward"].compile(handle.module, compile_options)
     return list(inst.handles)
+
+
+def repeat_calls(model: nn.Module, sequence: list[int] | None) -> list[BlockHandle]:
+    """Give each call of a block the model calls more than once in a forward a handle of its own.
+
+    `sequence`: the blocks (by `BlockHandle.order`, their place among those selected) of one
+    forward's calls in the order they ran: for ALBERT's one shared layer run 6 times, [0] * 6;
+    for a recurrent-depth model's core of blocks 2 and 3 run three times between blocks 0, 1
+    and 4, [0, 1, 2, 3, 2, 3, 2, 3, 4]. A block it leaves out keeps one call, in its place.
+    None gives every block one handle again. The handles are numbered in the order of the
+    calls, a call after the first named `<name>#<call + 1>` and started in its first call's
+    mode; returns them all (the instrumentation's from now on)."""
+    inst: Instrumentation | None = unwrap(model).__dict__.get(_ATTR)
+    if inst is None:
+        raise ValueError(f"{type(model).__name__} is not instrumented")
+    primary = inst.primary
+    if sequence is None:
+        sequence = [h.order for h in primary]
+    if any(not 0 <= order < len(primary) for order in sequence):
+        raise ValueError(f"calls {sequence}: blocks are 0 to {len(primary) - 1}")
+    for order in range(len(primary)):  # a block not called there keeps its place
+        if order not in sequence:
+            later = [i for i, o in enumerate(sequence) if o > order]
+            sequence = list(sequence)
+            sequence.insert(later[0] if later else len(sequence), order)
+    handles: list[BlockHandle] = []
+    calls: dict[int, list[BlockHandle]] = {}
+    for order in sequence:
+        first = primary[order]
+        mine = calls.setdefault(order, [])
+        if not mine:
+            handle = first
+        else:
+            handle = BlockHandle(
+                f"{first.name}#{len(mine) + 1}",
+                first.module,
+                0,
+                first.runtime,
+                first.mode,
+                first.compress_options,
+                first.offload_options,
+            )
+            handle.order, handle.call = order, len(mine)
+        mine.append(handle)
+        handles.append(handle)
+    for index, handle in enumerate(handles):
+        handle.index = index
+    for order, mine in calls.items():
+        forward = primary[order].module.__dict__["forward"]
+        forward.calls = tuple(weakref.ref(h) for h in mine) if len(mine) > 1 else None
+        forward._epoch = -1
+    inst.handles = handles
+    return list(handles)
 
 
 def get_handles(model: nn.Module) -> list[BlockHandle]:

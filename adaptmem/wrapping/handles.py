@@ -56,6 +56,9 @@ class BlockRuntime:
         # in such a step, the block (index) that gives its output to `mark` after it runs (-1: none)
         self.marked = -1
         self.mark: Callable[[Any], None] = _ignore
+        # counts the steps begun (the manager's): a block called more than once in a forward counts its
+        # calls from there, and takes the handle of each call in turn (`repeat_calls`)
+        self.epoch = 0
 
     @property
     def observer(self) -> BlockObserver | None:
@@ -97,6 +100,12 @@ class BlockHandle:
     of a model's forward for blocks that have not run yet. Tensors saved under
     the previous mode still restore correctly.
 
+    A block whose module the model calls more than once in one forward (shared layers:
+    ALBERT's one layer, a recurrent-depth model's core) has one handle per call, with its
+    own mode and index (its place among the calls of a forward; `order` is the module's
+    among the blocks selected): `call` is which call of the module it is (0 for the first), and
+    its `name` is the module's with `#<call + 1>` after it from the second call on.
+
     Counters, for the curious and for tests that a mode really ran: `calls`
     (forwards on the managed path), `recomputes` (recomputes finished in
     backward), `packed_bytes` (bytes handed to a pack hook), `host_bytes` (of
@@ -116,6 +125,7 @@ class BlockHandle:
         self.name = name
         self.module = module
         self.index = index
+        self.order = index  # the module's place among the blocks selected (`index` counts calls)
         self.runtime = runtime
         self._mode = Mode.parse(mode)
         self.compress_options = compress
@@ -124,6 +134,7 @@ class BlockHandle:
         self.recomputes = 0
         self.packed_bytes = 0
         self.host_bytes = 0
+        self.call = 0
 
     @property
     def mode(self) -> Mode:
@@ -203,5 +214,11 @@ class Instrumentation:
         self.head = head  # the loss head's HeadHandle, or None
 
     @property
+    def primary(self) -> list[BlockHandle]:
+        """The handles of the modules' first calls, in the order the blocks were selected."""
+        return sorted((h for h in self.handles if h.call == 0), key=lambda h: h.order)
+
+    @property
     def modules(self) -> list[nn.Module]:
-        return [h.module for h in self.handles]
+        """The blocks' modules, each once, in the order they were selected."""
+        return [h.module for h in self.primary]

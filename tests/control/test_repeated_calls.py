@@ -1,0 +1,248 @@
+"""Blocks a model calls more than once in one forward (shared layers): each call becomes a block of
+its own, with its own mode, and a second forward is still told from a loop."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from helpers import assert_same_state, training_state
+from torch import nn
+
+import adaptmem
+from adaptmem import Mode
+from adaptmem.testing import SimulatedDevice
+
+transformers = pytest.importorskip("transformers")
+
+
+class Layer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class RecurrentDepth(nn.Module):
+    """A recurrent-depth model: a prelude, a core of two layers run `loops` times, a coda."""
+
+    def __init__(self, width: int = 32, vocab: int = 64, loops: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.prelude = nn.ModuleList([Layer(width) for _ in range(2)])
+        self.core = nn.ModuleList([Layer(width) for _ in range(2)])
+        self.coda = Layer(width)
+        self.out = nn.Linear(width, vocab)
+        self.loops = loops
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.prelude:
+            x = layer(x)
+        for _ in range(self.loops):
+            for layer in self.core:
+                x = layer(x)
+        return self.out(self.coda(x))
+
+
+class Outer(nn.Module):
+    """What a LightningModule is to the model it calls: managed, its own forward never called."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+
+def blocks_of(model: RecurrentDepth) -> list[nn.Module]:
+    return [*model.prelude, *model.core, model.coda]
+
+
+def loss_of(model: RecurrentDepth, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+
+def ids(batch: int, seq: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+CALLS = ["prelude.0", "prelude.1", "core.0", "core.1", "core.0#2", "core.1#2", "core.0#3", "core.1#3", "coda"]
+
+
+def test_each_call_of_a_block_run_in_a_loop_becomes_a_block_of_its_own(caplog):
+    """The model inside a module whose forward is never called (as under Lightning): its core's
+    calls become blocks in the order they ran, and training is exact."""
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    plain = copy.deepcopy(net)
+    outer = Outer(net)
+    lengths = (16, 48, 32, 64, 24)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"), SimulatedDevice(capacity_bytes=2**30) as dev:
+        with adaptmem.manage(outer, blocks=blocks_of(net), budget="1GiB", device=dev) as mem:
+            for i, seq in enumerate(lengths):
+                mem.run_step(lambda: loss_of(net, ids(2, seq, i)).backward())
+            names = [h.name.removeprefix("net.") for h in mem.handles]
+            assert [h.index for h in mem.handles] == list(range(9))
+            steps = mem.events.of_type("step")
+            blocks = mem.events.of_type("blocks")
+    assert names == CALLS
+    assert [len(s["plan"]) for s in steps] == [5, 9, 9, 9, 9]
+    assert [b["step"] for b in blocks] == [1] and [n.removeprefix("net.") for n in blocks[0]["blocks"]] == CALLS
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("calls a block more than once in each forward" in m for m in said) == 1
+    assert "net.core.0 3 times, net.core.1 3 times" in next(m for m in said if "more than once" in m)
+    assert not any("second forward" in m for m in said)
+    assert all(s["forward_plans"] is None for s in steps)
+    for i, seq in enumerate(lengths):
+        loss_of(plain, ids(2, seq, i)).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), plain.parameters()))
+    # closed, the model is as it was
+    assert all("forward" not in m.__dict__ for m in blocks_of(net))
+
+
+def test_each_call_runs_in_its_own_mode_exactly():
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    plain = copy.deepcopy(net)
+    adaptmem.instrument(net, blocks_of(net))
+    handles = adaptmem.wrapping.repeat_calls(net, [0, 1, 2, 3, 2, 3, 2, 3, 4])
+    modes = [Mode.NONE, Mode.CHECKPOINT, Mode.OFFLOAD, Mode.SELECTIVE, Mode.CHECKPOINT | Mode.OFFLOAD]
+    modes = modes + [Mode.NONE, Mode.CHECKPOINT, Mode.OFFLOAD, Mode.CHECKPOINT]
+    for handle, mode in zip(handles, modes):
+        handle.mode = mode
+    for seed in (1, 2):
+        loss_of(net, ids(2, 16, seed)).backward()
+        loss_of(plain, ids(2, 16, seed)).backward()
+    assert [h.calls for h in handles] == [2] * 9
+    assert [h.recomputes > 0 for h in handles] == [bool(m & (Mode.CHECKPOINT | Mode.SELECTIVE)) for m in modes]
+    assert [h.host_bytes > 0 for h in handles] == [m is Mode.OFFLOAD for m in modes]
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), plain.parameters()))
+    adaptmem.restore(net)
+
+
+def test_a_second_forward_of_a_model_with_a_loop_is_still_one(caplog):
+    """Two forwards before one backward are told from a loop (the model's own forward ran again)
+    and run as one step of two forwards; two micro-batches in one step are two steps, each running
+    every call once; all exact."""
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    plain = copy.deepcopy(net)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"), SimulatedDevice(capacity_bytes=2**30) as dev:
+        with adaptmem.manage(net, blocks=blocks_of(net), budget="1GiB", device=dev) as mem:
+            mem.run_step(lambda: loss_of(net, ids(2, 16, 0)).backward())
+            for a, b in ((1, 2), (3, 4)):
+                mem.run_step(lambda: (loss_of(net, ids(2, 16, a)) + loss_of(net, ids(2, 16, b))).backward())
+            record = mem.last_step
+            assert len(mem.handles) == 9
+            calls = [h.calls for h in mem.handles]
+            with mem.step(label="window"):  # two micro-batches: each runs every call once
+                for seed in (5, 6):
+                    loss_of(net, ids(2, 16, seed)).backward()
+            assert [h.calls - c for h, c in zip(mem.handles, calls)] == [2] * 9
+            window = [s for s in mem.events.of_type("step") if s["label"] == "window"]
+    assert len(record["forward_plans"]) == 2 and all(len(p) == 9 for p in record["forward_plans"])
+    assert sum("second forward before its backward" in r.getMessage() for r in caplog.records) == 1
+    assert len(window) == 2 and all(s["forward_plans"] is None for s in window)
+    loss_of(plain, ids(2, 16, 0)).backward()
+    for a, b in ((1, 2), (3, 4)):
+        (loss_of(plain, ids(2, 16, a)) + loss_of(plain, ids(2, 16, b))).backward()
+    for seed in (5, 6):
+        loss_of(plain, ids(2, 16, seed)).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), plain.parameters()))
+
+
+def test_a_resumed_run_takes_the_saved_runs_blocks_per_call(caplog):
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    with SimulatedDevice(capacity_bytes=2**30) as dev:
+        with adaptmem.manage(net, blocks=blocks_of(net), budget="1GiB", device=dev) as mem:
+            for i, seq in enumerate((16, 32, 24)):
+                mem.run_step(lambda: loss_of(net, ids(2, seq, i)).backward())
+            state = mem.state_dict()
+        again = copy.deepcopy(net)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="adaptmem"):
+            with adaptmem.MemoryManager(again, blocks=blocks_of(again), budget="1GiB", device=dev, state=state) as mem:
+                assert [h.name for h in mem.handles] == CALLS  # before any step
+                mem.run_step(lambda: loss_of(again, ids(2, 32, 5)).backward())
+                record = mem.last_step
+                plans = mem.events.of_type("plan")
+        with adaptmem.manage(again, blocks=blocks_of(again)[:4], budget="1GiB", device=dev) as mem:
+            with pytest.raises(ValueError, match="resume with the same model and block selection"):
+                mem.load_state_dict(state)
+    assert len(record["plan"]) == 9 and record["prediction_error"] is not None  # planned from what it learned
+    assert all(p["reason"] != "calibrate" for p in plans)
+    assert not any("more than once" in r.getMessage() for r in caplog.records)
+
+
+def test_a_model_instrumented_before_managing_gets_its_blocks_back_as_they_were():
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    handles = adaptmem.instrument(net, blocks_of(net), mode=Mode.CHECKPOINT)
+    with SimulatedDevice(capacity_bytes=2**30) as dev, adaptmem.manage(net, budget="1GiB", device=dev) as mem:
+        mem.run_step(lambda: loss_of(net, ids(2, 16, 0)).backward())
+        assert len(mem.handles) == 9
+    after = adaptmem.get_handles(net)
+    assert after == handles and [h.mode for h in after] == [Mode.CHECKPOINT] * 5
+    calls = [h.calls for h in after]
+    loss_of(net, ids(2, 16, 1)).backward()  # one handle a module again: the core's counts its three calls
+    assert [h.calls - c for h, c in zip(after, calls)] == [1, 1, 3, 3, 1]
+    adaptmem.restore(net)
+    assert all("forward" not in m.__dict__ for m in blocks_of(net))
+
+
+def test_repeat_calls_keeps_a_block_not_called_in_its_place_and_refuses_an_unknown_one():
+    net = RecurrentDepth()
+    adaptmem.instrument(net, blocks_of(net))
+    handles = adaptmem.wrapping.repeat_calls(net, [0, 1, 2, 3, 2, 3])  # the coda not called
+    assert [h.name for h in handles] == ["prelude.0", "prelude.1", "core.0", "core.1", "core.0#2", "core.1#2", "coda"]
+    with pytest.raises(ValueError, match="blocks are 0 to 4"):
+        adaptmem.wrapping.repeat_calls(net, [0, 5])
+    assert [h.name for h in adaptmem.wrapping.repeat_calls(net, None)] == CALLS[:4] + ["coda"]
+
+
+def test_albert_shares_one_layer_and_each_of_its_calls_is_planned(caplog):
+    """ALBERT runs its one layer `num_hidden_layers` times. Read as six forwards, its batches were
+    priced six times over and a 2 x 512 batch was refused (predicted at 67.50 MiB against a
+    36 MiB budget) where it trains at 18 to 26 MiB."""
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(
+        vocab_size=1000,
+        embedding_size=64,
+        hidden_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        intermediate_size=256,
+    )
+    model = transformers.AlbertForMaskedLM(config)
+    plain = copy.deepcopy(model)
+    lengths = (64, 256, 128, 512, 96, 384, 448, 200)
+
+    def batch(i, seq):
+        tokens = torch.randint(0, 1000, (2, seq), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": tokens, "labels": tokens}
+
+    policy = adaptmem.load_policy().model_copy(update={"head": "kept"})
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"), SimulatedDevice(capacity_bytes=40 * 2**20) as dev:
+        dev.track(model)
+        with adaptmem.manage(model, blocks="AlbertLayer", budget="90%", device=dev, policy=policy) as mem:
+            for i, seq in enumerate(lengths):
+                mem.run_step(lambda: model(**batch(i, seq)).loss.backward())
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            steps = mem.events.of_type("step")
+            assert len(mem.handles) == 6 and mem.ooms == 0
+    assert [s["seq"] for s in steps] == list(lengths)  # none refused
+    assert all(s["observed_peak_bytes"] <= s["budget_bytes"] for s in steps)
+    errors = [abs(s["prediction_error"]) for s in steps[4:]]
+    assert sum(errors) / len(errors) < 0.15
+    assert not any("second forward" in r.getMessage() for r in caplog.records)
+    reference = torch.optim.AdamW(plain.parameters(), 1e-3)
+    for i, seq in enumerate(lengths):
+        plain(**batch(i, seq)).loss.backward()
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+    assert_same_state(training_state(model, optimizer), training_state(plain, reference))
