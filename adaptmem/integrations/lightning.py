@@ -11,7 +11,11 @@ A thin adapter over `MemoryManager`; every decision is the manager's.
                    managed step through `run_step`: an out-of-memory error in it is
                    retried under a tighter plan, with the gradients left exact also
                    inside an accumulation window. With manual optimization there is no
-                   closure: the step is bracketed from `on_train_batch_start` to
+                   closure: the whole `training_step` runs through `run_step`, and is
+                   retried where no optimizer stepped before the error (after one, the
+                   weights have moved: the error says so and ends the fit). With other
+                   ranks, whose gradients `run_step` would average after the step's own
+                   optimizer step, it is bracketed from `on_train_batch_start` to
                    `on_after_backward`, and an OOM is recorded, not retried.
   batch end        peak, budget, plan changes and recovered OOMs go to the loggers (when the
                    Trainer has any: Lightning warns of each figure logged to none)
@@ -22,8 +26,9 @@ A thin adapter over `MemoryManager`; every decision is the manager's.
 
 The closure is reached through Lightning's automatic-optimization loop
 (`fit_loop.epoch_loop.automatic_optimization._make_closure`), the one place a
-callback can get at a step's forward and backward together; Lightning has no
-public hook to retry a batch (its request to survive OOM batches was closed
+callback can get at a step's forward and backward together, and a manual
+`training_step` through the manual-optimization loop's `advance`; Lightning has
+no public hook to retry a batch (its request to survive OOM batches was closed
 as won't-fix).
 """
 
@@ -33,6 +38,8 @@ import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 try:
     import lightning.pytorch as pl
@@ -113,6 +120,8 @@ class AdaptMemCallback(pl.Callback):
         self._pending_state = None
         if pl_module.automatic_optimization:
             self._wrap_closures(trainer)
+        elif trainer.world_size == 1:
+            self._wrap_manual_steps(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
@@ -149,15 +158,28 @@ class AdaptMemCallback(pl.Callback):
         loop._make_closure = make_retrying_closure
         self._loop = loop
 
+    def _wrap_manual_steps(self, trainer: pl.Trainer) -> None:
+        loop = trainer.fit_loop.epoch_loop.manual_optimization
+        advance = loop.advance
+        manager = self.manager
+
+        def advance_retrying(kwargs: Any) -> None:
+            label = {"global_step": trainer.global_step, "batch_idx": trainer.fit_loop.epoch_loop.batch_idx}
+            manager.run_step(_before_any_step(advance, loop), kwargs, label=label)
+
+        loop.advance = advance_retrying
+        self._loop = loop
+
     def _unwrap_closures(self) -> None:
         if self._loop is not None:
             self._loop.__dict__.pop("_make_closure", None)
+            self._loop.__dict__.pop("advance", None)
             self._loop = None
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.manager is not None and not pl_module.automatic_optimization:
+        if self.manager is not None and not pl_module.automatic_optimization and self._loop is None:
             self.manager.begin_step(label={"global_step": trainer.global_step, "batch_idx": batch_idx})
             self._bracketed = True
 
@@ -218,3 +240,30 @@ def _retrying(closure: Any, manager: MemoryManager, label: dict) -> Callable[...
         return lambda *a, **k: manager.run_step(run, *a, label=label, **k)
     func, ref = run.__func__, weakref.ref(closure)
     return lambda *a, **k: manager.run_step(func, ref(), *a, label=label, **k)
+
+
+class OptimizerSteppedError(RuntimeError):
+    """A manual `training_step` ran out of memory after an optimizer step: not retried."""
+
+
+def _before_any_step(advance: Callable[[Any], None], loop: Any) -> Callable[[Any], None]:
+    """The manual loop's `advance`, whose out-of-memory error `run_step` retries only where no
+    optimizer stepped in the attempt: after a step the weights and the optimizer's state have
+    moved, and running the `training_step` again would step twice."""
+
+    def attempt(kwargs: Any) -> None:
+        steps = loop.optim_step_progress.total.ready
+        try:
+            advance(kwargs)
+        except torch.OutOfMemoryError as err:
+            stepped = loop.optim_step_progress.total.ready - steps
+            if stepped:
+                raise OptimizerSteppedError(
+                    f"the training_step ran out of memory after {stepped} optimizer step(s) in it, so it is not "
+                    "retried: the weights and the optimizer's state had moved, and running it again would step "
+                    "them twice. Retries cover what runs before the optimizer's step (forward, manual_backward, "
+                    f"clipping); the error: {err}"
+                ) from err
+            raise
+
+    return attempt

@@ -230,3 +230,73 @@ def test_a_second_fit_with_the_same_callback_is_managed_and_goes_on_with_the_run
     assert second.summary()["run"] == run and second.summary()["steps"] == 8  # 4 micro-steps a fit
     steps = [r["step"] for r in read_log(log, run=run) if r["type"] == "step"]
     assert steps == list(range(1, 9))
+
+
+class LitManual(LitTiny):
+    """Manual optimization: accumulation of 2 by hand, clipping, a scheduler stepped by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        self._batch_idx = batch_idx
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        self.manual_backward(self.model(**batch).loss / 2)
+        if batch_idx % 2 == 1:
+            self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            if self._due("after the step"):
+                self.failed += 1
+                raise torch.OutOfMemoryError("injected out of memory after the optimizer step")
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return [opt], [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))]
+
+
+def fit_manual(tmp_path, *, callback=None, fail_at=None, steps=4):
+    pl.seed_everything(0, verbose=False)
+    module = LitManual()
+    module.fail_at = fail_at
+    trainer = lightning_trainer(
+        max_steps=steps,
+        val_check_interval=4,
+        limit_val_batches=2,
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[callback] if callback is not None else [],
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, loader(2 * steps), loader(2))
+    return module
+
+
+@pytest.mark.parametrize("where", [None, "forward", "backward"])
+def test_a_manual_optimization_step_that_runs_out_of_memory_is_retried_exactly(tmp_path, where):
+    plain = fit_manual(tmp_path / "plain")
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    callback = AdaptMemCallback(budget="1GiB", device=dev, log=str(tmp_path / "run.jsonl"))
+    with dev:
+        managed = fit_manual(tmp_path / "managed", callback=callback, fail_at=(where, 3) if where else None)
+    summary = callback.manager.summary()
+    assert summary["steps"] == 8 and summary["ooms_recovered"] == (1 if where else 0)
+    assert managed.failed == (1 if where else 0)
+    expected = params(plain)
+    assert all(torch.equal(p, expected[n]) for n, p in params(managed).items())
+    assert managed.optimizers().optimizer.state_dict()["state"][0]["step"] == 4  # stepped once each window
+    steps = [r for r in read_log(tmp_path / "run.jsonl") if r["type"] == "step"]
+    assert [r["label"]["batch_idx"] for r in steps] == list(range(8))
+
+
+def test_a_manual_step_that_runs_out_of_memory_after_its_optimizer_step_is_not_run_again(tmp_path):
+    from adaptmem.integrations.lightning import OptimizerSteppedError
+
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    callback = AdaptMemCallback(budget="1GiB", device=dev)
+    with dev, pytest.raises(OptimizerSteppedError, match=r"after 1 optimizer step\(s\) in it, so it is not retried"):
+        fit_manual(tmp_path, callback=callback, fail_at=("after the step", 3))
+    assert callback.manager.closed and callback.manager.summary()["ooms_recovered"] == 0
