@@ -199,7 +199,10 @@ class LengthsSeen:
     """What a run's steps showed of its sequences: the main input's elements per token (its
     hidden size), the longest length measured and the most tokens in one measured step, and
     the largest allocation a step started from (weights, optimizer state), without the weights'
-    gradients and, where a step found them there (accumulation), with them."""
+    gradients and, where a step found them there (accumulation), with them. Those of a saved run
+    hold until this manager's steps have started in that state: a resumed run, or a second fit
+    with a new Trainer, starts from what it holds now (an earlier Trainer's optimizer state, held
+    while the saved run ran and dropped since, is not counted against every answer after it)."""
 
     def __init__(self) -> None:
         self.width = 0
@@ -207,6 +210,7 @@ class LengthsSeen:
         self.measured_tokens = 0
         self.start = 0
         self.start_resident = 0  # 0: no step started with the gradients resident
+        self._saved = (False, False)  # `start`, `start_resident` are a saved run's, no step here since
         # a step started without the gradients after one had started with them (accumulation, where
         # each step's first micro-batch does): without, only the run's first steps did (a loop that
         # zeroes them inside its step, as Lightning's closure does), and the steps to come will not
@@ -229,11 +233,14 @@ class LengthsSeen:
         """A step that ran to its end, measured block by block or not: what it started from. (An
         optimizer's state appears at its first step, after the run's first micro-batches, and the
         steps after that may all be light ones.)"""
+        fresh, resident = self._saved
         if sample.grads_resident:
-            self.start_resident = max(self.start_resident, sample.start)
+            self.start_resident = sample.start if resident else max(self.start_resident, sample.start)
+            self._saved = (fresh, False)
         else:
-            self.start = max(self.start, sample.start)
+            self.start = sample.start if fresh else max(self.start, sample.start)
             self.fresh_again = self.fresh_again or self.start_resident > 0
+            self._saved = (False, resident)
 
     def reacher(self, costs, plans, limit: int, allocated: int, lock=None, gradients: int = 0) -> Reacher:
         """`allocated`: the device's allocation now, between steps (0 inside one); `gradients`: the
@@ -283,6 +290,7 @@ class LengthsSeen:
         self.measured_tokens = state.get("measured_tokens", self.measured_length)  # a state saved before it
         self.start = state.get("start", 0)
         self.start_resident = state.get("start_resident", 0)  # a state saved before it: none
+        self._saved = (True, True)
         self.fresh_again = state.get("fresh_again", True)  # a state saved before it: both states asked
         self.before = Fit.from_state(state["before"]) if "before" in state else Fit("act")
 

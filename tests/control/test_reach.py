@@ -314,6 +314,33 @@ def test_the_figures_survive_a_resume():
         assert again.longest_sequence().length == expected
 
 
+def test_memory_given_back_since_a_saved_run_is_not_counted_once_steps_run_again():
+    """A saved run's steps started above 16 MiB held beside them (an earlier Trainer's optimizer
+    state, dropped between two fits): the resumed run answers as the saved one until its own steps
+    start, then from what they start from (it stayed at the saved run's largest start: an answer
+    13% shorter than a length that had just trained at 95% of the limit)."""
+    model = llama(layers=3, hidden=64, dropout=0.0)
+    dev = SimulatedDevice(64 * MiB)
+    dev.track(model)
+    make = lambda s: hf_batch(1, s)
+    with dev:
+        held = torch.empty(16 * MiB, dtype=torch.uint8)
+        with adaptmem.manage(model, device=dev) as mem:
+            for seq in (64, 128, 64, 128):
+                mem.run_step(lambda: model(**make(seq)).loss.backward())
+                model.zero_grad(set_to_none=True)
+            state, before = mem.state_dict(), mem.longest_sequence()
+        del held
+        with adaptmem.MemoryManager(model, device=dev, state=state) as again:
+            assert again.longest_sequence().length == before.length  # no step here yet: the saved run's
+            for seq in (64, 128):
+                again.run_step(lambda: model(**make(seq)).loss.backward())
+                model.zero_grad(set_to_none=True)
+            after = again.longest_sequence()
+    assert after.start_bytes <= before.start_bytes - 15 * MiB
+    assert after.length > before.length
+
+
 def test_an_answer_past_the_models_positions_says_so():
     """A CodeGen (positions in a table of 2,048) was answered 2,256 tokens at batch 1, and a step of
     3,000 raised the model's own IndexError. An answer past the config's `max_position_embeddings`
