@@ -326,6 +326,13 @@ class MemoryManager:
     def run_step(self, fn: Callable[..., Any], *args: Any, label: Any = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a forward and backward, no optimizer step) as one
         step; after an out-of-memory error, free, tighten the plan and run it again."""
+        if self._controller.now.open and not self._closed:
+            raise RuntimeError(
+                "run_step was called inside a step that is open already (steps do not nest): the "
+                "Lightning callback runs each training_step (or each closure) through run_step, and "
+                "the Trainer mixin each micro-batch, so call the function itself there; in a loop of "
+                "your own, close the step first (end_step(), or the end of `with mem.step():`)"
+            )
         return self._controller.run(lambda: self._step(label, retried=True), fn, args, kwargs)
 
     def longest_sequence(self, batch: int = 1, *, limit: Budget = None) -> Reach:

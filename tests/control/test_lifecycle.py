@@ -72,6 +72,8 @@ def test_begin_and_end_step_carry_a_label_and_step_is_built_on_them():
         mem.begin_step()
         with pytest.raises(RuntimeError, match="steps do not nest"):
             mem.begin_step()
+        with pytest.raises(RuntimeError, match="Lightning callback runs each training_step"):
+            mem.run_step(train, model)  # as inside a step a framework's integration runs already
         oom = mem.end_step(error=torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB"))
         assert oom["type"] == "oom" and oom["phase"] == "before the first managed block"
         mem.begin_step()
