@@ -67,6 +67,22 @@ def test_infeasible_gives_the_tightest_plan_and_the_shortfall():
     assert tightest_capacity(options, 5) == pytest.approx(tight, rel=0.002)
 
 
+def test_at_the_tightest_peak_the_plan_that_holds_least_runs():
+    """One block's need, which no mode lowers, sets every plan's peak over the capacity: the others
+    hold least under it, not the cheapest way (a Zamba2's last block ran in NONE, predicted at
+    648 MiB, where every block offloaded was predicted at 270)."""
+    from adaptmem import Mode
+
+    cheap, holding = Option(Mode.NONE, 30, 30, 0.0), Option(Mode.CHECKPOINT, 2, 30, 1.0)
+    options = [[Option(Mode.NONE, 5, 200, 0.0)], [cheap, holding], [cheap, holding]]
+    result = plan(options, capacity=100)
+    assert not result.feasible and result.peak == pytest.approx(200, rel=0.01)
+    assert result.modes == (Mode.NONE, Mode.CHECKPOINT, Mode.CHECKPOINT)
+    # held alike, the cheaper
+    result = plan([[Option(Mode.NONE, 5, 200, 0.0)], [cheap, Option(Mode.OFFLOAD, 30, 30, 2.0)]], capacity=100)
+    assert result.modes == (Mode.NONE, Mode.NONE)
+
+
 def test_a_block_restricted_to_one_option_keeps_it():
     options = [[Option(ALLOWED_MODES[0], 10, 20, 0), Option(ALLOWED_MODES[2], 1, 20, 5)] for _ in range(4)]
     options[1] = [options[1][1]]
