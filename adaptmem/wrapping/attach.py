@@ -245,9 +245,24 @@ def _rebuild_forward(
     return fwd
 
 
-@torch.compiler.disable
-def _next_call_eagerly(forward: _BlockForward, runtime: BlockRuntime) -> BlockHandle:
+def _next_call(forward: _BlockForward, runtime: BlockRuntime) -> BlockHandle:
     return forward.next_call(runtime)
+
+
+_eager: dict[str, Callable[..., Any]] = {}  # `_next_call` behind torch.compiler.disable, made once compiling
+
+
+def _next_call_eagerly(forward: _BlockForward, runtime: BlockRuntime) -> BlockHandle:
+    """`next_call`, never traced (made as calls get handles of their own, `_untraced_calls`:
+    `torch.compiler.disable` at import would load the compiler with adaptmem)."""
+    return _untraced_calls()(forward, runtime)
+
+
+def _untraced_calls() -> Callable[..., Any]:
+    eager = _eager.get("next_call")
+    if eager is None:
+        eager = _eager["next_call"] = torch.compiler.disable(_next_call, recursive=True)
+    return eager
 
 
 def instrument(
@@ -447,6 +462,8 @@ def repeat_calls(model: nn.Module, sequence: list[int] | None) -> list[BlockHand
         forward = primary[order].module.__dict__["forward"]
         forward.calls = tuple(weakref.ref(h) for h in mine) if len(mine) > 1 else None
         forward._epoch = -1
+    if len(handles) > len(primary):
+        _untraced_calls()  # made here, not while torch.compile traces a call
     inst.handles = handles
     return list(handles)
 

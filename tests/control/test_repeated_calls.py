@@ -246,3 +246,25 @@ def test_albert_shares_one_layer_and_each_of_its_calls_is_planned(caplog):
         reference.step()
         reference.zero_grad(set_to_none=True)
     assert_same_state(training_state(model, optimizer), training_state(plain, reference))
+
+
+@pytest.mark.parametrize("compiled", ["blocks", "model"])
+def test_a_loop_under_torch_compile_takes_its_calls_handles_and_stays_exact(compiled):
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    plain = copy.deepcopy(net)
+    run = torch.compile(net, backend="aot_eager") if compiled == "model" else net
+    # on the host: under the stand-in's dispatch mode, compiled code runs uncompiled
+    with adaptmem.manage(run, blocks=blocks_of(net), budget="1GiB") as mem:
+        if compiled == "blocks":
+            adaptmem.compile_blocks(net, backend="aot_eager")
+        for i in range(3):
+            mem.run_step(
+                lambda: torch.nn.functional.cross_entropy(
+                    run(ids(2, 16, i)).flatten(0, 1), ids(2, 16, i).flatten()
+                ).backward()
+            )
+        assert [h.name for h in mem.handles] == CALLS
+    for i in range(3):
+        loss_of(plain, ids(2, 16, i)).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), plain.parameters()))
