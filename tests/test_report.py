@@ -136,3 +136,19 @@ def test_a_pressure_record_names_the_other_processes_from_nvml(monkeypatch):
     assert all(isinstance(p["name"], str) for p in found)
     probe._nvml = None
     assert probe.processes() is None
+
+
+def test_a_run_whose_blocks_became_one_per_call_is_drawn_with_them(tmp_path):
+    """A log whose `blocks` record names each call of a block the model calls more than once:
+    the report's rows are those blocks, and the picture draws every one."""
+    from control.test_repeated_calls import CALLS, RecurrentDepth, blocks_of, ids, loss_of
+
+    path = tmp_path / "loop.jsonl"
+    net = RecurrentDepth()
+    with SimulatedDevice(capacity_bytes=2**30) as dev:
+        with adaptmem.manage(net, blocks=blocks_of(net), device=dev, log=str(path)) as mem:
+            for i in range(3):
+                mem.run_step(lambda: loss_of(net, ids(2, 16, i)).backward())
+    (run,) = figures(read_log(path))
+    assert run.blocks == CALLS and len(run.steps[-1]["plan"]) == len(CALLS)
+    assert main([str(path), "--out", str(tmp_path / "loop.png")]) == 0 and (tmp_path / "loop.png").stat().st_size > 0
