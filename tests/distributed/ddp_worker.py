@@ -4,7 +4,8 @@ MODE "plain": DDP without adaptmem. MODE "managed": DDP under adaptmem.manage, t
 ranks given different device capacities, pressure injected on rank 1 only, and an
 out-of-memory error injected in backward on rank 0 at step 3. MODE "contrastive": as
 "managed", but each step runs two forwards before its backward, and no error is injected.
-Writes the final parameters and the step records to OUT.
+MODES "loop-plain" and "loop": as "plain" and "managed", on a model that runs two of its
+blocks three times in each forward. Writes the final parameters and the step records to OUT.
 """
 
 import os
@@ -22,19 +23,29 @@ def main() -> None:
     rank, world, port, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    model = tiny(dim=64, n_layers=4)
+    looped = mode.startswith("loop")
+    if looped:
+        from control.test_repeated_calls import RecurrentDepth, blocks_of, ids
+
+        torch.manual_seed(0)
+        model = RecurrentDepth()
+        batches = [ids(2, 24 + 8 * ((i + rank) % 3), seed=10 * i + rank) for i in range(6)]
+    else:
+        model = tiny(dim=64, n_layers=4)
+        batches = [tiny_batch(model, batch=2, seq=32 + 16 * ((i + rank) % 3)) for i in range(6)]
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    batches = [tiny_batch(model, batch=2, seq=32 + 16 * ((i + rank) % 3)) for i in range(6)]
 
     def train(batch):
-        if mode == "contrastive":  # two forwards, one backward
+        if looped:
+            torch.nn.functional.cross_entropy(ddp(batch).flatten(0, 1), batch.flatten()).backward()
+        elif mode == "contrastive":  # two forwards, one backward
             (ddp(**batch).loss + ddp(**batches[-1]).loss).backward()
         else:
             ddp(**batch).loss.backward()
 
     records = []
-    if mode == "plain":
+    if mode in ("plain", "loop-plain"):
         torch.manual_seed(7 + rank)
         for batch in batches:
             train(batch)
@@ -60,10 +71,12 @@ def main() -> None:
 
                 output.register_hook(fail)
 
-        model.blocks[2].register_forward_hook(fail_in_backward)
+        if not looped:
+            model.blocks[2].register_forward_hook(fail_in_backward)
         policy = load_policy().model_copy(update={"sample_interval_s": 0.01})
         torch.manual_seed(7 + rank)
-        with dev, adaptmem.manage(ddp, budget="90%", device=dev, policy=policy) as mem:
+        selected = blocks_of(model) if looped else "auto"
+        with dev, adaptmem.manage(ddp, budget="90%", device=dev, policy=policy, blocks=selected) as mem:
             for i, batch in enumerate(batches):
                 if rank == 1 and i == 4:
                     dev.occupy(2 * 2**20)  # another process takes memory on this rank only

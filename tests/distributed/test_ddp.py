@@ -37,3 +37,17 @@ def test_ranks_run_the_same_plan_in_each_forward_of_a_contrastive_step(tmp_path)
     assert [s["forward_plans"] for s in steps[0]] == [s["forward_plans"] for s in steps[1]]
     for rank in range(2):  # from the second step, the first forward leaves room for the second
         assert all(s["observed_peak_bytes"] <= s["budget_bytes"] for s in steps[rank][1:]), steps[rank]
+
+
+def test_ranks_make_each_call_of_a_looped_block_a_block_at_the_same_step(tmp_path):
+    """A model that runs two blocks three times a forward, under DDP on two ranks whose devices
+    differ: both find the loop at the first step and run one plan of nine blocks at every step
+    after it, exactly as plain DDP."""
+    plain = run_ranks(WORKER, tmp_path, "loop-plain")
+    managed = run_ranks(WORKER, tmp_path, "loop")
+    steps = [[r for r in m["records"] if "plan" in r] for m in managed]
+    assert [s["plan"] for s in steps[0]] == [s["plan"] for s in steps[1]]
+    assert [len(s["plan"]) for s in steps[0]] == [5] + [9] * 5
+    for rank in range(2):
+        expected = plain[rank]["params"]
+        assert all(torch.equal(p, expected[n]) for n, p in managed[rank]["params"].items())
