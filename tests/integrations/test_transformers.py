@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from helpers import hf_arguments, llama  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
-from adaptmem import read_log  # noqa: E402
+from adaptmem import load_policy, read_log  # noqa: E402
 from adaptmem.integrations.transformers import AdaptMemTrainerCallback, AdaptMemTrainerMixin  # noqa: E402
 from adaptmem.testing import SimulatedDevice  # noqa: E402
 
@@ -226,3 +226,53 @@ def test_a_resumed_run_on_the_stand_in_counts_the_optimizer_state_it_loaded(tmp_
     assert [s for s, _ in resumed] == [5, 6], resumed
     # (a few bytes apart, scalars one run holds and the other not; 1.6 MB less before: the AdamW state)
     assert all(abs(a - b) <= 64 for (_, a), (_, b) in zip(resumed, whole[-2:])), (whole, resumed)
+
+
+def albert():
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(
+        vocab_size=512,
+        embedding_size=32,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.AlbertForMaskedLM(config)
+
+
+def test_albert_shared_layer_under_the_trainer_is_a_block_per_call_and_resumes_so(tmp_path, caplog):
+    """ALBERT runs one layer four times a forward: under the Trainer each call becomes a block from
+    the second step, training is exact against the plain Trainer, and the state a checkpoint holds
+    names the calls, so the resumed run has them from its start."""
+    kept = {"policy": load_policy().model_copy(update={"head": "kept"})}
+
+    def run(out, trainer_cls=Trainer, callback=None, resume=None, **overrides):
+        model = albert()
+        trainer = trainer_cls(
+            model=model,
+            args=hf_arguments(out, **overrides),
+            train_dataset=Samples(),
+            callbacks=[callback] if callback else None,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return model
+
+    plain = run(tmp_path / "plain")
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    log = tmp_path / "run.jsonl"
+    first = AdaptMemTrainerCallback(budget="1GiB", device=dev, blocks="AlbertLayer", log=str(log), **kept)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"), dev:
+        managed = run(tmp_path / "out", RetryingTrainer, first, save_strategy="steps", save_steps=2)
+    assert [h.name.rsplit(".", 1)[-1] for h in first.manager.handles] == ["0", "0#2", "0#3", "0#4"]
+    assert all(torch.equal(p, q) for p, q in zip(managed.parameters(), plain.parameters()))
+    caplog.clear()
+    second = AdaptMemTrainerCallback(budget="1GiB", device=dev, blocks="AlbertLayer", log=str(log), **kept)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"), dev:
+        run(tmp_path / "out", RetryingTrainer, second, resume=str(tmp_path / "out" / "checkpoint-2"))
+    steps = [r for r in read_log(log) if r["type"] == "step"]
+    assert [len(s["plan"]) for s in steps] == [1] + [4] * 7  # 6 steps, then the resumed 5 and 6
+    assert [s["step"] for s in steps][-2:] == [5, 6] and second.manager.summary()["steps"] == 6
+    assert not any("more than once" in r.getMessage() for r in caplog.records)
