@@ -5,6 +5,8 @@ SimulatedDevice; after forward, after backward and after the optimizer's step it
 writes the stand-in's count beside the bytes torch holds, found without it: the
 storages of every tensor Python can reach plus every tensor autograd saved.
 
+JOB "loop": a model whose blocks run in a loop, FSDP2 alone and then managed (`loop`).
+
 JOB "exact": 10 AdamW steps (dropout on) of FSDP2 without adaptmem, then of FSDP2
 with every block in each lossless mode, `instrument` called before `fully_shard`
 and after; then managed runs whose budget needs a mixed plan (`MANAGED`). Writes each
@@ -310,11 +312,46 @@ def _failing(rank, where, fired, at, dev):
     return hook
 
 
+# ------------------------------------------------------------------ loop
+def loop(rank):
+    """A model that runs two of its blocks three times a forward, each block sharded: 5 AdamW steps
+    of FSDP2 alone, then managed on stand-ins of different sizes, tight enough for mixed plans."""
+    from control.test_repeated_calls import RecurrentDepth, blocks_of, ids
+
+    data = [ids(4, 48 + 16 * ((i + rank) % 3), seed=10 * i + rank) for i in range(5)]
+
+    def run(managed):
+        torch.manual_seed(0)
+        model = RecurrentDepth()
+        for block in blocks_of(model):
+            fsdp.fully_shard(block)
+        fsdp.fully_shard(model)
+
+        def step(batch):
+            loss = torch.nn.functional.cross_entropy(model(batch).flatten(0, 1), batch.flatten())
+            loss.backward()
+            return loss
+
+        if not managed:
+            return train(model, data, rank, step), []
+        dev = SimulatedDevice(capacity_bytes=int((1.2 if rank == 0 else 1.1) * 2**20), name=f"rank{rank}")
+        dev.track(model)
+        plans = []
+        with dev, adaptmem.manage(model, blocks=blocks_of(model), budget="90%", device=dev) as mem:
+            result = train(model, data, rank, lambda batch: mem.run_step(step, batch))
+            plans = [r["plan"] for r in mem.events.of_type("step")]
+        return result, plans
+
+    (plain, _), (managed, plans) = run(False), run(True)
+    return {"plain": plain, "managed": managed, "plans": plans}
+
+
 def main() -> None:
     rank, world, port, out, job = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    result = {"held": held, "exact": exact, "retry": retry, "refused": refused, "settle": settle}[job](rank)
+    jobs = {"held": held, "exact": exact, "retry": retry, "refused": refused, "settle": settle, "loop": loop}
+    result = jobs[job](rank)
     torch.save(result, out)
     dist.barrier()
     dist.destroy_process_group()

@@ -94,3 +94,17 @@ def test_bad_input_raises_a_clear_error_on_every_rank_and_leaves_none_waiting(tm
         assert "Raise the budget" in errors["floor"]
         assert errors["policy"].startswith("PolicyError") and "different policies" in errors["policy"]
         assert "blocks.0 (attn, mlp sharded apart)" in errors["split"] and "fully_shard(block)" in errors["split"]
+
+
+def test_a_model_whose_sharded_blocks_run_in_a_loop_is_exact_with_a_block_per_call(tmp_path):
+    """Two blocks run three times a forward, each sharded: both ranks make each call a block at
+    the first step and run one plan at every step, mixed under tight stand-ins, with the losses,
+    gradients and weights of FSDP2 alone."""
+    ranks = run_ranks(WORKER, tmp_path, "loop")
+    assert ranks[0]["plans"] == ranks[1]["plans"]
+    assert [len(p) for p in ranks[0]["plans"]][1:] == [9] * (len(ranks[0]["plans"]) - 1)
+    assert any(set(p) != {"NONE"} for p in ranks[0]["plans"][1:])  # the budget shaped them
+    for result in ranks:
+        assert all(torch.equal(a, b) for a, b in zip(result["plain"]["losses"], result["managed"]["losses"]))
+        for key in ("grads", "params"):
+            assert all(torch.equal(result["plain"][key][n], result["managed"][key][n]) for n in result["plain"][key])
