@@ -4,6 +4,7 @@ backward on one rank makes both retry, with no deadlock and parameters equal to 
 
 from pathlib import Path
 
+import pytest
 import torch
 from ranks import run_ranks
 
@@ -39,6 +40,7 @@ def test_ranks_run_the_same_plan_in_each_forward_of_a_contrastive_step(tmp_path)
         assert all(s["observed_peak_bytes"] <= s["budget_bytes"] for s in steps[rank][1:]), steps[rank]
 
 
+@pytest.mark.slow  # 9 s: FSDP2's loop test covers two ranks in `make test`
 def test_ranks_make_each_call_of_a_looped_block_a_block_at_the_same_step(tmp_path):
     """A model that runs two blocks three times a forward, under DDP on two ranks whose devices
     differ: both find the loop at the first step and run one plan of nine blocks at every step
