@@ -348,7 +348,7 @@ class Controller:
             # each call becomes a block of its own once it ends (`_call_per_block`)
             if not now.looping:
                 now.looping = True
-                self.recorder.overlap(handle.index)
+                self.recorder.loop(handle.index)
             self.recorder.block_start(handle, args, kwargs)
             return
         if now.open and self.recorder.ran(handle.index):

@@ -177,11 +177,20 @@ class StepRecorder:
         first block's input (frozen embeddings) there is no mark after its backward: a
         forward that begins once every block's backward has begun comes after it."""
         sample = self.sample
-        if sample is None or sample.overlapped:  # the forwards after a second one belong to its step
-            return False
+        if sample is None or (sample.overlapped and not sample.looped):  # the forwards after a second one
+            return False  # belong to its step
         if sample.tail_hooked:
             return sample.completed_once
         return bool(sample.blocks) and all(b.bwd_start is not None for b in sample.blocks)
+
+    def loop(self, index: int) -> None:
+        """Block `index` ran again in its own forward (a loop): the step is read as `overlap` reads
+        it, and its backward is still followed through the first calls' blocks (`backward_done`: a
+        forward after it is a second micro-batch)."""
+        with self._lock:
+            self.overlap(index)
+            if self.sample is not None:
+                self.sample.looped = True
 
     def overlap(self, index: int) -> None:
         """Block `index` ran again before the forward's backward: where it is the first block run,

@@ -72,6 +72,7 @@ class StepSample:
     completed_once: bool = False  # the first block's input gradient arrived (the blocks' backward ended)
     double_backward: bool = False  # some block's backward ran twice in this step
     overlapped: bool = False  # a second forward began before the first one's backward
+    looped: bool = False  # overlapped by a block run again in its own forward (a loop), not a second forward
     tail_hooked: bool = False  # the first block's input needs a gradient, which marks the blocks' backward end
     unmeasured: bool = False  # a probe reading failed during the step: its figures are not to be learned
     detailed: bool = True  # measured block by block (False: only its start and peak, not learned from)

@@ -153,6 +153,32 @@ def test_a_second_forward_of_a_model_with_a_loop_is_still_one(caplog):
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), plain.parameters()))
 
 
+def test_micro_batches_in_the_first_step_are_micro_batches_while_the_loop_is_found(caplog):
+    """The loop is found in the first micro-batch, whose step is read for its peak: the forward after
+    its backward is a second micro-batch all the same, not a second forward (it was: one step of
+    three forwards, and a warning of a contrastive loss)."""
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    plain = copy.deepcopy(net)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"), SimulatedDevice(capacity_bytes=2**30) as dev:
+        with adaptmem.manage(net, blocks=blocks_of(net), budget="1GiB", device=dev) as mem:
+            with mem.step(label="window"):
+                for seed in (1, 2, 3):
+                    loss_of(net, ids(2, 16, seed)).backward()
+            steps = mem.events.of_type("step")
+            calls = [h.calls for h in mem.handles]
+    assert [(s["label"], len(s["plan"]), s["forward_plans"]) for s in steps] == [
+        ("window", 5, None),
+        ("window", 9, None),
+        ("window", 9, None),
+    ]
+    assert calls == [3, 3, 5, 5, 2, 2, 2, 2, 3]  # the first micro-batch's three calls on the module's first
+    assert not any("second forward" in r.getMessage() for r in caplog.records)
+    for seed in (1, 2, 3):
+        loss_of(plain, ids(2, 16, seed)).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), plain.parameters()))
+
+
 def test_a_resumed_run_takes_the_saved_runs_blocks_per_call(caplog):
     torch.manual_seed(0)
     net = RecurrentDepth()
