@@ -78,9 +78,7 @@ def figures(records: list[dict]) -> list[RunFigures]:
             run.pressure.append(record)
         elif kind == "plan":
             run.plans.append(record)
-        elif kind == "start" and not run.blocks:
-            run.blocks = list(record.get("blocks", []))
-        elif kind == "blocks":  # a block the model calls more than once became one per call
+        elif kind == "blocks" or (kind == "start" and not run.blocks):  # `blocks`: one per call, from then
             run.blocks = list(record.get("blocks", []))
         elif kind == "end" and record.get("reach"):
             run.reach = record["reach"]

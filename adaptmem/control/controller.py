@@ -237,13 +237,13 @@ class Controller:
         log's `blocks` record names them either way."""
         with self.lock:
             self._stop_finding_loops()
-            before = len(self.blocks)
-            handles = repeat_calls(self.model, calls)
             user = self.user_modes
-            if user is not None and len(user) == before:
-                user = tuple(user[h.order] for h in handles)
+            if user is not None:  # each call keeps the mode set for it, or for the block's first call
+                user = dict(zip(((h.order, h.call) for h in self.blocks.handles), user))
+            handles = repeat_calls(self.model, calls)
+            if user is not None:
+                user = tuple(user.get((h.order, h.call), user[h.order, 0]) for h in handles)
             self._take_blocks(handles, self.blocks.head, user)
-            self.recorder.last_index = len(handles) - 1
             if announce:
                 first = {h.order: h.name for h in handles if h.call == 0}
                 counts = Counter(h.order for h in handles)

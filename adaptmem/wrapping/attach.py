@@ -178,7 +178,7 @@ class _BlockForward:
         if handle is None or not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
         if self.calls is not None:  # counted eagerly: the compiler never traces the count
-            handle = _next_call_eagerly(self, handle.runtime)
+            handle = _untraced_next_call()(self, handle.runtime)
         runtime = handle.runtime
         observer = runtime.observer
         # the observer is called through `runtime.tell`, which the compiler never traces
@@ -245,24 +245,11 @@ def _rebuild_forward(
     return fwd
 
 
-def _next_call(forward: _BlockForward, runtime: BlockRuntime) -> BlockHandle:
-    return forward.next_call(runtime)
-
-
-_eager: dict[str, Callable[..., Any]] = {}  # `_next_call` behind torch.compiler.disable, made once compiling
-
-
-def _next_call_eagerly(forward: _BlockForward, runtime: BlockRuntime) -> BlockHandle:
-    """`next_call`, never traced (made as calls get handles of their own, `_untraced_calls`:
-    `torch.compiler.disable` at import would load the compiler with adaptmem)."""
-    return _untraced_calls()(forward, runtime)
-
-
-def _untraced_calls() -> Callable[..., Any]:
-    eager = _eager.get("next_call")
-    if eager is None:
-        eager = _eager["next_call"] = torch.compiler.disable(_next_call, recursive=True)
-    return eager
+@functools.cache
+def _untraced_next_call() -> Callable[[_BlockForward, BlockRuntime], BlockHandle]:
+    """`_BlockForward.next_call` behind `torch.compiler.disable`, made once, as calls get handles of
+    their own (`repeat_calls`), not at import (which would load the compiler with adaptmem)."""
+    return torch.compiler.disable(_BlockForward.next_call, recursive=True)
 
 
 def instrument(
@@ -463,7 +450,7 @@ def repeat_calls(model: nn.Module, sequence: list[int] | None) -> list[BlockHand
         forward.calls = tuple(weakref.ref(h) for h in mine) if len(mine) > 1 else None
         forward._epoch = -1
     if len(handles) > len(primary):
-        _untraced_calls()  # made here, not while torch.compile traces a call
+        _untraced_next_call()  # made here, not while torch.compile traces a call
     inst.handles = handles
     return list(handles)
 
