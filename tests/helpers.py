@@ -50,6 +50,26 @@ def llama(layers: int = 4, hidden: int = 128, dropout: float = 0.1, vocab: int =
     return LlamaForCausalLM(cfg)
 
 
+def albert(layers: int = 4, hidden: int = 64, vocab: int = 512, dropout: float = 0.0):
+    """A Hugging Face ALBERT masked LM built from a small config: one layer's weights, run `layers`
+    times in each forward (random weights; `dropout` on the hidden states and the attention)."""
+    quiet_transformers()
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = AlbertConfig(
+        vocab_size=vocab,
+        embedding_size=hidden // 2,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    return AlbertForMaskedLM(cfg)
+
+
 def gpt2(layers: int = 3, hidden: int = 64, dropout: float = 0.1, use_cache: bool = False):
     """A Hugging Face GPT-2 built from a small config (dropout > 0 everywhere); with `use_cache`
     it hands a KV cache to each block, positionally."""

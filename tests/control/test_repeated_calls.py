@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from helpers import assert_same_state, training_state
+from helpers import albert, assert_same_state, training_state
 from torch import nn
 
 import adaptmem
@@ -233,16 +233,7 @@ def test_albert_shares_one_layer_and_each_of_its_calls_is_planned(caplog):
     """ALBERT runs its one layer `num_hidden_layers` times. Read as six forwards, its batches were
     priced six times over and a 2 x 512 batch was refused (predicted at 67.50 MiB against a
     36 MiB budget) where it trains at 18 to 26 MiB."""
-    torch.manual_seed(0)
-    config = transformers.AlbertConfig(
-        vocab_size=1000,
-        embedding_size=64,
-        hidden_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        intermediate_size=256,
-    )
-    model = transformers.AlbertForMaskedLM(config)
+    model = albert(layers=6, hidden=128, vocab=1000)
     plain = copy.deepcopy(model)
     lengths = (64, 256, 128, 512, 96, 384, 448, 200)
 

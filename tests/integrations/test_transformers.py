@@ -7,7 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from helpers import hf_arguments, llama  # noqa: E402
+from helpers import albert, hf_arguments, llama  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from adaptmem import load_policy, read_log  # noqa: E402
@@ -226,21 +226,6 @@ def test_a_resumed_run_on_the_stand_in_counts_the_optimizer_state_it_loaded(tmp_
     assert [s for s, _ in resumed] == [5, 6], resumed
     # (a few bytes apart, scalars one run holds and the other not; 1.6 MB less before: the AdamW state)
     assert all(abs(a - b) <= 64 for (_, a), (_, b) in zip(resumed, whole[-2:])), (whole, resumed)
-
-
-def albert():
-    torch.manual_seed(0)
-    config = transformers.AlbertConfig(
-        vocab_size=512,
-        embedding_size=32,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return transformers.AlbertForMaskedLM(config)
 
 
 def test_albert_shared_layer_under_the_trainer_is_a_block_per_call_and_resumes_so(tmp_path, caplog):
