@@ -48,7 +48,7 @@ from adaptmem.control.coverage import guessed
 from adaptmem.control.decisions import ESCALATE, HOLD, Decider
 from adaptmem.control.events import EventLog
 from adaptmem.control.headcosts import KEPT, HeadCosts
-from adaptmem.control.loops import LoopFinder
+from adaptmem.control.loops import LoopFinder, longer_calls
 from adaptmem.control.notices import Notices, own_checkpointing
 from adaptmem.control.plans import RETRY_STEP, PlanBook, PlanRecord
 from adaptmem.control.priors import priors_for
@@ -74,7 +74,7 @@ from adaptmem.devices.host import HostProbe
 from adaptmem.modes import HeadMode, Mode
 from adaptmem.registrations import parameters_of
 from adaptmem.strategies.head import LogitsNotMaterializedError
-from adaptmem.wrapping import BlockHandle, HeadHandle, repeat_calls
+from adaptmem.wrapping import BlockHandle, HeadHandle, loop_owner, repeat_calls, unwrap
 from adaptmem.wrapping.selection import class_name
 
 
@@ -107,6 +107,9 @@ class Controller:
         self._take_blocks(handles, head, user_modes)
         # until a step completes: blocks the model calls more than once a forward (`_call_per_block`)
         self.loops: LoopFinder | None = LoopFinder(model, handles) if handles else None
+        # the modules whose forward runs blocks in a loop (by name), with those blocks (`loop_owner`)
+        self.loop_owners: list[tuple[str, list[int]]] = []
+        self._undo_owners: list[Callable[[], None]] = []
         self.ranks = Ranks(ddp)  # with other ranks: one plan for all, retries taken together
         self.retries = RetryGuard()
         self.stats = RunStats()
@@ -157,8 +160,11 @@ class Controller:
         began a second micro-batch, whose calls count from that one."""
         self._check_own_checkpointing()
         with self.lock:
-            if self._runtime is not None and not by_a_block:
-                self._runtime.epoch += 1  # a module called more than once a forward counts its calls anew
+            if self._runtime is not None:
+                if not by_a_block:
+                    self._runtime.epoch += 1  # a module called more than once a forward counts its calls anew
+                self._runtime.longer.clear()
+                self._runtime.past = None
             if self.loops is not None:
                 self.loops.begin()
             # a new batch: not a retry of one that ran out of memory, nor (inside `run_step`) an attempt or
@@ -222,10 +228,14 @@ class Controller:
                 self.given_up = [g for g in self.given_up if not g.ran(sample.batch, sample.seq)]
                 record = self._after_step(sample)
                 if self.loops is not None and sample.blocks:
-                    calls = self.loops.calls()
+                    calls, owners = self.loops.calls(), self.loops.owners()
                     self._stop_finding_loops()
                     if calls is not None:
                         self.call_per_block(calls)
+                        names = {id(m): n for n, m in unwrap(self.model).named_modules()}
+                        self.count_loops([(names[id(m)], orders) for m, orders in owners if id(m) in names])
+                elif self._runtime is not None and self._runtime.longer and sample.blocks:
+                    self._loop_ran_longer(dict(self._runtime.longer))
                 return record
             return None
 
@@ -249,6 +259,38 @@ class Controller:
                 counts = Counter(h.order for h in handles)
                 self.notices.calls_per_block([(first[o], n) for o, n in counts.items() if n > 1], len(handles))
             self.events.emit("blocks", step=self.stats.steps, blocks=[h.name for h in handles])
+
+    def count_loops(self, owners: list[tuple[str, list[int]]]) -> None:
+        """Count the calls of blocks run in a loop from each call of the module whose forward runs
+        them (`owners`: its name in the model, and the blocks, by order): a forward that runs the loop
+        longer is told from a second forward, and its calls past the blocks become blocks too."""
+        self.stop_counting_loops()
+        modules = dict(unwrap(self.model).named_modules())  # named as the blocks are, without DDP's `module.`
+        for name, orders in owners:
+            if name in modules:
+                self._undo_owners.append(loop_owner(self.model, modules[name], orders))
+                self.loop_owners.append((name, list(orders)))
+
+    def stop_counting_loops(self) -> None:
+        for undo in self._undo_owners:
+            undo()
+        self._undo_owners, self.loop_owners = [], []
+
+    def _loop_ran_longer(self, longer: dict[int, int]) -> None:
+        """A step ran a loop more times than the blocks have calls (`longer`: the blocks whose calls ran
+        past their handles, by order, with their most calls in one forward): the calls become blocks
+        again, the loop's added turns with the rest, and are calibrated again."""
+        calls = longer_calls([h.order for h in self.blocks.handles], longer)
+        if calls is None:
+            self.notices.loop_uneven([h.name for h in self.blocks.handles if h.call == 0], longer)
+            return
+        before = len(self.blocks.handles)
+        self.call_per_block(calls, announce=False)
+        self.notices.loop_longer(
+            [(h.name, n) for h in self.blocks.handles if h.call == 0 and (n := longer.get(h.order))],
+            before,
+            len(self.blocks.handles),
+        )
 
     def _stop_finding_loops(self) -> None:
         if self.loops is not None:
@@ -343,7 +385,14 @@ class Controller:
     # ------------------------------------------------------- observer API
     def block_start(self, handle: BlockHandle, args: tuple, kwargs: dict) -> None:
         now = self.now
-        if now.open and self.loops is not None and self.loops.call(handle.index) and not self.recorder.backward_done:
+        past = self._runtime is not None and self._runtime.past is handle
+        if past:
+            self._runtime.past = None  # a call past the handles of a loop run longer (`_loop_ran_longer`)
+        if (
+            now.open
+            and (past or (self.loops is not None and self.loops.call(handle.index)))
+            and not self.recorder.backward_done
+        ):
             # the model calls this block again in the same forward: the step is read for its peak, and
             # each call becomes a block of its own once it ends (`_call_per_block`)
             if not now.looping:

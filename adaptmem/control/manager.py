@@ -366,6 +366,7 @@ class MemoryManager:
         ctl = self._controller
         ctl.abandon_step()
         ctl.ranks.close()  # FSDP2's own communication back
+        ctl.stop_counting_loops()
         self._runtime.observer = None
         self.events.emit("end", step=ctl.stats.steps, summary=self.summary(), reach=end_record(ctl))
         self._compiles.close()

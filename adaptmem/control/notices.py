@@ -74,6 +74,35 @@ class Notices:
                 blocks,
             )
 
+    def loop_longer(self, counts: list[tuple[str, int]], before: int, blocks: int) -> None:
+        """A forward ran a loop more times than before: its added turns became blocks of their own."""
+        if self._once("loop longer"):
+            named = ", ".join(f"{name} {n} times" for name, n in counts[:3]) + (", ..." if len(counts) > 3 else "")
+            log.warning(
+                "adaptmem: a forward ran the model's loop more times than any before (%s): the calls past "
+                "the blocks it had (%d) ran in the last call's mode, and this step was read for its peak. "
+                "Each call is now a block of its own (%d blocks), measured again from the next step; a "
+                "forward with fewer turns leaves the last blocks unrun, and the plans count them all (a "
+                "loop's count drawn in forward cannot be foretold). To plan for the longest loop from the "
+                "start, run it in the first step.",
+                named,
+                before,
+                blocks,
+            )
+
+    def loop_uneven(self, names: list[str], longer: dict[int, int]) -> None:
+        """Blocks ran past their calls, but not as whole turns of the loop that made them."""
+        if self._once("loop uneven"):
+            log.warning(
+                "adaptmem: a forward called blocks more times than the first step did, but not as whole "
+                "turns of its loop (block by place and calls: %s): the calls past each block's last ran "
+                "in its mode, and the blocks stay as they are; a step with them is planned for the calls "
+                "of the first step and may go over the budget.",
+                ", ".join(
+                    f"{names[order] if order < len(names) else order}: {n}" for order, n in sorted(longer.items())
+                ),
+            )
+
     def head_kept(self, why: str) -> None:
         """A step used the chunked head's logits beyond what a chunk replays: the head is kept."""
         if self._once("head kept"):

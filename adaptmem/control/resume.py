@@ -36,6 +36,7 @@ def controller_state(ctl: Controller) -> dict[str, Any]:
         "head_kept_for": ctl.plans.head_kept_for,
         "ran": ctl.plans.ran_state(),
         "measuring": ctl.measuring.state_dict(),
+        "loop_owners": [[name, list(orders)] for name, orders in ctl.loop_owners],
     }
 
 
@@ -47,6 +48,7 @@ def restore_controller_state(ctl: Controller, state: dict[str, Any]) -> str:
     saved = state.get("blocks")
     if saved != names and (calls := calls_named(saved or [], ctl.blocks.handles)) is not None:
         ctl.call_per_block(calls, announce=False)  # the saved run found blocks called more than once
+        ctl.count_loops([(name, list(orders)) for name, orders in state.get("loop_owners", [])])
         names = ctl.blocks.names
     if saved != names:
         raise ValueError(

@@ -60,6 +60,9 @@ class _BlockForward:
         self.calls: tuple[weakref.ref, ...] | None = None
         self._epoch = -1  # the runtime's epoch at the calls counted in `_count`
         self._count = 0
+        # its calls are counted from each call of the module whose forward runs them (`loop_owner`):
+        # a call past its handles is the loop run longer, not a second forward
+        self.owned = False
 
     def original(self, module: nn.Module) -> Callable[..., Any]:
         if self.compiled is not None:
@@ -165,10 +168,23 @@ class _BlockForward:
         second forward before the backward starts again from the first)."""
         if self._epoch != runtime.epoch:
             self._epoch, self._count = runtime.epoch, 0
-        calls = self.calls
-        handle = calls[self._count % len(calls)]()
-        self._count += 1
-        return handle
+        calls, count = self.calls, self._count
+        self._count = count + 1
+        if count < len(calls):
+            return calls[count]()
+        if self.owned:  # the loop runs longer in this forward: the calls past the handles take the last
+            handle = calls[-1]()
+            runtime.longer[handle.order] = max(count + 1, runtime.longer.get(handle.order, 0))
+            runtime.past = handle
+            return handle
+        return calls[count % len(calls)]()
+
+    def forward_begins(self) -> None:
+        """The module whose forward calls this one in a loop is called: its calls count from here."""
+        handle = self._handle()
+        self._count = 0
+        if handle is not None:
+            self._epoch = handle.runtime.epoch
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:
         """A call torch.compile traces (the wrapper inside a compiled model)."""
@@ -203,7 +219,7 @@ class _BlockForward:
         new._handle = weakref.ref(new_handle) if new_handle is not None else _dead
         new.previous = copy.deepcopy(self.previous, memo)
         new.drop_compiled()  # compiled code is not copied: compile the copy again
-        new.calls, new._epoch, new._count = None, -1, 0
+        new.calls, new._epoch, new._count, new.owned = None, -1, 0, False
         if self.calls is not None:
             new.calls = tuple(weakref.ref(copy.deepcopy(ref(), memo)) for ref in self.calls)
         return new
@@ -241,7 +257,7 @@ def _rebuild_forward(
     fwd.previous = previous
     fwd.drop_compiled()
     fwd.calls = tuple(weakref.ref(h) for h in calls) if calls is not None else None
-    fwd._epoch, fwd._count = -1, 0
+    fwd._epoch, fwd._count, fwd.owned = -1, 0, False
     return fwd
 
 
@@ -453,6 +469,41 @@ def repeat_calls(model: nn.Module, sequence: list[int] | None) -> list[BlockHand
         _untraced_next_call()  # made here, not while torch.compile traces a call
     inst.handles = handles
     return list(handles)
+
+
+def loop_owner(model: nn.Module, owner: nn.Module, orders: list[int]) -> Callable[[], None]:
+    """Count the calls of the blocks `orders` (by `BlockHandle.order`), which `owner`'s forward runs in
+    a loop, from each call of `owner`: a second forward, which calls `owner` again, starts again from
+    each block's first handle, and a call past a block's handles (the loop run longer than when its
+    calls were given handles, `repeat_calls`) takes the last, counted in the runtime's `longer`.
+    Without it, calls count from the step's start and take the handles in turn. Returns what undoes it."""
+    inst: Instrumentation | None = unwrap(model).__dict__.get(_ATTR)
+    if inst is None:
+        raise ValueError(f"{type(model).__name__} is not instrumented")
+    modules = [weakref.ref(inst.primary[order].module) for order in orders]
+
+    def forwards() -> list[_BlockForward]:
+        found = (ref() for ref in modules)
+        return [
+            m.__dict__["forward"]
+            for m in found
+            if m is not None and isinstance(m.__dict__.get("forward"), _BlockForward)
+        ]
+
+    def begins(module: nn.Module, args: tuple) -> None:
+        for forward in forwards():
+            forward.forward_begins()
+
+    for forward in forwards():
+        forward.owned = True
+    hook = owner.register_forward_pre_hook(torch.compiler.disable(begins, recursive=True))
+
+    def undo() -> None:
+        hook.remove()
+        for forward in forwards():
+            forward.owned = False
+
+    return undo
 
 
 def get_handles(model: nn.Module) -> list[BlockHandle]:

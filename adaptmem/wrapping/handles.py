@@ -59,6 +59,10 @@ class BlockRuntime:
         # counts the steps begun (the manager's): a block called more than once in a forward counts its
         # calls from there, and takes the handle of each call in turn (`repeat_calls`)
         self.epoch = 0
+        # a loop run longer than when its calls were given handles (`loop_owner`): the most calls of
+        # each such block (by its order) in one forward since `longer` was last cleared
+        self.longer: dict[int, int] = {}
+        self.past: BlockHandle | None = None  # the handle a call past them took, until the observer sees it
 
     @property
     def observer(self) -> BlockObserver | None:

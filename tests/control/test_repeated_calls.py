@@ -285,3 +285,91 @@ def test_a_loop_under_torch_compile_takes_its_calls_handles_and_stays_exact(comp
     for i in range(3):
         loss_of(plain, ids(2, 16, i)).backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), plain.parameters()))
+
+
+def core_calls(turns: int) -> list[str]:
+    """The handles' names of a RecurrentDepth whose core ran `turns` times."""
+    core = [f"core.{j}" + (f"#{t + 1}" if t else "") for t in range(turns) for j in range(2)]
+    return ["prelude.0", "prelude.1", *core, "coda"]
+
+
+def test_a_loop_run_longer_makes_its_added_turns_blocks_of_their_own(caplog):
+    """A recurrent-depth model that draws its loop's count per batch: a forward with more turns than
+    any before is neither a second forward (its calls count from each call of the module that runs
+    the loop) nor planned as fewer blocks; its added turns become blocks at its end. Fewer turns leave
+    the last blocks unrun. A second forward still starts from the first call. All exact."""
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    plain = copy.deepcopy(net)
+    outer = Outer(net)  # the model's own forward runs the loop; the managed module's never runs
+    turns = (3, 4, 2, 4, 5, 1, 3)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"), SimulatedDevice(capacity_bytes=2**30) as dev:
+        with adaptmem.manage(outer, blocks=blocks_of(net), budget="1GiB", device=dev) as mem:
+            for i, k in enumerate(turns):
+                net.loops = k
+                mem.run_step(lambda: loss_of(net, ids(2, 16 + 8 * i, i)).backward())
+            net.loops = 4  # two forwards before one backward, the second with a turn fewer
+            mem.run_step(
+                lambda: (
+                    loss_of(net, ids(2, 16, 10)) + (setattr(net, "loops", 3) or loss_of(net, ids(2, 16, 11)))
+                ).backward()
+            )
+            two = mem.last_step
+            names = [h.name.removeprefix("net.") for h in mem.handles]
+            blocks = [(b["step"], len(b["blocks"])) for b in mem.events.of_type("blocks")]
+            steps = mem.events.of_type("step")
+            assert mem.ooms == 0 and mem.state_dict()["loop_owners"] == [["net", [2, 3]]]
+    assert names == core_calls(5)
+    assert blocks == [(1, 9), (2, 11), (5, 13)]
+    assert [len(s["plan"]) for s in steps] == [5, 9, 11, 11, 11, 13, 13, 13]
+    assert len(two["forward_plans"]) == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("more times than any before" in m for m in said) == 1
+    assert "core.0 4 times, net.core.1 4 times" in next(m for m in said if "more times than any before" in m)
+    assert sum("second forward" in m for m in said) == 1  # the step that ran two
+    for i, k in enumerate(turns):
+        plain.loops = k
+        loss_of(plain, ids(2, 16 + 8 * i, i)).backward()
+    plain.loops = 4
+    (loss_of(plain, ids(2, 16, 10)) + (setattr(plain, "loops", 3) or loss_of(plain, ids(2, 16, 11)))).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), plain.parameters()))
+    assert all("forward" not in m.__dict__ for m in blocks_of(net))
+    assert not outer.net._forward_pre_hooks  # the count's hook is gone with the manager
+
+
+def test_a_resumed_run_counts_its_loop_from_the_saved_runs_owner(caplog):
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    with SimulatedDevice(capacity_bytes=2**30) as dev:
+        with adaptmem.manage(net, blocks=blocks_of(net), budget="1GiB", device=dev) as mem:
+            for i in range(2):
+                mem.run_step(lambda: loss_of(net, ids(2, 16, i)).backward())
+            state = mem.state_dict()
+        again = copy.deepcopy(net)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="adaptmem"):
+            with adaptmem.MemoryManager(again, blocks=blocks_of(again), budget="1GiB", device=dev, state=state) as mem:
+                again.loops = 4
+                mem.run_step(lambda: loss_of(again, ids(2, 16, 5)).backward())
+                names = [h.name for h in mem.handles]
+    assert state["loop_owners"] == [["", [2, 3]]]
+    assert names == core_calls(4)
+    assert not any("second forward" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("calls", "longer", "expected"),
+    [
+        ([0, 1, 2, 3, 2, 3, 2, 3, 4], {2: 4, 3: 4}, [0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4]),
+        ([0, 1, 2, 3, 2, 3, 2, 3, 4], {2: 5, 3: 5}, [0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 4]),
+        ([0, 0, 0], {0: 5}, [0] * 5),
+        ([0, 1] * 3, {0: 4, 1: 4}, [0, 1] * 4),
+        ([0, 1, 2, 3, 2, 3, 2, 3, 4], {2: 4}, None),  # one block of the turn ran again, not the turn
+        ([0, 1, 2, 3, 2, 3, 2, 3, 4], {2: 4, 3: 5}, None),
+        ([0, 1, 2, 1, 2, 3], {0: 2}, None),  # a block called once is no loop
+    ],
+)
+def test_the_calls_of_a_loop_run_longer(calls, longer, expected):
+    from adaptmem.control.loops import longer_calls
+
+    assert longer_calls(calls, longer) == expected
