@@ -15,6 +15,8 @@ the checkpoint (inside the checkpoint, checkpoint's own hooks are innermost).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import weakref
 from typing import Any
@@ -229,7 +231,12 @@ def without_cache(call: BlockCall) -> tuple[tuple, dict]:
     dropped = [k for k, v in kwargs.items() if v is not None and (k in _CACHE_KEYS or is_cache(v))]
     positions = [i for i, v in enumerate(args) if is_cache(v)]
     uses_cache = bool(kwargs.get("use_cache"))
-    if not dropped and not positions and not uses_cache:
+    # `use_cache` handed positionally (RecurrentGemma's layers take it so): a block that keeps its own
+    # state when it is True (a recurrent layer's last state, a convolution's window) would recompute
+    # from the state its forward left
+    flag = _use_cache_position(type(module))
+    flag_set = flag is not None and flag < len(args) and args[flag] is True
+    if not dropped and not positions and not uses_cache and not flag_set:
         return args, kwargs
     caches = [kwargs[k] for k in dropped] + [args[i] for i in positions]
     kwargs = dict(kwargs)
@@ -237,7 +244,7 @@ def without_cache(call: BlockCall) -> tuple[tuple, dict]:
         kwargs[key] = None
     if uses_cache:
         kwargs["use_cache"] = False
-    args = tuple(None if i in positions else a for i, a in enumerate(args))
+    args = tuple(None if i in positions else False if flag_set and i == flag else a for i, a in enumerate(args))
     name = type(module).__name__
     # Only a cache that already holds tokens for this block shows that the caller passed one.
     # `use_cache=True` from a model's config (True by default) and from the caller look the same
@@ -258,6 +265,22 @@ def without_cache(call: BlockCall) -> tuple[tuple, dict]:
             name,
         )
     return args, kwargs
+
+
+@functools.cache
+def _use_cache_position(cls: type) -> int | None:
+    """The place of `use_cache` among a module class's forward's positional arguments (self not
+    counted), or None."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    for i, param in enumerate(params):
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            return None
+        if param.name == "use_cache":
+            return i
+    return None
 
 
 def _holds_past(module: torch.nn.Module, cache: Any) -> bool:

@@ -344,3 +344,23 @@ def test_a_cache_handed_positionally_is_dropped_for_recomputed_blocks(mode, capl
         assert_same(got, expected)
     assert "KV cache is not written in training" in caplog.text
     assert peaks[True] == peaks[False]
+
+
+@pytest.mark.parametrize("mode", [Mode.SELECTIVE, Mode.CHECKPOINT], ids=["selective", "checkpoint"])
+def test_use_cache_handed_positionally_is_off_for_recomputed_blocks(mode):
+    """RecurrentGemma's model hands `use_cache` (True from its default config) to each layer as a
+    positional argument, and a recurrent layer given it keeps its last state and its convolution's
+    window on the module: the recompute started from the state forward left, and raised
+    CheckpointError at the first step (recompute saved (2, 64) where forward saved (2, 64, 64))."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, lru_width=64, attention_window_size=32, conv1d_width=4,
+    )  # fmt: skip
+    assert config.use_cache  # the default, left as it is
+    torch.manual_seed(0)
+    reference = transformers.RecurrentGemmaForCausalLM(config).train()
+    model = copy.deepcopy(reference)
+    adaptmem.instrument(model, mode=mode)
+    batch = hf_batch(seq=64)
+    assert_same(step(model, batch), step(reference, batch))
