@@ -543,7 +543,12 @@ class Controller:
             predicted=predicted,
             budget=self.budget,
             limit=available,
-            longest=self._longest_without_this_batch,
+            longest=lambda batch: self._without_this_batch(lambda reacher: reacher.longest(batch)),
+            largest=(
+                (lambda seq: self._without_this_batch(lambda reacher: reacher.largest_batch(seq)))
+                if shape.width and self.lengths.one_length == shape.seq  # every step ran at this length
+                else None
+            ),
             elsewhere=elsewhere,
             failed_here=(record.modes, record.head) in self.plans.tried,
             head_kept_for=self.plans.head_kept_for,
@@ -952,16 +957,16 @@ class Controller:
             longest = 0
         self.lesson = Lesson(self.costs.snapshot(), self.lengths.state_dict(), shape.batch, shape.seq, longest)
 
-    def _longest_without_this_batch(self, batch: int) -> Reach:
-        """The longest length `longest_sequence` answers once the batch refused leaves no trace: from the
-        cost model as it was before the batch first ran out of memory, and no longer than what the
-        failed attempts taught allows (`answer`). (From what the failed attempt taught alone, a refusal
-        named 1,245 tokens, and `longest_sequence` 2,089 right after it.)"""
+    def _without_this_batch(self, ask: Callable[[Reacher], Reach]) -> Reach:
+        """The answer to `ask` once the batch refused leaves no trace: from the cost model as it was
+        before the batch first ran out of memory, and no longer than what the failed attempts taught
+        allows (`answer`). (From what the failed attempt taught alone, a refusal named 1,245 tokens,
+        and `longest_sequence` 2,089 right after it.)"""
         before = self.retries.trace
         if before is None or before.costs is None:
-            return self.answer(None, lambda reacher: reacher.longest(batch))
+            return self.answer(None, ask)
         with self._learned_as(before.costs, before.lengths):
-            return self.answer(None, lambda reacher: reacher.longest(batch))
+            return self.answer(None, ask)
 
     def rewind(self, trace: Trace) -> None:
         """Put back the state `trace` took (and the cost model, if the batch learned from a failure)."""

@@ -344,6 +344,9 @@ class MemoryManager:
 
     def largest_batch(self, length: int, *, limit: Budget = None) -> Reach:
         """The largest batch of `length`-token samples predicted to fit (see `longest_sequence`)."""
+        seen = self._controller.lengths.one_length
+        if seen is not None and length != seen:
+            self._controller.notices.one_length(length, seen)
         return self._positioned(
             self._controller.answer(self._limit(limit), lambda reacher: reacher.largest_batch(length), asked=True)
         )

@@ -103,6 +103,20 @@ class Notices:
                 ),
             )
 
+    def one_length(self, asked: int, seen: int) -> None:
+        """`largest_batch` asked at a length no step ran, where every step ran at one."""
+        if self._once("one length"):
+            log.warning(
+                "adaptmem: largest_batch(%d) answers for samples of %d tokens at the first block a step runs, "
+                "but every step so far ran it at %d. The length is that block's input's, not another "
+                "input's: in a model of two towers (CLIP's image and text, say) it is the first tower's "
+                "(patches for a vision tower). For batches like the ones you train, ask largest_batch(%d).",
+                asked,
+                asked,
+                seen,
+                seen,
+            )
+
     def head_kept(self, why: str) -> None:
         """A step used the chunked head's logits beyond what a chunk replays: the head is kept."""
         if self._once("head kept"):

@@ -207,6 +207,7 @@ class LengthsSeen:
     def __init__(self) -> None:
         self.width = 0
         self.measured_length = 0
+        self.shortest = 0  # the shortest length measured (0: none, or a state saved before it was kept)
         self.measured_tokens = 0
         self.start = 0
         self.start_resident = 0  # 0: no step started with the gradients resident
@@ -223,11 +224,18 @@ class LengthsSeen:
         """A step measured block by block: tokens are dimension 1 of a (batch, tokens, hidden) input."""
         if sample.width > 0:
             if sample.width != self.width:  # another kind of input: its lengths start over
-                self.width, self.measured_length, self.measured_tokens = sample.width, 0, 0
+                self.width, self.measured_length, self.measured_tokens, self.shortest = sample.width, 0, 0, 0
             self.measured_length = max(self.measured_length, sample.seq)
+            self.shortest = min(self.shortest, sample.seq) if self.shortest else sample.seq
             self.measured_tokens = max(self.measured_tokens, sample.batch * sample.seq)
         if sample.blocks and sample.batch * sample.extent > 0:
             self.before.add(sample.batch, sample.extent, max(0, sample.blocks[0].start - sample.start))
+
+    @property
+    def one_length(self) -> int | None:
+        """The one length every step measured ran at (a vision tower's patches on images of one size,
+        text padded to one length), or None."""
+        return self.measured_length if self.shortest and self.shortest == self.measured_length else None
 
     def started(self, sample) -> None:
         """A step that ran to its end, measured block by block or not: what it started from. (An
@@ -278,6 +286,7 @@ class LengthsSeen:
         return {
             "width": self.width,
             "measured_length": self.measured_length,
+            "shortest": self.shortest,
             "measured_tokens": self.measured_tokens,
             "start": self.start,
             "start_resident": self.start_resident,
@@ -288,6 +297,7 @@ class LengthsSeen:
     def load_state_dict(self, state: dict) -> None:
         self.width, self.measured_length = state.get("width", 0), state.get("measured_length", 0)
         self.measured_tokens = state.get("measured_tokens", self.measured_length)  # a state saved before it
+        self.shortest = state.get("shortest", 0)
         self.start = state.get("start", 0)
         self.start_resident = state.get("start_resident", 0)  # a state saved before it: none
         self._saved = (True, True)

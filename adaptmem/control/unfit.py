@@ -129,6 +129,7 @@ def refusal(
     budget: int,
     limit: int | None,
     longest: Callable[[int], Any],
+    largest: Callable[[int], Any] | None = None,
     elsewhere: bool = False,
     failed_here: bool = False,
     head_kept_for: str | None = None,
@@ -172,19 +173,24 @@ def refusal(
         lines.append(f"  attempt {i}: {attempt_text(a)} before it ran; out of memory {phase_text(a['phase'])}")
     if head_kept_for is not None and record.head is not None and record.head.label == "KEPT":
         lines.append(kept_head_text(head_kept_for))
-    fits = _longest(longest, batch) if seq else None
-    if fits is not None and fits >= seq:  # the predictions this batch proved wrong: no answer from them
-        fits = None
+    if largest is not None and seq:  # every step ran at one length (images of one size): batches vary
+        fits = _figure(lambda: largest(seq).batch)
+        fits = fits if fits is not None and fits < batch else None
+        what = f"  The largest batch predicted to fit at {seq:,} tokens a sample: {fits:,}. " if fits else "  "
+    else:
+        fits = _figure(lambda: longest(batch).length) if seq else None
+        if fits is not None and fits >= seq:  # the predictions this batch proved wrong: no answer from them
+            fits = None
+        what = f"  The longest sequence predicted to fit at batch {batch}: {fits:,} tokens. " if fits else "  "
     lines.append(
-        (f"  The longest sequence predicted to fit at batch {batch}: {fits:,} tokens. " if fits else "  ")
-        + f"Split or truncate this batch, lower the batch size, or {ROOM}. The controller's "
+        what + f"Split or truncate this batch, lower the batch size, or {ROOM}. The controller's "
         "state is as it was before this batch: catch the error and go on to skip it."
     )
     return "\n".join(lines)
 
 
-def _longest(longest: Callable[[int], Any], batch: int) -> int | None:
+def _figure(read: Callable[[], int]) -> int | None:
     try:
-        return longest(batch).length
+        return read()
     except Exception:  # a prediction must never hide the error it explains
         return None

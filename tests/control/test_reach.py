@@ -358,3 +358,44 @@ def test_an_answer_past_the_models_positions_says_so():
     assert "past the model's max_position_embeddings (1,024)" in str(far)
     assert near.length < 1024 and near.positions == 0 and "max_position_embeddings" not in str(near)
     assert position_limit(torch.nn.Linear(2, 2)) == 0 and position_limit(torch.nn.Module()) == 0
+
+
+def test_a_model_run_at_one_length_is_asked_its_batch_at_that_length(caplog):
+    """A CLIP (image and text towers) on images of one size: every step runs its first block (the
+    vision tower's) at the patches of one image, 17 tokens, so `largest_batch(16)`, the text's length,
+    answers for 16 patches; it says so, once. A batch given up names the largest batch at that
+    length, where it named the longest sequence ("at batch 520: 35 tokens")."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.CLIPConfig(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=1, eos_token_id=2),
+        vision_config=dict(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4),
+        projection_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.CLIPModel(config).train()
+
+    def batch(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        return {
+            "input_ids": torch.randint(3, 256, (n, 16), generator=g),
+            "pixel_values": torch.randn(n, 3, 32, 32, generator=g),
+        }
+
+    dev = SimulatedDevice(40 * MiB)
+    dev.track(model)
+    with caplog.at_level("WARNING", logger="adaptmem"), dev, adaptmem.manage(model, device=dev, budget="90%") as mem:
+        for i, n in enumerate((16, 32, 24, 48)):
+            mem.run_step(lambda: model(**batch(n, i), return_loss=True).loss.backward())
+        assert mem.last_step["seq"] == 17  # 16 patches and the class token
+        fits = mem.largest_batch(17).batch
+        assert not any("largest_batch(" in r.getMessage() for r in caplog.records)
+        mem.largest_batch(16)
+        mem.largest_batch(12)
+        said = [r.getMessage() for r in caplog.records if "largest_batch(" in r.getMessage()]
+        assert len(said) == 1 and "every step so far ran it at 17" in said[0] and "largest_batch(17)" in said[0]
+        with pytest.raises(adaptmem.StepOutOfMemoryError) as refused:
+            mem.run_step(lambda: model(**batch(2 * fits, 9), return_loss=True).loss.backward())
+    assert f"The largest batch predicted to fit at 17 tokens a sample: {fits:,}." in str(refused.value)
+    assert "longest sequence predicted" not in str(refused.value)
