@@ -159,12 +159,14 @@ class BlockRun:
         if self.notify is not None:
             self.notify(True)  # a rerun is the recompute, inside backward
         state = keep_buffers(self.module)
+        attributes = keep_attributes(self.module)
         try:
             if self.selective is not None:
                 return self.selective.around(True, lambda: self._forward(flat))
             return self._forward(flat)
         finally:
             put_back_buffers(state)
+            put_back_attributes(attributes)
             if self.notify is not None:
                 self.notify(False)
 
@@ -177,6 +179,36 @@ def keep_buffers(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tens
     """
     with torch.no_grad(), _disable_current_modes():
         return [(b, b.detach().clone()) for b in buffers_of(module)]
+
+
+#: Per block: its modules' dicts, each with the names of its public attributes that held a tensor
+#: or None when the block first recomputed (a layer's last state, a cache of its own)
+_ATTRIBUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def keep_attributes(module: torch.nn.Module) -> list[tuple[dict, str, Any]]:
+    """(a module's dict, a name, its value) for the attributes of `module` and its modules that a
+    forward may set to a tensor of its own: a recurrent layer's last state (RecurrentGemma's
+    `recurrent_states`), kept on the module for the next call. The recompute would set them again,
+    to tensors of its own graph, which no backward runs: those would hold the recompute's
+    activations (48 MiB of a RecurrentGemma's 2 x 768 tokens) until the next forward replaced
+    them, where the model's own run keeps what its forward set."""
+    watched = _ATTRIBUTES.get(module)
+    if watched is None:
+        watched = [
+            (m.__dict__, names)
+            for m in module.modules()
+            if (names := [k for k, v in m.__dict__.items() if not k.startswith("_") and (v is None or isinstance(v, torch.Tensor))])
+        ]  # fmt: skip
+        _ATTRIBUTES[module] = watched
+    return [(held, name, held.get(name)) for held, names in watched for name in names]
+
+
+def put_back_attributes(state: list[tuple[dict, str, Any]]) -> None:
+    """Set back the attributes `keep_attributes` read, where the recompute replaced them."""
+    for held, name, value in state:
+        if held.get(name) is not value:
+            held[name] = value
 
 
 def put_back_buffers(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

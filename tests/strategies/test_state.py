@@ -133,3 +133,43 @@ def test_a_buffer_registered_into_a_block_after_its_first_recompute_is_put_back_
         block.norm = torch.nn.Sequential(block.norm, torch.nn.BatchNorm1d(8))  # a new module, new buffers
         model(x.clone().requires_grad_()).square().sum().backward()
     assert_same_buffers(plain, managed)
+
+
+class Stateful(torch.nn.Module):
+    """A layer that keeps its last state on the module for the next call (RecurrentGemma's
+    recurrent layers do), computed from the weights, so it carries a graph."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.proj, self.out = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.last = None
+
+    def forward(self, x):
+        y = torch.tanh(self.proj(x))
+        self.last = y[:, -1] * 2  # then more of the forward, which the recompute runs too
+        return x + self.out(y)
+
+
+@pytest.mark.parametrize("mode", [Mode.CHECKPOINT, Mode.SELECTIVE], ids=lambda m: m.label)
+def test_what_a_block_keeps_on_itself_is_its_forwards_not_the_recomputes(mode):
+    """A recompute set the layer's state again, to a tensor of its own graph, which no backward runs:
+    it held the recompute's activations until the next forward (48 MiB of a RecurrentGemma's 2 x 768
+    tokens on a stand-in, which every answer to "how long" counted as the next step's start). The
+    state is the forward's, as in the model's own run, and nothing of the recompute stays."""
+    from adaptmem.testing import SimulatedDevice
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(Stateful(), Stateful())
+    model = torch.nn.Sequential(Stateful(), Stateful())
+    model.load_state_dict(plain.state_dict())
+    adaptmem.instrument(model, list(model), mode=mode)
+    x = torch.randn(4, 256, 32)
+    left = {}
+    for name, net in (("plain", plain), ("managed", model)):
+        dev = SimulatedDevice()
+        dev.track(net)
+        with dev:
+            net(x.clone()).sum().backward()
+        left[name] = dev.allocated_bytes  # the weights, their gradients and the layers' states
+    assert left["managed"] == left["plain"]
+    assert all(torch.equal(a.last, b.last) for a, b in zip(model, plain))
