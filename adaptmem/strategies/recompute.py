@@ -195,13 +195,15 @@ def keep_attributes(module: torch.nn.Module) -> list[tuple[dict, str, Any]]:
     them, where the model's own run keeps what its forward set."""
     watched = _ATTRIBUTES.get(module)
     if watched is None:
-        watched = [
-            (m.__dict__, names)
-            for m in module.modules()
-            if (names := [k for k, v in m.__dict__.items() if not k.startswith("_") and (v is None or isinstance(v, torch.Tensor))])
-        ]  # fmt: skip
+        watched = [(m.__dict__, names) for m in module.modules() if (names := _state_names(m))]
         _ATTRIBUTES[module] = watched
     return [(held, name, held.get(name)) for held, names in watched for name in names]
+
+
+def _state_names(module: torch.nn.Module) -> list[str]:
+    return [
+        k for k, v in module.__dict__.items() if not k.startswith("_") and (v is None or isinstance(v, torch.Tensor))
+    ]
 
 
 def put_back_attributes(state: list[tuple[dict, str, Any]]) -> None:
