@@ -163,12 +163,17 @@ class _Frame:
         holder = self.holders[i]()
         if holder is not None:
             if x.shape != holder.shape or x.dtype != holder.dtype:
+                module = getattr(self.fn, "module", None)
+                block = f" ({type(module).__name__})" if module is not None else ""
                 raise CheckpointError(
-                    f"adaptmem: a checkpointed block's recompute saved a tensor of shape {tuple(x.shape)} and "
-                    f"{x.dtype} where forward saved {tuple(holder.shape)} and {holder.dtype} (saved tensor {i}): "
+                    f"adaptmem: a checkpointed block's{block} recompute saved a tensor of shape {tuple(x.shape)} "
+                    f"and {x.dtype} where forward saved {tuple(holder.shape)} and {holder.dtype} (saved tensor {i}): "
                     "its forward must run the same ops when run again (no branch on data or on state that "
                     "changes between the two runs, and a context such as an attention backend held around "
-                    "backward too); leave that block out of the recomputing modes otherwise"
+                    "backward too). A model that keeps a cache or a state on its layers while its config's "
+                    "use_cache is on does so: set model.config.use_cache = False for training. Otherwise "
+                    "leave the block out of the recomputing modes: a policy without SELECTIVE and CHECKPOINT "
+                    '(adaptmem.Policy(modes=("NONE", "OFFLOAD"))), or the block out of blocks='
                 )
             holder.value = x
         if i + 1 == len(self.holders):

@@ -173,3 +173,26 @@ def test_what_a_block_keeps_on_itself_is_its_forwards_not_the_recomputes(mode):
         left[name] = dev.allocated_bytes  # the weights, their gradients and the layers' states
     assert left["managed"] == left["plain"]
     assert all(torch.equal(a.last, b.last) for a, b in zip(model, plain))
+
+
+class Flip(torch.nn.Module):
+    """A layer whose forward branches on a count it keeps: its recompute runs other ops."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.runs = 0
+
+    def forward(self, x):
+        self.runs += 1
+        return self.proj(x if self.runs % 2 else x[:, :1])
+
+
+def test_a_recompute_that_runs_other_ops_names_the_block_and_what_to_do():
+    model = torch.nn.Sequential(Flip(), Flip())
+    adaptmem.instrument(model, list(model), mode=Mode.CHECKPOINT)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError) as raised:
+        model(torch.randn(2, 8, 16)).sum().backward()
+    said = str(raised.value)
+    assert "checkpointed block's (Flip) recompute saved a tensor of shape" in said
+    assert "model.config.use_cache = False" in said and 'adaptmem.Policy(modes=("NONE", "OFFLOAD"))' in said
