@@ -38,24 +38,29 @@ class Layer(nn.Module):
 
 
 class RecurrentDepth(nn.Module):
-    def __init__(self, width: int = 64, vocab: int = 64) -> None:
+    """A prelude of two layers, a core of two layers run `loops` times, a coda; returns logits."""
+
+    def __init__(self, width: int = 32, vocab: int = 64, loops: int = 3) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.prelude = nn.ModuleList([Layer(width) for _ in range(2)])
         self.core = nn.ModuleList([Layer(width) for _ in range(2)])
         self.coda = Layer(width)
         self.out = nn.Linear(width, vocab)
-        self.turns = 3
+        self.loops = loops
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         for layer in self.prelude:
             x = layer(x)
-        for _ in range(self.turns):
+        for _ in range(self.loops):
             for layer in self.core:
                 x = layer(x)
-        logits = self.out(self.coda(x))
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        return self.out(self.coda(x))
+
+
+def loss_of(model: RecurrentDepth, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
 
 
 def batch(i: int, length: int) -> torch.Tensor:
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.manual_seed(args.seed)
-    model = RecurrentDepth()
+    model = RecurrentDepth(width=64)
     plain = copy.deepcopy(model)
     blocks = [*model.prelude, *model.core, model.coda]
     optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
@@ -78,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         with adaptmem.manage(model, blocks=blocks, budget="90%", device=dev) as mem:
             print("step turns tokens blocks      peak / budget  plan")
             for i, (turns, length) in enumerate(zip(TURNS, LENGTHS)):
-                model.turns = turns
-                mem.run_step(lambda: model(batch(i, length)).backward())
+                model.loops = turns
+                mem.run_step(lambda: loss_of(model, batch(i, length)).backward())
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 r = mem.last_step
@@ -97,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     reference = torch.optim.AdamW(plain.parameters(), 1e-3)
     for i, (turns, length) in enumerate(zip(TURNS, LENGTHS)):
-        plain.turns = turns
-        plain(batch(i, length)).backward()
+        plain.loops = turns
+        loss_of(plain, batch(i, length)).backward()
         reference.step()
         reference.zero_grad(set_to_none=True)
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))

@@ -12,40 +12,9 @@ from torch import nn
 import adaptmem
 from adaptmem import Mode
 from adaptmem.testing import SimulatedDevice
+from stress.loop_turns import RecurrentDepth, loss_of
 
 transformers = pytest.importorskip("transformers")
-
-
-class Layer(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
-class RecurrentDepth(nn.Module):
-    """A recurrent-depth model: a prelude, a core of two layers run `loops` times, a coda."""
-
-    def __init__(self, width: int = 32, vocab: int = 64, loops: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.prelude = nn.ModuleList([Layer(width) for _ in range(2)])
-        self.core = nn.ModuleList([Layer(width) for _ in range(2)])
-        self.coda = Layer(width)
-        self.out = nn.Linear(width, vocab)
-        self.loops = loops
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.prelude:
-            x = layer(x)
-        for _ in range(self.loops):
-            for layer in self.core:
-                x = layer(x)
-        return self.out(self.coda(x))
 
 
 class Outer(nn.Module):
@@ -58,10 +27,6 @@ class Outer(nn.Module):
 
 def blocks_of(model: RecurrentDepth) -> list[nn.Module]:
     return [*model.prelude, *model.core, model.coda]
-
-
-def loss_of(model: RecurrentDepth, ids: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
 
 
 def ids(batch: int, seq: int, seed: int) -> torch.Tensor:
