@@ -97,3 +97,36 @@ def _listed(module: torch.nn.Module) -> ListedModules:
     if known is None:
         known = _LISTS[module] = ListedModules(module)
     return known
+
+
+#: Per module (a block, a model): its modules' dicts, each with the names of its public attributes
+#: that held a tensor or None when first read (a layer's last state, a cache of its own)
+_ATTRIBUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def keep_attributes(module: torch.nn.Module) -> list[tuple[dict, str, Any]]:
+    """(a module's dict, a name, its value) for the attributes of `module` and its modules that a
+    forward may set to a tensor of its own: a recurrent layer's last state (RecurrentGemma's
+    `recurrent_states`), kept on the module for the next call. A recompute would set them again, to
+    tensors of a graph no backward runs (they held 48 MiB of a RecurrentGemma's 2 x 768 tokens
+    until the next forward), and a forward that ran out of memory leaves them holding its graph:
+    both put them back (`put_back_attributes`), by reference (a tensor changed in place is a
+    buffer's business)."""
+    known = _ATTRIBUTES.get(module)
+    if known is None or known[0] != registrations():  # read again once a module is registered into one
+        modules, count = listed(module)
+        known = _ATTRIBUTES[module] = (count, [(m.__dict__, names) for m in modules if (names := _state_names(m))])
+    return [(held, name, held.get(name)) for held, names in known[1] for name in names]
+
+
+def _state_names(module: torch.nn.Module) -> list[str]:
+    return [
+        k for k, v in module.__dict__.items() if not k.startswith("_") and (v is None or isinstance(v, torch.Tensor))
+    ]
+
+
+def put_back_attributes(state: list[tuple[dict, str, Any]]) -> None:
+    """Set back the attributes `keep_attributes` read, where they were replaced since."""
+    for held, name, value in state:
+        if held.get(name) is not value:
+            held[name] = value

@@ -41,7 +41,7 @@ import torch
 from adaptmem.config.units import format_bytes, parse_bytes
 from adaptmem.devices.tiers import host_allocations
 from adaptmem.modes import Mode
-from adaptmem.registrations import ListedModules
+from adaptmem.registrations import ListedModules, keep_attributes, put_back_attributes
 
 
 class StepOutOfMemoryError(torch.OutOfMemoryError):
@@ -120,7 +120,8 @@ class BufferCopies:
 
 
 class StepGuard:
-    """Remembers what a step may change (gradients, RNG, buffers) so a failed attempt can be undone.
+    """Remembers what a step may change (gradients, RNG, buffers, the tensors a module keeps on itself)
+    so a failed attempt can be undone.
 
     Args:
         model: the managed model.
@@ -151,6 +152,9 @@ class StepGuard:
         # every parameter (tied ones twice: the restore sets each alike); those needing no gradient
         # are left out where read (a restore is rare, a step is not)
         self.params = list(model.parameters()) if modules is None else modules.tensors("_parameters", once=False)
+        # what the model keeps on its modules for the next call (a recurrent layer's last state): a failed
+        # attempt's forward may have set it, to a tensor that holds that forward's graph
+        self.attributes = keep_attributes(model)
         self.most_copied = 0  # the most bytes of gradient copies an attempt held (`saved`)
         self._hooks: list = []
         self._hold({p: g for p in self.params if (g := p.grad) is not None and p.requires_grad})
@@ -188,6 +192,7 @@ class StepGuard:
         self._check_gradients()
         set_rng_state(self.rng)
         self._restore_buffers()
+        put_back_attributes(self.attributes)
         for p in self.params:
             if p.requires_grad and p not in self.existing:
                 p.grad = None

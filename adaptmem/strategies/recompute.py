@@ -29,7 +29,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from adaptmem.registrations import buffers_of
+from adaptmem.registrations import buffers_of, keep_attributes, put_back_attributes
 from adaptmem.strategies import rerun
 from adaptmem.strategies.call import BlockCall, main_input
 from adaptmem.strategies.packing import Packer
@@ -123,7 +123,10 @@ class BlockRun:
     """The function checkpoint runs: the block's forward, once in forward and again as the
     recompute in backward.
 
-    The recompute must leave the block's state as forward left it. Normalization
+    The recompute must read the block's state as forward read it, and leave it as forward left
+    it. What a layer keeps on itself for its next call (a recurrent layer's last state) is set
+    back to what it was as forward began while the recompute runs, and to what forward left
+    after it (`keep_attributes`). Normalization
     layers update their running statistics in place (without bumping the tensor
     version), so a recompute would apply the update a second time: the block's
     buffers are copied by value as a recompute begins and put back as it ends
@@ -132,7 +135,7 @@ class BlockRun:
     checkpoint keeps it alive until backward.
     """
 
-    __slots__ = ("module", "forward", "n_args", "tensor_keys", "static", "notify", "runs", "selective")
+    __slots__ = ("module", "forward", "n_args", "tensor_keys", "static", "notify", "runs", "selective", "before")
 
     def __init__(self, call: BlockCall, tensor_keys: list[str], static: dict, selective: Any = None) -> None:
         self.selective = selective  # a SelectiveRun: weight layers' outputs held in forward, answered in recompute
@@ -143,6 +146,7 @@ class BlockRun:
         self.static = static
         self.notify = call.on_recompute
         self.runs = 0
+        self.before: list | None = None  # what the block kept on itself as its forward began
 
     def _forward(self, flat: tuple) -> Any:
         n = self.n_args
@@ -153,6 +157,7 @@ class BlockRun:
             return self._forward(flat)
         self.runs += 1
         if self.runs == 1:
+            self.before = keep_attributes(self.module)
             if self.selective is not None:
                 return self.selective.around(False, lambda: self._forward(flat))
             return self._forward(flat)
@@ -160,6 +165,8 @@ class BlockRun:
             self.notify(True)  # a rerun is the recompute, inside backward
         state = keep_buffers(self.module)
         attributes = keep_attributes(self.module)
+        if self.before is not None:  # the recompute reads the state forward read, not the one it left
+            put_back_attributes(self.before)
         try:
             if self.selective is not None:
                 return self.selective.around(True, lambda: self._forward(flat))
@@ -179,38 +186,6 @@ def keep_buffers(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tens
     """
     with torch.no_grad(), _disable_current_modes():
         return [(b, b.detach().clone()) for b in buffers_of(module)]
-
-
-#: Per block: its modules' dicts, each with the names of its public attributes that held a tensor
-#: or None when the block first recomputed (a layer's last state, a cache of its own)
-_ATTRIBUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def keep_attributes(module: torch.nn.Module) -> list[tuple[dict, str, Any]]:
-    """(a module's dict, a name, its value) for the attributes of `module` and its modules that a
-    forward may set to a tensor of its own: a recurrent layer's last state (RecurrentGemma's
-    `recurrent_states`), kept on the module for the next call. The recompute would set them again,
-    to tensors of its own graph, which no backward runs: those would hold the recompute's
-    activations (48 MiB of a RecurrentGemma's 2 x 768 tokens) until the next forward replaced
-    them, where the model's own run keeps what its forward set."""
-    watched = _ATTRIBUTES.get(module)
-    if watched is None:
-        watched = [(m.__dict__, names) for m in module.modules() if (names := _state_names(m))]
-        _ATTRIBUTES[module] = watched
-    return [(held, name, held.get(name)) for held, names in watched for name in names]
-
-
-def _state_names(module: torch.nn.Module) -> list[str]:
-    return [
-        k for k, v in module.__dict__.items() if not k.startswith("_") and (v is None or isinstance(v, torch.Tensor))
-    ]
-
-
-def put_back_attributes(state: list[tuple[dict, str, Any]]) -> None:
-    """Set back the attributes `keep_attributes` read, where the recompute replaced them."""
-    for held, name, value in state:
-        if held.get(name) is not value:
-            held[name] = value
 
 
 def put_back_buffers(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -196,3 +196,50 @@ def test_a_recompute_that_runs_other_ops_names_the_block_and_what_to_do():
     said = str(raised.value)
     assert "checkpointed block's (Flip) recompute saved a tensor of shape" in said
     assert "model.config.use_cache = False" in said and 'adaptmem.Policy(modes=("NONE", "OFFLOAD"))' in said
+
+
+class Carry(torch.nn.Module):
+    """A layer that goes on from the state its last call left (a recurrent layer fed its cache)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.proj, self.out = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.last = None
+
+    def forward(self, x):
+        y = torch.tanh(self.proj(x))
+        if self.last is not None and self.last.shape[0] == x.shape[0]:
+            y = y + self.last.detach().unsqueeze(1)
+        self.last = y[:, -1]
+        return x + self.out(y)
+
+
+def test_a_retry_starts_from_the_state_the_layers_kept_before_the_failed_attempt():
+    """The failed attempt's first layers set their state before the third ran out of memory; the
+    retry went on from it, where the run unmanaged goes on from the step before's. And a batch given
+    up leaves its forward's graph held by nothing (the layers' states held it until the next step)."""
+    from adaptmem.testing import OutOfMemoryInjector, SimulatedDevice
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(Carry(), Carry(), Carry())
+    model = torch.nn.Sequential(Carry(), Carry(), Carry())
+    model.load_state_dict(plain.state_dict())
+    xs = [torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n)) for n in (8, 12, 10)]
+    for x in xs:
+        plain(x).sum().backward()
+    dev = SimulatedDevice(capacity_bytes=8 * 2**20)
+    dev.track(model)
+    injector = OutOfMemoryInjector(list(model))
+    with dev, adaptmem.manage(model, blocks=list(model), device=dev) as mem:
+        for i, x in enumerate(xs):
+            if i == 1:
+                injector.arm(2, "forward")
+            mem.run_step(lambda: model(x).sum().backward())
+        assert mem.ooms_recovered == 1
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+        assert all(torch.equal(a.last, b.last) for a, b in zip(model, plain))
+        # a batch no plan can fit: given up, and what its forward set on the layers with it
+        before = dev.allocated_bytes
+        with pytest.raises(adaptmem.StepOutOfMemoryError):
+            mem.run_step(lambda: model(torch.randn(2, 2**17, 16)).sum().backward())
+        assert dev.allocated_bytes == before
