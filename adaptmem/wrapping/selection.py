@@ -10,7 +10,9 @@ A selection is one of
     taken (an encoder and its decoder; not a vision tower a fifth the size of
     its language model, whose length, the image's, would key the plans).
     Where the stack's children are stages that differ in shape (a ResNet's,
-    ConvNeXt's or Swin's), the layers inside each stage are the blocks.
+    ConvNeXt's or Swin's), the layers inside each stage are the blocks. A module
+    of a block's class outside every such stack (a recurrent-depth model's one
+    coda layer) is a block too.
   - a class, or a class name that some submodule has, or a tuple of them. A module
     whose class a wrapper swapped in place (FSDP2's ``fully_shard`` makes a
     ``Qwen2DecoderLayer`` an ``FSDPQwen2DecoderLayer``) goes by its own class's
@@ -155,8 +157,31 @@ def _auto(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[tuple[st
             prefix = f"{name}." if name else ""
             members = _stage_layers(mod) or list(mod.named_children())
             chosen.extend((f"{prefix}{key}", child) for key, child in members)
+    chosen.extend(_lone_alike(named, chosen, stacks))
     order = {id(m): i for i, (_, m) in enumerate(named)}
     return sorted(chosen, key=lambda item: order[id(item[1])])
+
+
+def _lone_alike(
+    named: list[tuple[str, nn.Module]], chosen: list[tuple[str, nn.Module]], stacks: list[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """Modules of a chosen block's class outside every stack of two or more: a recurrent-depth
+    model's one coda layer (in a list of one, or an attribute of its own) runs between the blocks as
+    they do. Left out, it ran unmanaged, its activations counted with the block before it."""
+    classes = {user_class(m) for _, m in chosen}
+    names = [n for n, _ in chosen]
+    found = []
+    for name, mod in named:
+        if user_class(mod) not in classes or not any(True for _ in mod.children()):
+            continue  # a bare layer (a Linear like the blocks of a stack of Linears) is no layer of blocks
+        if any(
+            n == name or _is_inside(name, n) or _is_inside(n, name) for n in names + [f for f, _ in found]
+        ):
+            continue
+        if any(_is_inside(name, stack) and len(container) >= 2 for stack, container in stacks):
+            continue  # a member of a stack left out on purpose (a tower too small to key the plans)
+        found.append((name, mod))
+    return found
 
 
 def _one_kind(stack: nn.Module, layers: set[str]) -> bool:

@@ -202,3 +202,14 @@ def test_instrument_uses_the_same_selection_rules():
     assert handles[0].module is model.blocks[1]
     x = torch.randint(0, 128, (1, 8))
     model(x)  # still runs
+
+
+def test_auto_takes_a_lone_layer_of_the_blocks_class_outside_the_stacks():
+    """A recurrent-depth model's coda, one layer of the stacks' class outside them (an attribute of
+    its own, or the one layer of a list): it ran unmanaged where `"auto"` left it out, silently."""
+    from stress.loop_turns import Layer, RecurrentDepth
+
+    model = RecurrentDepth()
+    assert names(model) == ["prelude.0", "prelude.1", "core.0", "core.1", "coda"]
+    model.coda = nn.ModuleList([Layer(32)])
+    assert names(model) == ["prelude.0", "prelude.1", "core.0", "core.1", "coda.0"]
