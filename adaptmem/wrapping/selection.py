@@ -174,9 +174,7 @@ def _lone_alike(
     for name, mod in named:
         if user_class(mod) not in classes or not any(True for _ in mod.children()):
             continue  # a bare layer (a Linear like the blocks of a stack of Linears) is no layer of blocks
-        if any(
-            n == name or _is_inside(name, n) or _is_inside(n, name) for n in names + [f for f, _ in found]
-        ):
+        if any(n == name or _is_inside(name, n) or _is_inside(n, name) for n in names + [f for f, _ in found]):
             continue
         if any(_is_inside(name, stack) and len(container) >= 2 for stack, container in stacks):
             continue  # a member of a stack left out on purpose (a tower too small to key the plans)
