@@ -116,7 +116,8 @@ class Reach:
             return ""
         modes = " and ".join(self.untried)
         then = (
-            "; the next steps try each on one block, and an answer asked after them counts what they showed"
+            "; the next steps try each on one block where the budget leaves room for it (a step whose plan "
+            "needs every block's saving leaves none), and an answer asked after them counts what they showed"
             if self.trying
             else " (the policy's try_modes is off)"
         )
