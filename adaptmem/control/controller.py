@@ -136,6 +136,7 @@ class Controller:
             priors=priors_for(probe, cuda, [h.offload_options for h in handles]),
             weight_grad_bytes=weight_grad_bytes(handles),
             head_costs=HeadCosts(head.vocab, head.hidden, head.weight_bytes, cuda=cuda) if head is not None else None,
+            calls=[h.order for h in handles],
         )
         self.decider = Decider(p)
         self.plans = PlanBook(

@@ -87,8 +87,12 @@ class CostModel:
         priors: Priors | None = None,
         weight_grad_bytes: list[int] | None = None,
         head_costs: HeadCosts | None = None,
+        calls: list[int] | None = None,
     ) -> None:
         self.classes = classes
+        # each block's module, by its first block (a module called more than once a forward is a block
+        # per call): a call no step has measured (a loop's last turn) reads as its module's other calls
+        self.calls = calls if calls is not None else list(range(len(classes)))
         self.policy = policy
         self.cuda = cuda
         self.priors = priors if priors is not None else (CUDA_PRIORS if cuda else HOST_PRIORS)
@@ -383,7 +387,14 @@ class CostModel:
     def _latent(self, index: int, name: str, batch: int, extent: int, quadratic: float) -> float:
         """Latent `name` of block `index` at a shape: its own fit, or carried (`_carried`) where it was
         seen at one length, or at fewer than a block alike (`_guide`)."""
-        fit, guide = self.latent[index][name], self._guide(index, name, batch, extent)
+        fit = self.latent[index][name]
+        if not fit.points:
+            twin = next(
+                (j for j, m in enumerate(self.calls) if m == self.calls[index] and self.latent[j][name].points), None
+            )
+            if twin is not None:
+                return self._latent(twin, name, batch, extent, quadratic)
+        guide = self._guide(index, name, batch, extent)
         if guide is None and _extents(fit) != 1:
             return fit.predict(batch, extent, quadratic)
         return self._carried(index, name, batch, extent, guide)
