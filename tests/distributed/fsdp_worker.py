@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed import fsdp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the root: stress
 
 from helpers import tiny, tiny_batch
 
