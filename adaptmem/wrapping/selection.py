@@ -169,16 +169,17 @@ def _lone_alike(
     model's one coda layer (in a list of one, or an attribute of its own) runs between the blocks as
     they do. Left out, it ran unmanaged, its activations counted with the block before it."""
     classes = {user_class(m) for _, m in chosen}
-    names = [n for n, _ in chosen]
+    taken = [n for n, _ in chosen]  # the blocks so far, chosen and found
     found = []
     for name, mod in named:
         if user_class(mod) not in classes or not any(True for _ in mod.children()):
             continue  # a bare layer (a Linear like the blocks of a stack of Linears) is no layer of blocks
-        if any(n == name or _is_inside(name, n) or _is_inside(n, name) for n in names + [f for f, _ in found]):
+        if any(n == name or _is_inside(name, n) or _is_inside(n, name) for n in taken):
             continue
-        if any(_is_inside(name, stack) and len(container) >= 2 for stack, container in stacks):
+        if any(_is_inside(name, stack) for stack, _ in stacks):
             continue  # a member of a stack left out on purpose (a tower too small to key the plans)
         found.append((name, mod))
+        taken.append(name)
     return found
 
 
