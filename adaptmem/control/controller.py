@@ -127,7 +127,8 @@ class Controller:
         not theirs (a model whose calls became blocks of their own calibrates them from the start)."""
         p, probe = self.policy, self.probe
         self.blocks = ManagedBlocks(handles, head)
-        self.recorder = StepRecorder(probe, self._in_flight, last_index=len(handles) - 1, runtime=self._runtime)
+        orders = [h.order for h in handles]
+        self.recorder = StepRecorder(probe, self._in_flight, len(handles) - 1, self._runtime, orders)
         cuda = isinstance(probe, CudaProbe)
         self.costs = CostModel(
             [class_name(h.module) for h in handles],
@@ -136,7 +137,7 @@ class Controller:
             priors=priors_for(probe, cuda, [h.offload_options for h in handles]),
             weight_grad_bytes=weight_grad_bytes(handles),
             head_costs=HeadCosts(head.vocab, head.hidden, head.weight_bytes, cuda=cuda) if head is not None else None,
-            calls=[h.order for h in handles],
+            calls=orders,
         )
         self.decider = Decider(p)
         self.plans = PlanBook(

@@ -24,12 +24,14 @@ Only its first block calls the recorder, as it starts (where the forward is plan
 from there each block, the first included, appends its index, mode and stats to a list
 on the blocks' runtime (`BlockRuntime.quiet`), which the recorder reads into the
 step's `plan`, in the order they ran, where it needs them (a replan, the step's end);
-such a step's `blocks` hold the first only. The block that ran last in the step before
-(`BlockRuntime.marked`) hooks its output as it runs: backward has begun when its
-gradient arrives, and is taken from then on as through the blocks (a second forward
-after it is a second micro-batch). A forward that ran a block twice goes back to
-calling the recorder at every block from the next step on; a second forward before the
-backward (the first block run again, which calls the controller) does not.
+such a step's `blocks` hold the first only. Each block that ran last in a step before
+(`BlockRuntime.marked`), with the other calls of its module where its calls are blocks of
+their own (a loop drawn per batch ends at another), hooks its output as it runs: backward
+has begun when the first such gradient arrives, and is taken from then on as through the
+blocks (a second forward after it is a second micro-batch). A forward that ran a block
+twice goes back to calling the recorder at every block from the next step on; a second
+forward before the backward (the first block run again, which calls the controller)
+does not.
 On a device that runs asynchronously (CUDA) such a step is not waited for: only a
 step measured block by block synchronizes, to read its events' times, and a
 light step's `seconds` are the host's, from its start to its end. A wait at
@@ -78,13 +80,25 @@ class StepRecorder:
         in_flight: Callable[[], int] | None = None,
         last_index: int | None = None,
         runtime: BlockRuntime | None = None,
+        orders: list[int] | None = None,
     ) -> None:
+        """`orders`: each block's module (its order among those selected), where a module's calls
+        are blocks of their own: a loop run fewer times ends at another call of the module that
+        ran last."""
         self.probe = SafeReadings(probe)
         self._step_started = getattr(probe, "step_started", None)
-        # the index of the block a forward runs last (the last managed one, until a step shows which
-        # ran last): in a step not measured block by block, only the first block run and this one get
-        # a backward hook (backward began; backward went through every block)
-        self.last_index = last_index
+        # the indices of the blocks a forward has run last (the last managed one, until a step shows
+        # which ran last; more than one where a loop's count varies per batch; None: any block): in a
+        # step not measured block by block, only the first block run and these get a backward hook
+        # (backward began; backward went through every block)
+        self.last: frozenset[int] | None = None if last_index is None else frozenset((last_index,))
+        self._calls: dict[int, frozenset[int]] = {}  # a block's index: its module's calls', where more than one
+        for order in set(orders or ()):
+            calls = frozenset(i for i, o in enumerate(orders) if o == order)
+            if len(calls) > 1:
+                self._calls.update(dict.fromkeys(calls, calls))
+        if self.last is not None:
+            self.last = self._calls.get(last_index, self.last)
         self._in_flight = in_flight
         self._failures_at_begin = 0
         self._lock = threading.RLock()
@@ -98,6 +112,7 @@ class StepRecorder:
         self._quiet: list | None = None  # that list, while a light step runs
         self._folded = 0  # how much of it is in the sample
         self._quiet_stats: list[dict] = []  # their calls' stats, read at the step's end
+        self._began_at: set[int] = set()  # the marked blocks whose output's gradient arrived in it
         self._may_quiet = False  # the last step ran each block once in each forward, its forwards from its first block
         self._again_at_first = False  # the open step's first block ran again before its backward (a second forward)
 
@@ -135,7 +150,10 @@ class StepRecorder:
                 self.probe.synchronize()
             self._finish(sample, end_mark, waited)
             if sample.plan and not sample.overlapped:  # the block forward ran last, for the next light step
-                self.last_index = next(reversed(sample.plan))
+                last = next(reversed(sample.plan))
+                if self.last is None or last not in self.last:  # with every call of its module
+                    calls = self._calls.get(last, frozenset((last,)))
+                    self.last = calls if self.last is None else self.last | calls
             sample.unmeasured = self.probe.failures > self._failures_at_begin
             self.sample = None
             self._open = Segment.IDLE
@@ -279,12 +297,7 @@ class StepRecorder:
             block.host = call.stats.get("host", 0)
             if sample.detailed and "pack_s" in call.stats:  # its unpack time is known once its backward ran
                 block._marks["stats"] = call.stats
-            if (
-                sample.detailed
-                or block is sample.blocks[0]
-                or handle.index == self.last_index
-                or self.last_index is None
-            ):
+            if sample.detailed or block is sample.blocks[0] or self.last is None or handle.index in self.last:
                 outs = tensors_in(output)
                 if sample.detailed:
                     block.output_bytes = sum(t.numel() * t.element_size() for t in outs)
@@ -309,36 +322,41 @@ class StepRecorder:
     def _go_quiet(self, first: int) -> bool:
         """A light step: from here the blocks run without calling the recorder (where the last
         step ran each block once; True), but for the `first` block run again (a second forward);
-        the one that ran last hooks its output for the moment backward begins (`_backward_began`)."""
+        each that has run last hooks its output for the moment backward begins (`_backward_began`)."""
         runtime = self._runtime
-        if runtime is None or not self._may_quiet or self.last_index is None:
+        if runtime is None or not self._may_quiet or self.last is None:
             return False
-        self._quiet, self._folded = [], 0
+        self._quiet, self._folded, self._began_at = [], 0, set()
         runtime.watched = frozenset((first,))
-        runtime.marked, runtime.mark = self.last_index, self._mark_last
+        runtime.marked, runtime.mark = self.last, self._mark_last
         runtime.quiet = self._quiet
         return True
 
     def _stop_quiet(self) -> None:
         if self._runtime is not None:
-            self._runtime.quiet, self._runtime.marked = None, -1
+            self._runtime.quiet, self._runtime.marked = None, frozenset()
         self._quiet, self._folded, self._quiet_stats = None, 0, []
 
-    def _mark_last(self, output: Any) -> None:
-        """A light step's last block ran (`BlockRuntime.mark`): its output's gradient is where
-        backward begins."""
+    def _mark_last(self, index: int, output: Any) -> None:
+        """A block that has run last ran in a light step (`BlockRuntime.mark`): where it ran last
+        in this step too, its output's gradient is where backward begins."""
         grad_out = backward_entry(output)
         if grad_out is not None:
-            on_gradient(grad_out, self._backward_began)
+            on_gradient(grad_out, lambda grad: self._backward_began(index))
 
-    def _backward_began(self, grad: Any) -> None:
-        """Backward reached a light step's last block: it is taken as through them all."""
+    def _backward_began(self, index: int) -> None:
+        """Backward reached block `index`'s output in a light step: the first such is where it
+        began, and it is taken as through them all (a loop's earlier turn that has run last reached
+        after it is not; the same output reached again is a second backward)."""
         with self._lock:
             sample = self.sample
             if sample is None or sample.overlapped:
                 return
-            if any(b.bwd_start is not None for b in sample.blocks):
+            began, self._began_at = self._began_at, self._began_at | {index}
+            if index in began:
                 sample.double_backward = True  # a second backward (retain_graph / create_graph)
+                return
+            if began:
                 return
             for b in sample.blocks:
                 b.bwd_start = 0

@@ -147,8 +147,8 @@ class _BlockForward:
                 quiet.append((handle.index, mode, _NOTHING))  # before it runs: one that runs out of memory ran
             output = self._as_is(module, args, kwargs)
             runtime.offload.prefetch_when_reached(output)
-            if handle.index == runtime.marked:
-                runtime.mark(output)
+            if handle.index in runtime.marked:
+                runtime.mark(handle.index, output)
             return output
         compiled = self.compiled_here()
         checkpointed = self.compiled_checkpoint if compiled is not None else None
@@ -158,8 +158,8 @@ class _BlockForward:
         output = _run(handle, call)
         if observer is not None:
             observer.block_end(handle, call, output)
-        elif handle.index == runtime.marked:
-            runtime.mark(output)
+        elif handle.index in runtime.marked:
+            runtime.mark(handle.index, output)
         return output
 
     def next_call(self, runtime: BlockRuntime) -> BlockHandle:

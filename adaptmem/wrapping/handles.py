@@ -53,9 +53,9 @@ class BlockRuntime:
         # to (None: every block calls it)
         self.quiet: list[tuple[int, Mode, dict]] | None = None
         self.watched: frozenset[int] = frozenset()
-        # in such a step, the block (index) that gives its output to `mark` after it runs (-1: none)
-        self.marked = -1
-        self.mark: Callable[[Any], None] = _ignore
+        # in such a step, the blocks (indices) that give their output to `mark` after they run
+        self.marked: frozenset[int] = frozenset()
+        self.mark: Callable[[int, Any], None] = _ignore
         # counts the steps begun (the manager's): a block called more than once in a forward counts its
         # calls from there, and takes the handle of each call in turn (`repeat_calls`)
         self.epoch = 0
@@ -93,7 +93,7 @@ def _nobody() -> None:
     return None
 
 
-def _ignore(output: Any) -> None:
+def _ignore(index: int, output: Any) -> None:
     return None
 
 

@@ -177,6 +177,54 @@ def test_a_light_step_knows_when_its_backward_began(phase):
     assert mem.events.of_type("oom")[-1]["phase"] == phase
 
 
+@pytest.mark.parametrize("quiet", [True, False])
+@pytest.mark.parametrize("turns", [2, 3, 4])
+def test_a_light_step_of_a_loop_run_fewer_times_knows_when_its_backward_began(turns, quiet, monkeypatch):
+    """A recurrent-depth model whose loop runs last: a forward of fewer turns ends at an earlier call
+    of the core, which still marks where backward begins, so an out-of-memory error in the backward
+    of the prelude is recorded as the backward's (it read as the forward's); a backward of a light
+    step after such a step is one backward, not two."""
+    from stress.loop_turns import RecurrentDepth, loss_of
+
+    if not quiet:
+        monkeypatch.setattr(StepRecorder, "_go_quiet", lambda self, first: False)
+    torch.manual_seed(0)
+    net = RecurrentDepth()
+    dev = SimulatedDevice(capacity_bytes=2**30)
+    dev.track(net)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    armed = []
+    net.prelude[1].register_full_backward_hook(lambda *a: dev.set_capacity(dev.allocated_bytes // 2) if armed else None)
+    policy = load_policy("balanced").model_copy(update={"measure_every": 1000, "sample_interval_s": 30.0})
+    blocks = [*net.prelude, *net.core]  # the loop runs last
+    probe = TickingProbe(dev)
+    with dev, adaptmem.manage(net, blocks=blocks, budget=2**29, device=probe, policy=policy, head=None) as mem:
+        samples = []
+        for step, loops in enumerate((4, 4, 4, 4, 4, 4, 3, 4)):
+            if step == 1:  # the recorder of the calls as blocks
+                end = mem._controller.recorder.end
+                mem._controller.recorder.end = lambda: samples.append(end()) or samples[-1]
+            net.loops = loops
+            mem.run_step(lambda: loss_of(net, ids).backward())
+            net.zero_grad(set_to_none=True)
+        with mem.step():  # two backwards
+            loss = loss_of(net, ids)
+            loss.backward(retain_graph=True)
+            loss.backward()
+        net.zero_grad(set_to_none=True)
+        assert mem.last_step["measured"] == "peak" and len(mem.handles) == 10
+        light = [s for s in samples if not s.detailed]
+        assert len(light) >= 3 and [s.double_backward for s in light] == [False] * (len(light) - 1) + [True]
+        net.loops = turns
+        armed.append(True)
+        with pytest.raises(torch.OutOfMemoryError):
+            with mem.step():
+                loss_of(net, ids).backward()
+        armed.clear()
+        dev.set_capacity(2**30)
+    assert mem.events.of_type("oom")[-1]["phase"] == "backward"
+
+
 def test_a_second_forward_in_a_light_step_is_seen_as_it_starts():
     """The first block, which lists itself in a light step, still calls the controller when it runs
     again: after the backward, the second forward is a second micro-batch (a step of its own); before
