@@ -75,7 +75,7 @@ from adaptmem.modes import HeadMode, Mode
 from adaptmem.registrations import parameters_of
 from adaptmem.strategies.head import LogitsNotMaterializedError
 from adaptmem.wrapping import BlockHandle, HeadHandle, loop_owner, repeat_calls, unwrap
-from adaptmem.wrapping.selection import class_name
+from adaptmem.wrapping.selection import block_kind, class_name
 
 
 class Controller:
@@ -138,6 +138,7 @@ class Controller:
             weight_grad_bytes=weight_grad_bytes(handles),
             head_costs=HeadCosts(head.vocab, head.hidden, head.weight_bytes, cuda=cuda) if head is not None else None,
             calls=orders,
+            kinds=[block_kind(h.module) for h in handles],
         )
         self.decider = Decider(p)
         self.plans = PlanBook(

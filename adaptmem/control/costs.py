@@ -15,7 +15,8 @@ plus per block `grad` (what else is alive when its backward starts: gradients
 so far, leftovers) and, per step, `head` (the model after the blocks: head and
 loss) and `tail` (the backward after the blocks).
 
-Where a mode has run on a block (or on a block alike with it: the same class and input size), its own
+Where a mode has run on a block (or on a block alike with it: the same class, made of the same
+modules, and the same input size), its own
 measurements are used. Elsewhere figures are derived (`adaptmem.control.priors`)
 from latent quantities every mode reveals some of: input bytes, output growth,
 recomputable activations (a checkpoint's recompute, an offload's packed bytes,
@@ -88,8 +89,11 @@ class CostModel:
         weight_grad_bytes: list[int] | None = None,
         head_costs: HeadCosts | None = None,
         calls: list[int] | None = None,
+        kinds: list[str] | None = None,
     ) -> None:
         self.classes = classes
+        # what blocks alike share (`selection.block_kind`: their class, and what is inside them)
+        self.kinds = kinds if kinds is not None else classes
         # each block's module, by its first block (a module called more than once a forward is a block
         # per call): a call no step has measured (a loop's last turn) reads as its module's other calls
         self.calls = calls if calls is not None else list(range(len(classes)))

@@ -52,9 +52,17 @@ def generalises(costs: CostModel, batch: int, extent: int) -> bool:
 TRIED = (Mode.SELECTIVE, Mode.OFFLOAD)
 
 
-def guessed(costs: CostModel, mode: Mode) -> bool:
-    """`mode` is one of `TRIED` and no block has been measured in it."""
-    return mode in TRIED and not any(mode in d for d in costs.direct)
+def guessed(costs: CostModel, mode: Mode, index: int | None = None) -> bool:
+    """`mode` is one of `TRIED` and no block of block `index`'s kind (its class, made of the same
+    modules: `CostModel.kinds`) has been measured in it; with no `index`, of some kind. A hybrid's
+    Mamba layers learn nothing of a mode from its attention layers of the same class."""
+    if mode not in TRIED:
+        return False
+    kinds = costs.kinds
+    measured = {kinds[i] for i, d in enumerate(costs.direct) if mode in d}
+    if index is not None:
+        return kinds[index] not in measured
+    return len(measured) < len(set(kinds))
 
 
 def needs_warm(costs: CostModel, modes: tuple[Mode, ...]) -> bool:

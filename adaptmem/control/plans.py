@@ -135,7 +135,7 @@ class PlanBook:
         self._warned: set[tuple[Shape, bool, bool]] = set()  # (bucket, its size measured, within the budget) warned of
         self._planned: set[Key] = set()  # buckets planned for before (their plans may have been dropped since)
         self.fresh = True  # the last `choose` made its plan (False: it was the bucket's cached one)
-        self.trials: set[Mode] = set()  # modes tried on a block (`_trial`): each is tried once
+        self.trials: set[tuple[Mode, str]] = set()  # modes tried on a block (`_trial`): once per kind of block
         # "how long can I go?" was asked while a mode was still a guess: plans try one on a block where
         # every block is in its fastest mode too, so that the next answer counts what it showed
         self.trials_asked = False
@@ -345,7 +345,7 @@ class PlanBook:
                 modes, head, predicted = ran[0], ran[1], start + ran[2]
                 shortfall = max(0.0, predicted - start - self._aim(start, budget))
                 reason = f"{reason}, ran here before"
-            unmeasured = trial is None and p.try_modes and any(guessed(self.costs, m) for m in set(modes))
+            unmeasured = trial is None and p.try_modes and any(guessed(self.costs, m, i) for i, m in enumerate(modes))
         if head is None and self.costs.head_costs is not None:
             head = self._head_alone(shape, start, budget)
         exhausted = False
@@ -500,7 +500,7 @@ class PlanBook:
         fixed: dict[int, Mode],
     ) -> tuple[tuple[Mode, ...], Mode, float] | None:
         """`modes` with one block in an allowed mode whose figures are a guess (`coverage.TRIED`) and
-        that no block has been measured in, where the plan is still predicted under the aim: of the
+        that no block of its kind has been measured in, where the plan is still predicted under the aim: of the
         blocks where it fits, the first of those whose mode is the tightest (a recomputing block
         gives its recompute up for the mode tried; the blocks' guessed times differ by noise alone,
         and two runs of one plan had tried it on different blocks). Returns the plan's modes, the
@@ -511,11 +511,18 @@ class PlanBook:
         assumed to bring back all its tensors at once, where it brings them back one by one), and
         so may never be chosen, nor ever measured: in the demo with OFFLOAD never picked on its
         guess, the longest length was predicted at 8,964 tokens without a trial and 15,206 with one
-        (`python -m stress.reach_trials`). Each mode is tried once per run, on the one step the plan
-        runs, which is measured block by block; the next step's plan is made from what it showed."""
-        pending = [m for m in self.allowed if guessed(self.costs, m) and m not in self.trials]
+        (`python -m stress.reach_trials`). Each mode is tried once per run and kind of block (a
+        hybrid's Mamba layers and its attention layers), on the one step the plan runs, which is
+        measured block by block; the next step's plan is made from what it showed."""
+        kinds, costs = self.costs.kinds, self.costs
+        pending = [
+            m
+            for m in self.allowed
+            if any(guessed(costs, m, i) and (m, kinds[i]) not in self.trials for i in range(self.n))
+        ]
         self.trials_asked = self.trials_asked and bool(pending)
-        untried = [m for m in pending if m not in modes]
+        # where the plan runs it on a block of a kind it is a guess for, the step is measured anyway
+        untried = [m for m in pending if not any(b is m and guessed(costs, m, i) for i, b in enumerate(modes))]
         if not untried:
             return None
         batch, extent = shape
@@ -530,7 +537,9 @@ class PlanBook:
         for mode in untried:
             for i, row in enumerate(rows):
                 option = next((o for o in row if o.mode is mode), None)
-                if i in fixed or option is None or option.host > host_limit:
+                if i in fixed or option is None or option.host > host_limit or (mode, kinds[i]) in self.trials:
+                    continue
+                if not guessed(self.costs, mode, i):
                     continue
                 peak = max(predicted_peak(chosen[:i] + [option] + chosen[i + 1 :], final), tail)
                 order = (-rank.get(modes[i], 0), i)
@@ -540,7 +549,7 @@ class PlanBook:
             self.trials_asked = False  # none fits the aim now: tried again when asked again
             return None
         _, i, mode, peak = best
-        self.trials.add(mode)
+        self.trials.add((mode, kinds[i]))
         return modes[:i] + (mode,) + modes[i + 1 :], mode, start + peak
 
     def announce_unfit(self, forwards: int = 1) -> None:

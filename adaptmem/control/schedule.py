@@ -65,7 +65,7 @@ class MeasureSchedule:
             self.costs.steps_learned < 3
             or self.next
             or record.trial is not None
-            or (record.guessed and any(guessed(self.costs, m) for m in set(record.modes)))
+            or (record.guessed and any(guessed(self.costs, m, i) for i, m in enumerate(record.modes)))
             or needs_warm(self.costs, record.modes)
         )
         self.next = False

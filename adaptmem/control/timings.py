@@ -232,8 +232,9 @@ class ModeTimes:
         return self._pool
 
     def alike_groups(self, batch: int, extent: int) -> list[tuple[int, ...]]:
-        """Per block, the blocks of its class whose input is within 2% of its own size (kept per
-        shape until the cost model changes: the pool is for one shape, these for any)."""
+        """Per block, the blocks of its kind (its class, made of the same modules) whose input is within
+        2% of its own size (kept per shape until the cost model changes: the pool is for one shape,
+        these for any)."""
         key = (batch, extent, self.costs.steps_learned)
         if key not in self._alike:
             if len(self._alike) > 64 or any(k[2] != self.costs.steps_learned for k in self._alike):
@@ -242,9 +243,9 @@ class ModeTimes:
             self._alike[key] = [
                 tuple(
                     j
-                    for j, (c, x) in enumerate(zip(self.costs.classes, sizes))
-                    if c == cls and abs(x - size) <= 0.02 * max(x, size, 1.0)
+                    for j, (k, x) in enumerate(zip(self.costs.kinds, sizes))
+                    if k == kind and abs(x - size) <= 0.02 * max(x, size, 1.0)
                 )
-                for cls, size in zip(self.costs.classes, sizes)
+                for kind, size in zip(self.costs.kinds, sizes)
             ]
         return self._alike[key]

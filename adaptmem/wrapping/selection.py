@@ -99,6 +99,16 @@ def class_name(module: nn.Module) -> str:
     return user_class(module).__name__
 
 
+def block_kind(module: nn.Module) -> str:
+    """What blocks alike share, beyond their class: the classes of the modules inside and the
+    weights' size. A hybrid's layers of one class differ there (Bamba's and Qwen3-Next's decoder
+    layers hold a Mamba mixer or linear attention in some, attention in others; DeepSeek's first
+    layers a dense MLP where the rest hold experts), and so do the activations they save."""
+    inner = sorted({class_name(m) for m in module.modules()})
+    weights = sum(p.numel() for p in module.parameters())
+    return f"{class_name(module)}[{','.join(inner)};{weights}]"
+
+
 def class_names(module: nn.Module) -> set[str]:
     """The names a selection by class name matches: `class_name(module)`, and the wrapper's own
     name where a wrapper swapped the class (``FSDPQwen2DecoderLayer``, as `type()` prints it)."""
