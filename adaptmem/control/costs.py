@@ -265,9 +265,17 @@ class CostModel:
         # was predicted at 22 MiB for 1750)
         if complete:
             fits["backward_transient"].add(b, s, max(0, blk.bwd_peak - own))
-        activations = _revealed_activations(blk)
+        activations, act = _revealed_activations(blk), lat["activations"]
         if activations is not None:
-            lat["activations"].add(b, s, max(0, activations))
+            if act.points and not act.settled:  # stand-ins only (below): the first reading replaces them
+                lat["activations"] = act = _fit("activations")
+            act.add(b, s, max(0, activations))
+        elif mode in (Mode.OFFLOAD, Mode.COMPRESS, _CO) and blk.packed > 0 and not act.settled:
+            # nothing has shown this block's activations yet (a calibration that ran out of memory before
+            # its recompute, retried under OFFLOAD: NONE was then planned at half its peak): what it
+            # packed stands for them, erring high (every saved view counts apart), until a recompute
+            # or NONE shows them
+            act.add(b, s, blk.packed, provisional=True)
         if mode in (Mode.CHECKPOINT, _REC, Mode.OFFLOAD, _CO):
             lat["forward_transient"].add(b, s, blk.fwd_peak)
         if complete and mode is Mode.NONE:
@@ -392,10 +400,18 @@ class CostModel:
         """Latent `name` of block `index` at a shape: its own fit, or carried (`_carried`) where it was
         seen at one length, or at fewer than a block alike (`_guide`)."""
         fit = self.latent[index][name]
-        if not fit.points:
-            twin = next(
-                (j for j, m in enumerate(self.calls) if m == self.calls[index] and self.latent[j][name].points), None
-            )
+        if not fit.settled:
+            # never seen on this block (or only stood in for): as its module's other calls saw it, else
+            # as a block alike did (a calibration that ran out of memory in the second block's backward
+            # had recomputed the last block alone, and its others, read 0 bytes of activations, were
+            # planned in NONE at half their peak)
+            latent = self.latent
+            calls = self.calls
+            twin = next((j for j, m in enumerate(calls) if m == calls[index] and latent[j][name].settled), None)
+            if twin is None:
+                group = self.times.alike_groups(batch, extent)[index]
+                seen = [j for j in group if latent[j][name].settled]
+                twin = max(seen, key=lambda j: _extents(latent[j][name])) if seen else None
             if twin is not None:
                 return self._latent(twin, name, batch, extent, quadratic)
         guide = self._guide(index, name, batch, extent)

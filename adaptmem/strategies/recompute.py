@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
+    _StopRecomputationError,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
@@ -167,14 +168,21 @@ class BlockRun:
         attributes = keep_attributes(self.module)
         if self.before is not None:  # the recompute reads the state forward read, not the one it left
             put_back_attributes(self.before)
+        ended = False  # ran to its end, or stopped once it had what backward needs
         try:
             if self.selective is not None:
-                return self.selective.around(True, lambda: self._forward(flat))
-            return self._forward(flat)
+                out = self.selective.around(True, lambda: self._forward(flat))
+            else:
+                out = self._forward(flat)
+            ended = True
+            return out
+        except (rerun.Stop, _StopRecomputationError):  # stopped early, as both checkpoints stop it
+            ended = True
+            raise
         finally:
             put_back_buffers(state)
             put_back_attributes(attributes)
-            if self.notify is not None:
+            if self.notify is not None and ended:  # one that failed (out of memory) shows no bytes
                 self.notify(False)
 
 

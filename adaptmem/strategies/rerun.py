@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - older torch
     DeviceContext = None
 
 
-class _Stop(Exception):
+class Stop(Exception):
     """Raised from the rerun's pack hook once the last holder is filled."""
 
 
@@ -147,13 +147,13 @@ class _Frame:
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.refill, _same), torch.enable_grad():
                 self.state.rerun(self.fn, args)
-        except _Stop:
+        except Stop:
             pass
         finally:
             _running.frame = outer
 
     def refill(self, x: torch.Tensor) -> torch.Tensor:
-        """The rerun's pack hook: `x` fills the next holder still alive; `_Stop` after the last.
+        """The rerun's pack hook: `x` fills the next holder still alive; `Stop` after the last.
         SELECTIVE calls it too, handing over what a layer it does not run saved in forward."""
         # Detached: a saved output packed as itself would hold the node that saved it (a cycle
         # through C++ that no collector frees, and the rerun's graph with it).
@@ -177,7 +177,7 @@ class _Frame:
                 )
             holder.value = x
         if i + 1 == len(self.holders):
-            raise _Stop
+            raise Stop
         return x
 
 

@@ -219,7 +219,7 @@ class Recipe:
         the held `out`; False (nothing given) where the recompute is not where forward was."""
         if frame.count != self.start or [_layout(a) for a in inputs] != self.inputs:
             return False
-        for part in self.parts:  # the last one may end the recompute (`rerun._Stop`)
+        for part in self.parts:  # the last one may end the recompute (`rerun.Stop`)
             if isinstance(part, torch.Tensor):
                 frame.refill(part)
             else:
@@ -384,7 +384,7 @@ class SelectiveRun:
             else:
                 frame = rerun.running()
                 if held.recipe is not None and frame is not None and held.recipe.give(frame, _tensors(args)):
-                    self.finished.add(key)  # not where the recompute stopped inside it (`rerun._Stop`)
+                    self.finished.add(key)  # not where the recompute stopped inside it (`rerun.Stop`)
                     return held.values[0].requires_grad_()  # what later ops save, as forward's output
                 with _AnswerLayer(held.values[0], getattr(layer, "bias", None) is not None):
                     out = forward(*args, **kwargs)
@@ -437,7 +437,7 @@ class SelectiveRun:
             out = held.values[0].requires_grad_()
         else:
             out = attention(*args, **kwargs)
-        self.finished.add(key)  # not where the recompute stopped inside it (`rerun._Stop`)
+        self.finished.add(key)  # not where the recompute stopped inside it (`rerun.Stop`)
         return out
 
 

@@ -714,12 +714,18 @@ def test_a_backwards_own_weight_gradients_are_not_scaled_with_the_tokens():
 
 def test_a_pack_hooks_bytes_do_not_teach_the_activations():
     """A pack hook sees every saved view apart, more bytes than the storages a recompute or NONE
-    holds: the activations are learned from those two only."""
+    holds: the activations are learned from those two only. Until one of them shows them, what the
+    block packed stands for them (erring high), and the first reading replaces it, not mixed in."""
     costs = CostModel(["Layer"], load_policy("balanced"), cuda=False)
     s = _timed_step([Mode.OFFLOAD], [0.03], [1000])
     costs.learn(replace(s, blocks=[replace(s.blocks[0], packed=9000)]))
-    assert not costs.latent[0]["activations"]
+    costs.learn(replace(s, batch=4, blocks=[replace(s.blocks[0], packed=18000)]))
+    assert not costs.latent[0]["activations"].settled
+    assert costs.latents(0, 2, 1000).activations == pytest.approx(9000)
     costs.learn(_timed_step([Mode.NONE], [0.03], [1000]))
+    assert costs.latent[0]["activations"].settled and len(costs.latent[0]["activations"].points) == 1
+    assert costs.latent[0]["activations"].predict(2, 1000) == pytest.approx(4000 - 1000)
+    costs.learn(replace(s, blocks=[replace(s.blocks[0], packed=9000)]))  # read since: packed bytes no more
     assert costs.latent[0]["activations"].predict(2, 1000) == pytest.approx(4000 - 1000)
 
 

@@ -1,5 +1,6 @@
 """Measuring block by block only when there is something to learn; the step's peak always."""
 
+import pytest
 import torch
 from helpers import budget_between, tiny, tiny_batch
 
@@ -335,3 +336,28 @@ def test_a_bucket_whose_fits_generalise_is_still_measured_on_its_schedule():
     at = [i for i, m in enumerate(measured) if m == "blocks" and i >= held]
     gaps = [b - a for a, b in zip(at, at[1:])]
     assert len(at) >= 3 and gaps[:2] == [6, 12], (held, measured)
+
+
+@pytest.mark.parametrize("where", [(2, "backward"), (1, "backward"), (1, "recompute"), (2, "forward")])
+def test_a_calibration_that_ran_out_of_memory_leaves_no_block_read_as_holding_nothing(where):
+    """The calibration step (every block checkpointed) runs out of memory before some blocks'
+    recompute ran, and its retry offloads them, which shows what they pack, not what a recompute
+    shows: those blocks read 0 bytes of activations, and the next steps kept them (a DeBERTa's
+    second step was planned in NONE at 30 MiB and peaked at 56, over its budget). Now they read as a
+    block alike that recomputed, else as what they packed, erring high; a recompute that ran out of
+    memory itself shows nothing. No step after it runs over its prediction, nor out of memory."""
+    from adaptmem.testing import OutOfMemoryInjector
+
+    model = tiny(dim=128, n_layers=3, vocab_size=256)
+    injector = OutOfMemoryInjector(model.blocks)
+    injector.arm(*where)
+    with SimulatedDevice(capacity_bytes=40 * 2**20) as dev:
+        dev.track(model)
+        with adaptmem.manage(model, budget="90%", device=dev, head=None) as mem:
+            for seq in (256, 192, 128):
+                batch = tiny_batch(model, 4, seq)
+                mem.run_step(lambda: model(**batch).loss.backward())
+            steps = mem.events.of_type("step")
+    assert injector.fired == 1 and steps[0]["attempt"] == 1
+    assert [s["attempt"] for s in steps[1:]] == [0, 0]
+    assert all(s["observed_peak_bytes"] <= s["predicted_peak_bytes"] for s in steps[1:])
