@@ -97,13 +97,25 @@ def compiled_checkpoint(forward: Any, context_fn: Any, options: dict) -> Any:
     checkpointed region and partitions forward and recompute itself (torchtitan's order:
     checkpoint, then compile). A checkpoint run eagerly around compiled code would instead run
     the whole compiled forward again in backward, and SELECTIVE's policy over ops the compiled
-    code hides from it: on a host-bound Llama on the CPU, 1.8x NONE's step against about 1.05x."""
+    code hides from it: on a host-bound Llama on the CPU, 1.8x NONE's step against about 1.05x.
+
+    What the forward sets outside itself (a layer's last state, a context variable) is not set
+    again by the recompute, as adaptmem's own checkpoint leaves it (`BlockRun`): the compiler is
+    told so, which it otherwise refuses (transformers 5.25's attention sets a context variable
+    of the `kernels` package, and every compiled checkpointed Llama layer failed to trace)."""
     extra = {} if context_fn is None else {"context_fn": context_fn}
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
-    return torch.compile(checkpointed, **options)
+    compiled = torch.compile(checkpointed, **options)
+
+    @functools.wraps(checkpointed)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def run_checkpoint_offloaded_input(call: BlockCall) -> Any:
