@@ -588,7 +588,14 @@ class PlanBook:
         self._warned.add((key[:2], measured, within))
         width = self.width
         size = f"{extent // width:,} tokens" if width and extent % width == 0 else f"{extent:,} input elements"
-        if not measured:
+        guesses = sorted({m.label for i, m in enumerate(modes) if guessed(self.costs, m, i)})
+        if guesses:  # its figures err high: no advice to shrink what may well fit
+            advice = (
+                f"{' and '.join(guesses)} {'has' if len(guesses) == 1 else 'have'} not run on these blocks yet, so "
+                "the prediction is a guess made to err high; the step is measured, and the plans after it count "
+                "what it shows."
+            )
+        elif not measured:
             advice = (
                 "this size has not run yet, so its figures are extrapolated from other sizes (with a margin); "
                 "if it runs out of memory, run_step retries it tighter."

@@ -295,3 +295,26 @@ def test_a_budget_no_step_can_keep_is_refused_or_warned_of(caplog):
             opt.zero_grad(set_to_none=True)
     below = [r.getMessage() for r in caplog.records if "is below what this step holds" in r.getMessage()]
     assert len(below) == 1 and "Raise the budget" in below[0]
+
+
+def test_a_retry_under_a_mode_never_run_says_its_prediction_is_a_guess(caplog):
+    """A retry's plan of a mode no block has run is priced by a guess made to err high: a LongT5's
+    retry under OFFLOAD was predicted at 49.18 MiB and peaked at 26.86, and its warning asked for a
+    smaller batch. It says the figure is a guess, and that the step is measured."""
+    from adaptmem.testing import OutOfMemoryInjector
+
+    model = tiny(dim=128, n_layers=3, vocab_size=256)
+    injector = OutOfMemoryInjector(model.blocks)
+    injector.arm(1, "backward")  # in the calibration step, every block checkpointed
+    with SimulatedDevice(capacity_bytes=40 * 2**20) as dev:
+        dev.track(model)
+        with caplog.at_level("WARNING", logger="adaptmem"):
+            with adaptmem.manage(model, budget="90%", device=dev, head=None) as mem:
+                batch = tiny_batch(model, 4, 256)
+                mem.run_step(lambda: model(**batch).loss.backward())
+                retry = mem.last_step
+    (said,) = [r.getMessage() for r in caplog.records if "Running a retry's plan" in r.getMessage()]
+    assert retry["attempt"] == 1 and retry["plan"] == ["OFFLOAD"] * 3
+    assert retry["observed_peak_bytes"] < retry["predicted_peak_bytes"]
+    assert "OFFLOAD has not run on these blocks yet, so the prediction is a guess made to err high" in said
+    assert "lower the batch" not in said
