@@ -109,6 +109,7 @@ def summary(ctl: Controller, compiles: int) -> dict[str, Any]:
         "user_budget_bytes": ctl.budgets.user,
         "ooms": stats.ooms,
         "ooms_recovered": stats.ooms_recovered,
+        "since_resumed": stats.since_resumed(),
         "plan_changes": stats.plan_changes,
         **stats.prediction_errors(),
         "decisions": dict(stats.decisions),

@@ -24,11 +24,14 @@ class RunStats:
     peak_bytes: int = 0  # the highest step peak seen
     errors: list[float] = field(default_factory=list)  # per predicted step: (predicted - observed) / observed
     decisions: Counter = field(default_factory=Counter)  # hold / escalate / relax / recover: how many of each
+    loaded: dict[str, int] = field(default_factory=dict)  # the counters a saved state brought (`load_counters`)
+    peak_here: int = 0  # the highest step peak since this manager began (a resumed run's own)
 
     def stepped(self, peak: int, decision: str, error: float | None) -> None:
         """A step completed with this peak, decision and prediction error (None: not predicted)."""
         self.steps += 1
         self.peak_bytes = max(self.peak_bytes, peak)
+        self.peak_here = max(self.peak_here, peak)
         self.decisions[decision] += 1
         if error is not None:
             self.errors.append(error)
@@ -47,3 +50,17 @@ class RunStats:
     def load_counters(self, counters: dict[str, Any]) -> None:
         for name in SAVED:
             setattr(self, name, int(counters[name]))
+        self.loaded = {name: int(counters[name]) for name in SAVED}
+        self.peak_here = 0
+
+    def since_resumed(self) -> dict[str, int]:
+        """Steps, out-of-memory errors met and recovered, and the highest step peak since this manager
+        began: a resumed run's own, where the counters go on from the saved state's (a Trainer resumed
+        from a checkpoint that read its earlier process's peak, over the budget, as its own)."""
+        loaded = self.loaded
+        return {
+            "steps": self.steps - loaded.get("steps", 0),
+            "ooms": self.ooms - loaded.get("ooms", 0),
+            "ooms_recovered": self.ooms_recovered - loaded.get("ooms_recovered", 0),
+            "peak_bytes": self.peak_here,
+        }

@@ -293,3 +293,33 @@ def test_the_users_peak_readings_are_the_users():
                 model(**tiny_batch(model, batch=4, seq=128)).loss.backward()
             model.zero_grad(set_to_none=True)
             assert dev.peak_bytes == truth.peak_bytes == mem.last_step["observed_peak_bytes"]
+
+
+def test_a_resumed_run_says_its_own_steps_peak_and_errors_apart_from_the_runs():
+    """The counters go on from the saved state (the run's steps, peak and out-of-memory errors), and
+    `since_resumed` holds this manager's own: a resumed Trainer read its earlier process's peak, over
+    the budget, as if it had run over it itself."""
+    from adaptmem.testing import OutOfMemoryInjector
+
+    model = tiny()
+    big, small = tiny_batch(model, 4, 64), tiny_batch(model, 1, 16)
+    injector = OutOfMemoryInjector(model.blocks)
+    with SimulatedDevice(capacity_bytes=2**30) as dev:
+        dev.track(model)
+        with adaptmem.manage(model, budget="1GiB", device=dev) as first:
+            injector.arm(1, "forward")
+            for _ in range(2):
+                first.run_step(lambda: model(**big).loss.backward())
+            state, ran = first.state_dict(), first.summary()
+        assert ran["since_resumed"] == {k: ran[k] for k in ("steps", "ooms", "ooms_recovered", "peak_bytes")}
+        with adaptmem.MemoryManager(model, budget="1GiB", device=dev, state=state) as second:
+            second.run_step(lambda: model(**small).loss.backward())
+            now = second.summary()
+    assert (now["steps"], now["ooms"], now["ooms_recovered"], now["peak_bytes"]) == (3, 1, 1, ran["peak_bytes"])
+    assert now["since_resumed"] == {
+        "steps": 1,
+        "ooms": 0,
+        "ooms_recovered": 0,
+        "peak_bytes": second.last_step["observed_peak_bytes"],
+    }
+    assert now["since_resumed"]["peak_bytes"] < ran["peak_bytes"]
