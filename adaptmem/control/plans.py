@@ -132,7 +132,8 @@ class PlanBook:
         # policy stay as they were: steady-state steps ask for the same plan's prediction each step
         self._predicted: dict[tuple, float] = {}
         self._predicted_for: tuple[int, Policy] | None = None
-        self._warned: set[tuple[Shape, bool, bool]] = set()  # (bucket, its size measured, within the budget) warned of
+        # (bucket, its size measured, within the budget, on a guess) warned of
+        self._warned: set[tuple[Shape, bool, bool, bool]] = set()
         self._planned: set[Key] = set()  # buckets planned for before (their plans may have been dropped since)
         self.fresh = True  # the last `choose` made its plan (False: it was the bucket's cached one)
         self.trials: set[tuple[Mode, str]] = set()  # modes tried on a block (`_trial`): once per kind of block
@@ -582,13 +583,13 @@ class PlanBook:
         within = predicted <= budget  # over the aim only: an out-of-memory error lowers the aim for a while
         # once each way: a shape warned of as within the budget that comes to run over it (the
         # optimizer's state, allocated after the first steps, raised every later micro-batch 10% over
-        # it) is warned of again
-        if (key[:2], measured, within) in self._warned:
+        # it) is warned of again, and so is one warned of on a guess, once measured
+        guesses = sorted({m.label for i, m in enumerate(modes) if guessed(self.costs, m, i)})
+        if (key[:2], measured, within, bool(guesses)) in self._warned:
             return
-        self._warned.add((key[:2], measured, within))
+        self._warned.add((key[:2], measured, within, bool(guesses)))
         width = self.width
         size = f"{extent // width:,} tokens" if width and extent % width == 0 else f"{extent:,} input elements"
-        guesses = sorted({m.label for i, m in enumerate(modes) if guessed(self.costs, m, i)})
         if guesses:  # its figures err high: no advice to shrink what may well fit
             advice = (
                 f"{' and '.join(guesses)} {'has' if len(guesses) == 1 else 'have'} not run on these blocks yet, so "
