@@ -501,6 +501,19 @@ class Controller:
             head=record.head.label if record.head is not None else None,
         )
 
+    def _guess_untried(self, modes: tuple[Mode, ...]) -> bool:
+        """Some block of `modes` runs a mode its kind has not run, priced by a guess that errs high, no
+        attempt of this step has run that mode yet, and each ran out of memory in backward: the plan
+        runs once, however far over the guess reads. A Glm4Moe's recomputing plan ran out in backward,
+        where its experts ran again, and OFFLOAD, guessed at 93 MiB on a 39 MiB stand-in, trained the
+        batch at 34. An attempt that ran out in forward, where every mode runs the blocks alike, shows
+        the batch too large for any (a mode an attempt ran that failed all the same had its chance)."""
+        attempts = self.retries.attempts
+        if not attempts or any(a.get("phase") != "backward" for a in attempts):
+            return False
+        ran = {m for plan, _ in self.plans.tried for m in plan}
+        return any(m not in ran and guessed(self.costs, m, i) for i, m in enumerate(modes))
+
     def _refuse_unfittable(self, record: PlanRecord, shape: InputShape, start: int) -> None:
         """Give the step up before a block runs when no plan can fit it (see `adaptmem.control.unfit`).
         With other ranks, only a retry's verdict counts, and all give up when one does. A plan predicted
@@ -529,6 +542,7 @@ class Controller:
                 available,
                 self.costs.measured(shape.batch, shape.extent),
                 self.costs.ran_here(record.modes, shape.batch, shape.extent),
+                self._guess_untried(record.modes),
             )
         ):
             return

@@ -96,10 +96,15 @@ class Lesson:
         return batch >= self.batch and seq > self.longest
 
 
-def unfittable(record: PlanRecord, start: int, limit: int | None, measured: bool, ran: bool = True) -> bool:
+def unfittable(
+    record: PlanRecord, start: int, limit: int | None, measured: bool, ran: bool = True, guessed: bool = False
+) -> bool:
     """The tightest plan, at a measured shape, is predicted over `limit` beyond the margin (the wider
-    one where the plan has not `ran` there block for block)."""
-    if record.feasible or record.predicted is None or limit is None or not measured:
+    one where the plan has not `ran` there block for block). Not where its prediction is a guess
+    (`guessed`: a mode no block of its kind has run, priced to err high): it runs once, measured. A
+    Glm4Moe's retry under OFFLOAD, never run, was predicted at 93 MiB on a 39 MiB stand-in and the
+    batch was given up; that plan trains it at 34."""
+    if record.feasible or record.predicted is None or limit is None or not measured or guessed:
         return False
     margin = REFUSE_MARGIN if ran else UNRUN_REFUSE_MARGIN
     return start + (record.predicted - start) * (1 - margin) > limit

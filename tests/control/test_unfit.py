@@ -272,6 +272,9 @@ def test_a_plan_whose_blocks_never_ran_it_here_is_refused_only_far_beyond_the_de
     assert not unfittable(record, start, limit, measured=False, ran=True)
     far = PlanRecord(predicted=start + 80 * MiB, **plan)
     assert unfittable(far, start, limit, measured=True, ran=False)  # 80 MiB, halved, is still over
+    # a plan priced by a guess (a mode no block of its kind has run: OFFLOAD on a mixture of experts,
+    # guessed at 93 MiB where it trained at 34) runs once, measured, however far over it reads
+    assert not unfittable(far, start, limit, measured=True, ran=False, guessed=True)
 
 
 def test_a_plan_that_ran_a_shape_is_run_where_the_figures_fit_none_and_retried_first(monkeypatch):
