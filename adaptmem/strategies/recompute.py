@@ -296,20 +296,30 @@ def without_cache(call: BlockCall) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-@functools.cache
+#: Per module class, `_use_cache_position`'s answer: a dictionary, not `functools.cache`, which
+#: torch.compile warns of in every checkpointed block of a compiled model ("Dynamo detected a call
+#: to a functools.lru_cache-wrapped function").
+_USE_CACHE_AT: dict[type, int | None] = {}
+
+
 def _use_cache_position(cls: type) -> int | None:
     """The place of `use_cache` among a module class's forward's positional arguments (self not
     counted), or None."""
+    if cls in _USE_CACHE_AT:
+        return _USE_CACHE_AT[cls]
+    at = None
     try:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):
-        return None
+        params = []
     for i, param in enumerate(params):
         if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-            return None
+            break
         if param.name == "use_cache":
-            return i
-    return None
+            at = i
+            break
+    _USE_CACHE_AT[cls] = at
+    return at
 
 
 def _holds_past(module: torch.nn.Module, cache: Any) -> bool:

@@ -222,3 +222,17 @@ def test_compile_blocks_needs_an_instrumented_model_and_restore_drops_it():
     adaptmem.compile_blocks(model, backend="aot_eager")
     adaptmem.restore(model)
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_compiled_model_checkpointed_warns_of_no_cached_function():
+    """torch.compile warned at every checkpointed block of a compiled model that the block's call went
+    through a `functools.lru_cache`-wrapped function (adaptmem's look-up of a positional `use_cache`)."""
+    import warnings
+
+    model = tiny()
+    batch = tiny_batch(model)
+    adaptmem.instrument(model, mode=Mode.CHECKPOINT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager")(**batch).loss.backward()
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
