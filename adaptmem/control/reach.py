@@ -121,7 +121,10 @@ class Reach:
             if self.trying
             else " (the policy's try_modes is off)"
         )
-        return f". {modes} not run on this model yet: counted by a guess made to err high, so this may be short{then}"
+        return (
+            f". {modes} not measured on this model's blocks yet (on each kind, where they differ): counted by a "
+            f"guess made to err high, so this may be short{then}"
+        )
 
     def _answer(self) -> str:
         if self.batch <= 0 or self.length <= 0:
