@@ -44,7 +44,7 @@ from adaptmem.control.agreement import Ranks
 from adaptmem.control.blocks import ManagedBlocks
 from adaptmem.control.budgeting import BudgetKeeper
 from adaptmem.control.costs import CostModel
-from adaptmem.control.coverage import guessed
+from adaptmem.control.coverage import guessed, guessed_in
 from adaptmem.control.decisions import ESCALATE, HOLD, Decider
 from adaptmem.control.events import EventLog
 from adaptmem.control.headcosts import KEPT, HeadCosts
@@ -512,7 +512,7 @@ class Controller:
         if not attempts or any(a.get("phase") != "backward" for a in attempts):
             return False
         ran = {m for plan, _ in self.plans.tried for m in plan}
-        return any(m not in ran and guessed(self.costs, m, i) for i, m in enumerate(modes))
+        return bool(guessed_in(self.costs, modes) - ran)
 
     def _refuse_unfittable(self, record: PlanRecord, shape: InputShape, start: int) -> None:
         """Give the step up before a block runs when no plan can fit it (see `adaptmem.control.unfit`).

@@ -65,6 +65,17 @@ def guessed(costs: CostModel, mode: Mode, index: int | None = None) -> bool:
     return len(measured) < len(set(kinds))
 
 
+def guessed_in(costs: CostModel, modes: tuple[Mode, ...]) -> set[Mode]:
+    """The modes of the plan `modes` that it runs on some block whose kind has not been measured in
+    them (`guessed` for each block, with each mode's measured kinds read once)."""
+    kinds, out = costs.kinds, set()
+    for mode in set(modes) & set(TRIED):
+        measured = {kinds[i] for i, d in enumerate(costs.direct) if mode in d}
+        if any(m is mode and kinds[i] not in measured for i, m in enumerate(modes)):
+            out.add(mode)
+    return out
+
+
 def needs_warm(costs: CostModel, modes: tuple[Mode, ...]) -> bool:
     """Some block offloaded under `modes` has only its first (cold) time reading, and no block of
     its class a warm one: the pooled figures stand for a cold block while another has one."""

@@ -39,7 +39,7 @@ from typing import Any
 from adaptmem.config.policy import Policy
 from adaptmem.config.units import format_bytes
 from adaptmem.control.costs import CostModel
-from adaptmem.control.coverage import covers, guessed, known
+from adaptmem.control.coverage import covers, guessed, guessed_in, known
 from adaptmem.control.decisions import Decider
 from adaptmem.control.headcosts import HeadChoice
 from adaptmem.control.planner import Option, picked, predicted_peak
@@ -346,7 +346,7 @@ class PlanBook:
                 modes, head, predicted = ran[0], ran[1], start + ran[2]
                 shortfall = max(0.0, predicted - start - self._aim(start, budget))
                 reason = f"{reason}, ran here before"
-            unmeasured = trial is None and p.try_modes and any(guessed(self.costs, m, i) for i, m in enumerate(modes))
+            unmeasured = trial is None and p.try_modes and bool(guessed_in(self.costs, modes))
         if head is None and self.costs.head_costs is not None:
             head = self._head_alone(shape, start, budget)
         exhausted = False
@@ -515,7 +515,7 @@ class PlanBook:
         (`python -m stress.reach_trials`). Each mode is tried once per run and kind of block (a
         hybrid's Mamba layers and its attention layers), on the one step the plan runs, which is
         measured block by block; the next step's plan is made from what it showed."""
-        kinds, costs = self.costs.kinds, self.costs
+        costs, kinds = self.costs, self.costs.kinds
         pending = [
             m
             for m in self.allowed
@@ -523,7 +523,8 @@ class PlanBook:
         ]
         self.trials_asked = self.trials_asked and bool(pending)
         # where the plan runs it on a block of a kind it is a guess for, the step is measured anyway
-        untried = [m for m in pending if not any(b is m and guessed(costs, m, i) for i, b in enumerate(modes))]
+        in_plan = guessed_in(costs, modes)
+        untried = [m for m in pending if m not in in_plan]
         if not untried:
             return None
         batch, extent = shape
@@ -538,9 +539,9 @@ class PlanBook:
         for mode in untried:
             for i, row in enumerate(rows):
                 option = next((o for o in row if o.mode is mode), None)
-                if i in fixed or option is None or option.host > host_limit or (mode, kinds[i]) in self.trials:
+                if i in fixed or option is None or option.host > host_limit:
                     continue
-                if not guessed(self.costs, mode, i):
+                if (mode, kinds[i]) in self.trials or not guessed(costs, mode, i):
                     continue
                 peak = max(predicted_peak(chosen[:i] + [option] + chosen[i + 1 :], final), tail)
                 order = (-rank.get(modes[i], 0), i)
@@ -584,7 +585,7 @@ class PlanBook:
         # once each way: a shape warned of as within the budget that comes to run over it (the
         # optimizer's state, allocated after the first steps, raised every later micro-batch 10% over
         # it) is warned of again, and so is one warned of on a guess, once measured
-        guesses = sorted({m.label for i, m in enumerate(modes) if guessed(self.costs, m, i)})
+        guesses = sorted(m.label for m in guessed_in(self.costs, modes))
         if (key[:2], measured, within, bool(guesses)) in self._warned:
             return
         self._warned.add((key[:2], measured, within, bool(guesses)))

@@ -92,11 +92,13 @@ class StepRecorder:
         # step not measured block by block, only the first block run and these get a backward hook
         # (backward began; backward went through every block)
         self.last: frozenset[int] | None = None if last_index is None else frozenset((last_index,))
+        by_module: dict[int, list[int]] = {}
+        for i, order in enumerate(orders or ()):
+            by_module.setdefault(order, []).append(i)
         self._calls: dict[int, frozenset[int]] = {}  # a block's index: its module's calls', where more than one
-        for order in set(orders or ()):
-            calls = frozenset(i for i, o in enumerate(orders) if o == order)
+        for calls in by_module.values():
             if len(calls) > 1:
-                self._calls.update(dict.fromkeys(calls, calls))
+                self._calls.update(dict.fromkeys(calls, frozenset(calls)))
         if self.last is not None:
             self.last = self._calls.get(last_index, self.last)
         self._in_flight = in_flight

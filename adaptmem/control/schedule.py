@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from adaptmem.config.policy import Policy
 from adaptmem.control.costs import CostModel
-from adaptmem.control.coverage import generalises, guessed, needs_warm
+from adaptmem.control.coverage import generalises, guessed_in, needs_warm
 from adaptmem.control.plans import MAX_CACHED_PLANS, Key, PlanRecord
 from adaptmem.modes import Mode
 
@@ -65,7 +65,7 @@ class MeasureSchedule:
             self.costs.steps_learned < 3
             or self.next
             or record.trial is not None
-            or (record.guessed and any(guessed(self.costs, m, i) for i, m in enumerate(record.modes)))
+            or (record.guessed and bool(guessed_in(self.costs, record.modes)))
             or needs_warm(self.costs, record.modes)
         )
         self.next = False
