@@ -276,6 +276,9 @@ class CostModel:
             # packed stands for them, erring high (every saved view counts apart), until a recompute
             # or NONE shows them
             act.add(b, s, blk.packed, provisional=True)
+        residue = blk.on_device if mode is Mode.OFFLOAD else blk.residue
+        if residue is not None:
+            lat["residue"].add(b, s, residue)
         if mode in (Mode.CHECKPOINT, _REC, Mode.OFFLOAD, _CO):
             lat["forward_transient"].add(b, s, blk.fwd_peak)
         if complete and mode is Mode.NONE:
@@ -391,9 +394,11 @@ class CostModel:
         got = self._latents.get(key)
         if got is None:
             q = self.policy.quadratic_prior
-            got = self._latents[key] = Latents(
-                **{k: self._latent(index, k, batch, extent, q) for k in self.latent[index]}
-            )
+            values = {k: self._latent(index, k, batch, extent, q) for k in self.latent[index]}
+            if not self.latent[index]["residue"].settled and self._twin(index, "residue", batch, extent) is None:
+                # counted on no block of its kind yet: the prior's share of its activations
+                values["residue"] = self.priors.offload_residue_share * values["activations"]
+            got = self._latents[key] = Latents(**values)
         return got
 
     def _latent(self, index: int, name: str, batch: int, extent: int, quadratic: float) -> float:
@@ -405,19 +410,24 @@ class CostModel:
             # as a block alike did (a calibration that ran out of memory in the second block's backward
             # had recomputed the last block alone, and its others, read 0 bytes of activations, were
             # planned in NONE at half their peak)
-            latent = self.latent
-            calls = self.calls
-            twin = next((j for j, m in enumerate(calls) if m == calls[index] and latent[j][name].settled), None)
-            if twin is None:
-                group = self.times.alike_groups(batch, extent)[index]
-                seen = [j for j in group if latent[j][name].settled]
-                twin = max(seen, key=lambda j: _extents(latent[j][name])) if seen else None
+            twin = self._twin(index, name, batch, extent)
             if twin is not None:
                 return self._latent(twin, name, batch, extent, quadratic)
         guide = self._guide(index, name, batch, extent)
         if guide is None and _extents(fit) != 1:
             return fit.predict(batch, extent, quadratic)
         return self._carried(index, name, batch, extent, guide)
+
+    def _twin(self, index: int, name: str, batch: int, extent: int) -> int | None:
+        """The block that has seen latent `name` and stands for block `index`, which has not: another
+        call of its module, else the block alike with it that saw it at the most lengths."""
+        latent, calls = self.latent, self.calls
+        twin = next((j for j, m in enumerate(calls) if m == calls[index] and latent[j][name].settled), None)
+        if twin is None:
+            group = self.times.alike_groups(batch, extent)[index]
+            seen = [j for j in group if latent[j][name].settled]
+            twin = max(seen, key=lambda j: _extents(latent[j][name])) if seen else None
+        return twin
 
     def _carried(self, index: int, name: str, batch: int, extent: int, guide: Fit | None) -> float:
         """A latent seen at fewer lengths than on a block alike (its class, its input size), carried

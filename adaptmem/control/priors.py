@@ -49,7 +49,8 @@ class Priors:
     "Share of a full recompute's time SELECTIVE pays: all but the weight layers (0.14 read side by side, CPU)."
 
     offload_residue_share: float = 0.02
-    "Share of activations OFFLOAD leaves on the device: tensors under min_bytes."
+    """Share of activations OFFLOAD leaves on the device (tensors under min_bytes) until a block's
+    checkpointed forward, or its offload, has counted them (`Latents.residue`)."""
 
     unpacked_share: float = 0.5
     """Share of a compressing mode's moved bytes live at once in its block's backward, where each saved
@@ -124,6 +125,7 @@ class Latents:
     activations: float = 0.0  # A: what a recompute rematerializes (the block's saved activations)
     backward_temp: float = 0.0  # D: backward's temporaries above what was saved
     forward_transient: float = 0.0  # peak above the block's start during a forward that keeps little
+    residue: float = 0.0  # of the input and activations, what OFFLOAD leaves on the device (under its min_bytes)
     forward_s: float = 0.0  # the block's forward
     recompute_s: float = 0.0  # a full recompute in backward
     none_s: float = 0.0  # forward + backward under NONE
@@ -242,8 +244,8 @@ def checkpoint(lat: Latents, a: Assumptions) -> Figures:
 
 def offload(lat: Latents, a: Assumptions) -> Figures:
     """Sends input and activations to the host; they come back (prefetched on CUDA) in backward."""
-    move = _moved(lat)
-    held = _irreducible(lat) + a.priors.offload_residue_share * lat.activations + a.in_flight(move, lat.forward_s)
+    move = _moved(lat)  # the residue among it, counted as moved too: a guess errs high
+    held = _irreducible(lat) + min(lat.residue, move) + a.in_flight(move, lat.forward_s)
     return Figures(
         a.guess * held,
         a.guess * plain_transient(lat),

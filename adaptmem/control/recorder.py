@@ -252,6 +252,8 @@ class StepRecorder:
                 return
             if not sample.blocks:
                 sample.detailed = self.detail
+                if self._runtime is not None:
+                    self._runtime.measuring = sample.detailed
                 if not sample.detailed and self._go_quiet(handle.index):  # it lists itself, as the blocks after it do
                     sample.batch, sample.extent, sample.seq, sample.width = shape or shape_of(args, kwargs)
                     now = self._less_in_flight(allocated) if allocated is not None else self._allocated()
@@ -297,6 +299,7 @@ class StepRecorder:
             block.packed = call.stats.get("packed", 0)
             block.on_device = call.stats.get("on_device", 0)
             block.host = call.stats.get("host", 0)
+            block.residue = call.stats.get("residue")
             if sample.detailed and "pack_s" in call.stats:  # its unpack time is known once its backward ran
                 block._marks["stats"] = call.stats
             if sample.detailed or block is sample.blocks[0] or self.last is None or handle.index in self.last:
@@ -335,8 +338,10 @@ class StepRecorder:
         return True
 
     def _stop_quiet(self) -> None:
+        """No light step, nor a measured one, runs (a step begins or ends)."""
         if self._runtime is not None:
             self._runtime.quiet, self._runtime.marked = None, frozenset()
+            self._runtime.measuring = False
         self._quiet, self._folded, self._quiet_stats = None, 0, []
 
     def _mark_last(self, index: int, output: Any) -> None:

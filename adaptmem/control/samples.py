@@ -32,6 +32,7 @@ class BlockSample:
     packed: int = 0  # bytes handed to an OFFLOAD/COMPRESS pack hook
     on_device: int = 0  # of those, bytes left on the device
     host: int = 0  # of those, bytes sent to the host
+    residue: int | None = None  # of what a checkpoint's forward saved, what OFFLOAD would leave on the device
     bwd_start: int | None = None  # allocated when its backward began
     bwd_top: int | None = None  # peak during its backward
     recompute_bytes: int | None = None

@@ -52,9 +52,13 @@ class BlockCall:
     #: ``warn_once(key, message)``: logs a message once per instrumented model
     warn_once: Callable[[str, str], None] = _quiet
     #: what the strategy did, for the cost model: bytes handed to the pack hook
-    #: ("packed"), left on the device ("on_device"), sent to the host ("host").
+    #: ("packed"), left on the device ("on_device"), sent to the host ("host"), and in a step
+    #: measured block by block, a checkpoint's "residue" (`measured`).
     stats: dict = field(default_factory=dict)
     #: where `forward` is compiled code (`adaptmem.compile_blocks`): given a checkpoint's
     #: ``context_fn`` (SELECTIVE's op policy, or None), the block's own forward under that
     #: checkpoint, compiled as one function, so the compiler partitions forward and recompute
     compiled_checkpoint: Callable[[Any], Callable[..., Any]] | None = None
+    #: a step measured block by block: a checkpoint's forward counts what OFFLOAD would leave on
+    #: the device of what the block saves (``stats["residue"]``, `packing.Residue`)
+    measured: bool = False

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
 from adaptmem.registrations import buffers_of, keep_attributes, put_back_attributes
 from adaptmem.strategies import rerun
 from adaptmem.strategies.call import BlockCall, main_input
-from adaptmem.strategies.packing import Packer
+from adaptmem.strategies.packing import Packer, Residue
 from adaptmem.strategies.selective import ATTENTION_OPS, SelectiveRun, resolve_ops
 
 log = logging.getLogger("adaptmem")
@@ -237,7 +237,12 @@ def _checkpointed(call: BlockCall, context_fn: Any, selective: Any = None) -> An
     run = BlockRun(call, tensor_keys, static, selective)
     flat = (*args, *(kwargs[k] for k in tensor_keys))
     if context_fn is None and not torch.compiler.is_compiling():
-        return rerun.checkpoint(run, *flat)
+        if not call.measured or selective is not None:
+            return rerun.checkpoint(run, *flat)
+        residue = Residue(call.module, call.offload.min_bytes)
+        out = rerun.checkpoint(run, *flat, saw=residue)
+        call.stats["residue"] = residue.bytes
+        return out
     options = {} if context_fn is None else {"context_fn": context_fn}  # the default is what torch.compile expects
     return checkpoint(run, *flat, use_reentrant=False, preserve_rng_state=True, **options)
 

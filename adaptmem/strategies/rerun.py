@@ -249,10 +249,11 @@ def _device_type(args: tuple) -> str:
     return torch.utils.checkpoint.DefaultDeviceType.get_device_type()
 
 
-def checkpoint(fn: Any, *args: Any) -> Any:
+def checkpoint(fn: Any, *args: Any, saw: Any = None) -> Any:
     """``fn(*args)`` with what it saves for backward recomputed in backward (see the module).
     Tensors are looked for among `args` themselves, not inside containers, as the block
-    wrapper hands them (tensor keyword arguments positionally)."""
+    wrapper hands them (tensor keyword arguments positionally). `saw`, where given, is
+    called with each tensor forward saves (`packing.Residue`)."""
     if not torch.is_grad_enabled():
         return fn(*args)
     frame = _Frame(fn, args)
@@ -260,8 +261,15 @@ def checkpoint(fn: Any, *args: Any) -> Any:
     frame.saver = _Inputs.apply(torch.empty((0,), requires_grad=True), *tensors)
     outer = running()
     _running.frame = frame
+    pack = frame.pack
+    if saw is not None:
+
+        def pack(x: torch.Tensor) -> _Holder:
+            saw(x)
+            return frame.pack(x)
+
     try:
-        with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, frame.unpack):
             return fn(*args)
     finally:
         _running.frame = outer

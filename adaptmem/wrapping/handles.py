@@ -63,6 +63,7 @@ class BlockRuntime:
         # each such block (by its order) in one forward since `longer` was last cleared
         self.longer: dict[int, int] = {}
         self.past: BlockHandle | None = None  # the handle a call past them took, until the observer sees it
+        self.measuring = False  # the step is measured block by block (the observer's): `BlockCall.measured`
 
     @property
     def observer(self) -> BlockObserver | None:
@@ -170,6 +171,7 @@ class BlockHandle:
             on_recompute=_RecomputeListener(self),
             warn_once=self.runtime.warn_once,
             compiled_checkpoint=compiled_checkpoint,
+            measured=self.runtime.measuring,
         )
 
     def finished(self, call: BlockCall) -> None:

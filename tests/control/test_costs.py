@@ -272,8 +272,8 @@ def test_a_faster_link_makes_offload_cheaper_and_nothing_else():
 
 def test_copies_in_flight_count_in_what_offload_holds_within_the_window():
     """The backlog a link cannot clear during the block's forward stays on the device, up to the window."""
-    lat = Latents(input_bytes=1e6, activations=8e6, forward_transient=9e6, forward_s=0.001)
-    kept = (1e6 + HOST_PRIORS.offload_residue_share * 8e6) * 1.25
+    lat = Latents(input_bytes=1e6, activations=8e6, forward_transient=9e6, forward_s=0.001, residue=0.2e6)
+    kept = (1e6 + 0.2e6) * 1.25  # the input, and what it leaves on the device
 
     def held(link, cap):
         priors = replace(HOST_PRIORS, link_bytes_per_s=link, in_flight_cap=cap)
