@@ -590,6 +590,7 @@ def test_a_batch_given_up_is_freed_without_a_garbage_collection():
             gc.enable()
 
 
+@pytest.mark.slow
 def test_a_batch_given_up_past_a_length_that_trained_leaves_that_length_an_answer():
     """A Gemma 3 (sliding and full attention) asked how long fits at batch 2, trained at the answer
     at the limit, then given a batch a tenth longer, which is refused: the answer after it stays the

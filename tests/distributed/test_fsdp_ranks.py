@@ -33,6 +33,7 @@ def test_a_collective_returns_once_gloo_has_let_go_of_its_buffers(tmp_path):
         assert result["late"] == 0, result
 
 
+@pytest.mark.slow
 def test_lossless_modes_are_exact_and_a_managed_run_agrees_on_both_ranks(tmp_path):
     """Managed three times: FSDP2's default (blocks reshard after forward and gather again in
     backward), `reshard_after_forward=False` (each block's gathered parameters kept from forward to
@@ -63,6 +64,7 @@ def test_lossless_modes_are_exact_and_a_managed_run_agrees_on_both_ranks(tmp_pat
                 assert 0.90 <= ratio <= 1.10, (name, rank, i, r)  # within 10%, a plan's first run at a length too
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_error_on_one_rank_is_retried_by_both_and_stays_exact(tmp_path):
     """Rank 0 alone fails at step 3: an error raised in forward, one raised in backward, and the
     stand-in's own at a real allocation. Rank 0 takes part in the rest of the step's FSDP2
