@@ -661,7 +661,7 @@ class Controller:
         pred, error = self._step_predicted(sample), None
         if pred is not None and observed > 0:
             error = (pred - observed) / observed
-        self.stats.stepped(observed, decision, error)
+        self.stats.stepped(observed, decision, error, observed > self.budget)
         self._ran(sample)
         self._learn_from(sample, decision, pred, calibrating)
         self.plans.succeeded()
@@ -672,6 +672,10 @@ class Controller:
             self.plans.forget()
             self.events.emit("relief", step=self.stats.steps, budget_bytes_before=relief[0], budget_bytes=relief[1])
         plan, counts = self.blocks.described(sample.plan)
+        if pred is not None and pred <= self.budget < observed and not calibrating:
+            self.notices.over_budget(
+                self.stats.steps, observed, self.budget, pred, ", ".join(f"{m} x{n}" for m, n in counts.items())
+            )
         return self.events.emit(
             "step",
             step=self.stats.steps,

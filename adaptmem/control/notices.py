@@ -117,6 +117,23 @@ class Notices:
                 seen,
             )
 
+    def over_budget(self, step: int, observed: int, budget: int, predicted: float, plan: str) -> None:
+        """A step planned under the budget peaked over it, with no out-of-memory error (the device had
+        room): said once a run, as a step predicted over it is warned of before it runs."""
+        if self._once("over budget"):
+            log.warning(
+                "adaptmem: step %d peaked at %s, %s over the budget of %s, where its plan (%s) was predicted "
+                "at %s. The plans after it count what it showed and aim lower for a while; "
+                "summary()['steps_over_budget'] counts the steps over it. Where the budget must hold at "
+                "every step (other work shares the device), give a lower one.",
+                step,
+                format_bytes(observed),
+                format_bytes(observed - budget),
+                format_bytes(budget),
+                plan,
+                format_bytes(predicted),
+            )
+
     def head_kept(self, why: str) -> None:
         """A step used the chunked head's logits beyond what a chunk replays: the head is kept."""
         if self._once("head kept"):

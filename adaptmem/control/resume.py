@@ -114,6 +114,7 @@ def summary(ctl: Controller, compiles: int) -> dict[str, Any]:
         **stats.prediction_errors(),
         "decisions": dict(stats.decisions),
         "pressure_events": stats.pressure_events,
+        "steps_over_budget": stats.over_budget,
         "headroom": ctl.decider.headroom,
         "plan_counts": dict(Counter(m.label for m in ctl.blocks.modes)),
         "head": ctl.blocks.head_choice.label if ctl.blocks.head_choice is not None else None,

@@ -21,15 +21,18 @@ class RunStats:
     ooms_recovered: int = 0  # of those, the ones a retry got past
     plan_changes: int = 0  # times the applied plan changed: a block's mode or the loss head's choice
     pressure_events: int = 0  # times others took memory and the budget shrank
+    over_budget: int = 0  # steps whose peak passed the budget in force (with no out-of-memory error)
     peak_bytes: int = 0  # the highest step peak seen
     errors: list[float] = field(default_factory=list)  # per predicted step: (predicted - observed) / observed
     decisions: Counter = field(default_factory=Counter)  # hold / escalate / relax / recover: how many of each
     loaded: dict[str, int] = field(default_factory=dict)  # the counters a saved state brought (`load_counters`)
     peak_here: int = 0  # the highest step peak since this manager began (a resumed run's own)
 
-    def stepped(self, peak: int, decision: str, error: float | None) -> None:
-        """A step completed with this peak, decision and prediction error (None: not predicted)."""
+    def stepped(self, peak: int, decision: str, error: float | None, over: bool = False) -> None:
+        """A step completed with this peak, decision and prediction error (None: not predicted);
+        `over`: its peak passed the budget."""
         self.steps += 1
+        self.over_budget += over
         self.peak_bytes = max(self.peak_bytes, peak)
         self.peak_here = max(self.peak_here, peak)
         self.decisions[decision] += 1

@@ -4,6 +4,7 @@ import statistics
 from dataclasses import replace
 
 import pytest
+import torch
 from helpers import budget_between, hf_batch, llama, tiny, tiny_batch
 
 import adaptmem
@@ -318,3 +319,30 @@ def test_a_retry_under_a_mode_never_run_says_its_prediction_is_a_guess(caplog):
     assert retry["observed_peak_bytes"] < retry["predicted_peak_bytes"]
     assert "OFFLOAD has not run on these blocks yet, so the prediction is a guess made to err high" in said
     assert "lower the batch" not in said
+
+
+def test_a_step_planned_under_the_budget_that_peaks_over_it_is_warned_of_once_and_counted(caplog):
+    """A step whose plan was predicted under the budget and that peaks over it (the device had room,
+    so nothing ran out of memory) is said once a run, with its figures; `steps_over_budget` in
+    the summary counts every such step. Here a block keeps a tensor no figure knows of, in two
+    steps."""
+    model, dev = small()
+    extra, armed = [], [False]
+    model.blocks[1].register_forward_hook(lambda m, i, o: extra.append(torch.empty(2**19)) if armed[0] else None)
+    with dev, adaptmem.manage(model, budget=2**30, device=dev) as mem:
+        run_steps(mem, model, 64, n=4)
+        mem.set_budget(int(1.1 * mem.last_step["observed_peak_bytes"]))
+        run_steps(mem, model, 64, n=2)
+        records = []
+        with caplog.at_level("WARNING", logger="adaptmem"):
+            for i in range(5):
+                armed[0] = i in (1, 3)
+                run_steps(mem, model, 64)
+                extra.clear()
+                records.append(mem.last_step)
+        summary = mem.summary()
+    over = [r["step"] for r in records if r["observed_peak_bytes"] > r["budget_bytes"]]
+    assert len(over) == 2 and all(r["predicted_peak_bytes"] <= r["budget_bytes"] for r in records)
+    warned = [r.getMessage() for r in caplog.records if "over the budget of" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"adaptmem: step {over[0]} peaked at")
+    assert summary["steps_over_budget"] == 2
