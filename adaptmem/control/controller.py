@@ -221,7 +221,7 @@ class Controller:
                 if isinstance(error, torch.OutOfMemoryError):
                     self.retries.trace.before_learning(self.costs, self.lengths)
                 self.costs.learn(sample)
-                self.lengths.learn(sample)
+                self.lengths.learn(sample, completed=error is None)
             if isinstance(error, torch.OutOfMemoryError):
                 return self._record_oom(error, sample)
             if error is None and sample is not None:
@@ -474,6 +474,11 @@ class Controller:
                 now.key = record.key
                 # this rank's own peak under the plan every rank runs: its shape and allocation
                 now.predicted = self.plans.predict(record.modes, shape.batch, shape.extent, own, record.head)
+                if now.predicted is not None:
+                    # the step peaks no lower than what ran before its first block did, which no plan
+                    # lowers (a teacher's forward in distillation: predicted at the student's 89 MiB
+                    # where each step peaked at 111, in the teacher)
+                    now.predicted = max(now.predicted, self.recorder.probe.peak())
                 now.feasible = record.feasible
                 now.start = own
             return own

@@ -128,6 +128,9 @@ class CostModel:
         self.cold: set[tuple[int, Mode]] = set()  # (block, mode) whose only time reading is its first offload's
         self.times = ModeTimes(self)  # the seconds each mode adds (adaptmem.control.timings)
         self._latents: dict[tuple[int, int, int], Latents] = {}  # `latents` asked for since the fits last changed
+        # the blocks' indices in the order a forward runs them, where that is not their order (a SigLIP's
+        # vision tower runs before its text tower, registered first): plans sum what the blocks hold so
+        self.order: list[int] | None = None
 
     def pin_seen_bytes(self) -> None:
         """From now on, a block's own bytes at a shape seen are predicted as what was seen there, not
@@ -214,6 +217,9 @@ class CostModel:
         b, s = sample.batch, sample.extent
         start0 = sample.blocks[0].start
         self.provisional = False
+        run = [blk.index for blk in sample.blocks]
+        if not sample.overlapped and sorted(run) == list(range(len(self.direct))):
+            self.order = None if run == sorted(run) else run
         self.elem_size = sample.blocks[0].elem_size or self.elem_size
         self._grads_resident = sample.grads_resident
         prefix = 0
@@ -575,6 +581,7 @@ class CostModel:
             "head_costs": self.head_costs.state_dict() if self.head_costs is not None else None,
             "elem_size": self.elem_size,
             "steps_learned": self.steps_learned,
+            "order": self.order,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -600,6 +607,8 @@ class CostModel:
             self.head_costs.load_state_dict(state["head_costs"])
         self.elem_size = int(state["elem_size"])
         self.steps_learned = int(state["steps_learned"])
+        order = state.get("order")
+        self.order = [int(i) for i in order] if order is not None else None
         self.times.forget()  # its pools are kept per steps learned, which may have gone back
         self._latents = {}  # the fits changed
 

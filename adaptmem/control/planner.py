@@ -56,21 +56,50 @@ def picked(options: list[list[Option]], modes: tuple) -> list[Option]:
     return [next(o for o in row if o.mode is m) for row, m in zip(options, modes)]
 
 
-def predicted_peak(chosen: list[Option], final: float = 0.0) -> float:
-    """max over blocks of (earlier saved + need), and total saved + final."""
+def in_order(rows: list, order: list[int] | None) -> list:
+    """`rows` (one per block by index, then any after the blocks: a loss head's) in the order a forward
+    runs the blocks (`order`, their indices as they run; None: as indexed)."""
+    if order is None:
+        return rows
+    return [rows[i] for i in order] + rows[len(order) :]
+
+
+def by_index(modes: tuple, order: list[int] | None) -> tuple:
+    """Modes chosen for rows `in_order`, put back by block index."""
+    if order is None:
+        return modes
+    out = list(modes)
+    for k, i in enumerate(order):
+        out[i] = modes[k]
+    return tuple(out)
+
+
+def predicted_peak(chosen: list[Option], final: float = 0.0, order: list[int] | None = None) -> float:
+    """max over blocks of (earlier saved + need), and total saved + final; `chosen` by block index,
+    summed in the order a forward runs them (`in_order`)."""
     prefix, peak = 0.0, 0.0
-    for option in chosen:
+    for option in in_order(chosen, order):
         peak = max(peak, prefix + option.need)
         prefix += option.saved
     return max(peak, prefix + final)
 
 
-def plan(options: list[list[Option]], capacity: float, final: float = 0.0, bins: int = 1024) -> PlanResult:
+def plan(
+    options: list[list[Option]],
+    capacity: float,
+    final: float = 0.0,
+    bins: int = 1024,
+    order: list[int] | None = None,
+) -> PlanResult:
     """The cheapest plan whose predicted peak is within `capacity` (bytes).
 
     options[i] lists the modes block i may take (restrict a block to one
-    option to fix its mode, e.g. a block that already ran this forward).
+    option to fix its mode, e.g. a block that already ran this forward);
+    `order`: the blocks' indices in the order a forward runs them (`in_order`).
     """
+    if order is not None:
+        result = plan(in_order(options, order), capacity, final, bins)
+        return replace(result, modes=by_index(result.modes, order))
     if not options:
         return PlanResult((), 0.0, final, final <= capacity, max(0.0, final - capacity))
     if any(not opts for opts in options):
@@ -90,10 +119,12 @@ def plan(options: list[list[Option]], capacity: float, final: float = 0.0, bins:
     return _result(options, found, final, capacity, feasible=False)
 
 
-def feasible(options: list[list[Option]], capacity: float, final: float = 0.0, bins: int = 1024) -> bool:
+def feasible(
+    options: list[list[Option]], capacity: float, final: float = 0.0, bins: int = 1024, order: list[int] | None = None
+) -> bool:
     """Some plan's predicted peak is within `capacity` (each figure rounded up to a step of
     `capacity / bins`, so a borderline plan may be called infeasible, never the reverse)."""
-    return bool(options) and _solve(options, capacity, final, bins, use_cost=False) is not None
+    return bool(options) and _solve(in_order(options, order), capacity, final, bins, use_cost=False) is not None
 
 
 def tightest_capacity(options: list[list[Option]], final: float = 0.0, bins: int = 1024) -> float:

@@ -150,6 +150,9 @@ class PlanBook:
         self.ran_at: OrderedDict[tuple[int, int, bool], tuple[tuple[Mode, ...], HeadChoice | None, float]] = (
             OrderedDict()
         )
+        # every plan that ran a step to its end, by (batch, extent, gradients resident, modes, head): its
+        # last peak above the first block's start (`ran`, `_ran_over`)
+        self.peaks: OrderedDict[tuple, float] = OrderedDict()
 
     def bucket(self, batch: int, extent: int) -> Key:
         """The shape bucket, and whether the step starts with the weights' gradients kept from the
@@ -252,6 +255,37 @@ class PlanBook:
         self.ran_at[key] = kept
         while len(self.ran_at) > MAX_RAN:
             self.ran_at.popitem(last=False)
+        self.peaks.pop((*key, modes, head), None)
+        self.peaks[(*key, modes, head)] = above
+        while len(self.peaks) > 4 * MAX_RAN:
+            self.peaks.popitem(last=False)
+
+    def _ran_over(
+        self, shape: Shape, modes: tuple[Mode, ...], head: HeadChoice | None, start: int, aim: float
+    ) -> tuple[tuple[Mode, ...], HeadChoice | None, float] | None:
+        """Where `modes` (and `head`) ran this very shape to its end before and peaked over the aim (in
+        bytes above the first block's start, `_aim`'s), whatever its figures say now, the fastest plan
+        that ran the shape under it, as (modes, head, its peak from `start`); None where `modes` did
+        not, or no plan ran under it. A SigLIP's plan
+        keeping its vision tower's last layer ran 2.4 MiB over its prediction at every third step,
+        each time chosen again on the same figures: what its head and loss hold above the blocks
+        differs with that layer's mode, which the cost model reads as one figure."""
+        batch, extent = shape
+        resident = self.costs.grads_resident
+        seen = self.peaks.get((batch, extent, resident, modes, head))
+        if seen is None or seen <= aim:
+            return None
+        rows, best = None, None
+        for (b, e, r, ran, ran_head), above in self.peaks.items():
+            if (b, e, r) != (batch, extent, resident) or above > aim or not self.head_runs(ran_head):
+                continue
+            if any(ran[i] is not m for i, m in self.pinned.items()):
+                continue
+            rows = rows or self.costs.options(batch, extent, self.allowed, {})
+            seconds = sum(o.seconds for o in picked(rows, ran))
+            if best is None or seconds < best[0]:
+                best = (seconds, ran, ran_head, start + above)
+        return best[1:] if best is not None else None
 
     def _ran_here(self, shape: Shape) -> tuple[tuple[Mode, ...], HeadChoice | None, float] | None:
         """Of the plans kept by `ran` for this shape or one as large in both batch and elements (a plan
@@ -291,13 +325,14 @@ class PlanBook:
     def snapshot(self) -> tuple:
         """The cached plans, the shortfalls warned of, the modes tried and the plans that ran, to put
         back with `restore`."""
-        return self.cache.copy(), set(self._warned), set(self.trials), self.ran_at.copy()
+        return self.cache.copy(), set(self._warned), set(self.trials), self.ran_at.copy(), self.peaks.copy()
 
     def restore(self, snapshot: tuple, *, costs_changed: bool) -> None:
         """Put back a `snapshot`. `costs_changed`: the cost model went back too, so the predictions
         kept for its last state are dropped."""
-        cache, warned, trials, ran = snapshot
+        cache, warned, trials, ran, peaks = snapshot
         self.cache, self._warned, self.trials, self.ran_at = cache.copy(), set(warned), set(trials), ran.copy()
+        self.peaks = peaks.copy()
         if costs_changed:
             self._predicted_for = None
 
@@ -338,6 +373,10 @@ class PlanBook:
                 if tried is not None:
                     modes, trial, predicted = tried
                     reason = f"{reason}, trial {trial.label}"
+            over = self._ran_over(shape, modes, head, start, self._aim(start, budget)) if feasible else None
+            if over is not None and not replanning and self.failed is None:
+                modes, head, predicted = over
+                reason = f"{reason}, ran here before"
             ran = self._ran_here(shape) if not feasible and not replanning and self.failed is None else None
             if ran is not None and start + ran[2] < predicted:
                 # no plan is predicted to fit, and one ran this shape lower than the tightest predicted:
@@ -400,7 +439,7 @@ class PlanBook:
             rows = self.costs.options(batch, extent, self.allowed, fixed=dict(enumerate(modes)))
             chosen = [row[0] for row in rows]
             final = self.costs.head_bytes(batch, extent, head)
-            above = max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, extent))
+            above = max(predicted_peak(chosen, final, self.costs.order), self.costs.tail_bytes(batch, extent))
             self._predicted[key] = above
         return start + above
 
@@ -431,6 +470,9 @@ class PlanBook:
                 b, e, r = key
                 if r is resident and b >= shape[0] and e >= shape[1] and entry[:2] == (executed, head):
                     del self.ran_at[key]
+            for b, e, r, modes, ran_head in list(self.peaks):
+                if r is resident and b >= shape[0] and e >= shape[1] and (modes, ran_head) == (executed, head):
+                    del self.peaks[(b, e, r, modes, ran_head)]
         self.tried.add((executed, head))
         self.cache.clear()
         if shape is not None and shape[0] * shape[1] > 0:
@@ -461,7 +503,9 @@ class PlanBook:
         measured = self.costs.measured(batch, extent)
         tail = self.costs.tail_bytes(batch, extent) if measured or covers(self.costs, batch, extent) else 0.0
         for _ in range(len(options) + 1):  # keep offloaded bytes under the host ceiling
-            result = solve(options + ([head_row] if head_row else []), max(aim, tail), final, p.planner_bins)
+            result = solve(
+                options + ([head_row] if head_row else []), max(aim, tail), final, p.planner_bins, self.costs.order
+            )
             chosen = picked(options, result.modes)
             if sum(o.host for o in chosen) <= host_limit:
                 break
@@ -470,7 +514,7 @@ class PlanBook:
         bound = tail > aim
         if bound:
             if not measured:  # the tail is extrapolated too: where nothing fits, the tightest plan runs
-                result = solve(options + ([head_row] if head_row else []), 0.0, final, p.planner_bins)
+                result = solve(options + ([head_row] if head_row else []), 0.0, final, p.planner_bins, self.costs.order)
                 bound = tail > result.peak
             peak = max(result.peak, tail)
             result = replace(result, peak=peak, feasible=False, shortfall=peak - aim)
@@ -482,7 +526,7 @@ class PlanBook:
             # tighter, as chunking it changes the order of summation.)
             tightest = min(head_row, key=lambda o: (o.need, o.seconds))
             chosen = picked(options, result.modes[:-1]) + [tightest]
-            peak = predicted_peak(chosen, final)
+            peak = predicted_peak(chosen, final, self.costs.order)
             result = replace(
                 result, modes=result.modes[:-1] + (tightest.mode,), peak=peak, shortfall=max(0.0, peak - aim)
             )
@@ -543,7 +587,7 @@ class PlanBook:
                     continue
                 if (mode, kinds[i]) in self.trials or not guessed(costs, mode, i):
                     continue
-                peak = max(predicted_peak(chosen[:i] + [option] + chosen[i + 1 :], final), tail)
+                peak = max(predicted_peak(chosen[:i] + [option] + chosen[i + 1 :], final, costs.order), tail)
                 order = (-rank.get(modes[i], 0), i)
                 if peak <= aim and (best is None or order < best[0]):
                     best = (order, i, mode, peak)
@@ -613,6 +657,13 @@ class PlanBook:
             )
         else:
             advice = "lower the batch or input size, or raise the budget (the device has room for this plan)."
+        untried = sorted(m.label for m in self.allowed if guessed(self.costs, m))
+        if untried and not guesses:  # the tightest by the figures, among which a guess errs high
+            advice += (
+                f" ({' and '.join(untried)} not run on these blocks yet: counted by a guess made to err high, "
+                f"{'it' if len(untried) == 1 else 'each'} may fit where this plan does not, and is tried where a "
+                "plan leaves room.)"
+            )
         forwards = forwards if forwards > 1 and batch % forwards == 0 else 1
         counted = f"{batch} ({batch // forwards} in each of {forwards} forwards before one backward)"
         log.warning(

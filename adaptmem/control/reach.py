@@ -224,9 +224,12 @@ class LengthsSeen:
         # it grows with the batch and the length, where the start does not
         self.before = Fit("act")
 
-    def learn(self, sample) -> None:
-        """A step measured block by block: tokens are dimension 1 of a (batch, tokens, hidden) input."""
-        if sample.width > 0:
+    def learn(self, sample, completed: bool = True) -> None:
+        """A step measured block by block: tokens are dimension 1 of a (batch, tokens, hidden) input.
+        One that ran out of memory (`completed` False) measured some blocks, not the step: its length
+        is no length measured (a Falcon-H1's batch of 2 x 16,384 given up in forward, at 2 x 832 measured,
+        had the answer after it called 4,222 tokens no extrapolation)."""
+        if sample.width > 0 and completed:
             if sample.width != self.width:  # another kind of input: its lengths start over
                 self.width, self.measured_length, self.measured_tokens, self.shortest = sample.width, 0, 0, 0
             self.measured_length = max(self.measured_length, sample.seq)
@@ -405,7 +408,7 @@ class Reacher:
             if self.costs.tail_bytes(batch, length * self.width) > room:
                 return False
             rows, final = self.rows(batch, length)
-            if not feasible(rows, room, final, BINS):
+            if not feasible(rows, room, final, BINS, self.costs.order):
                 return False
         return trained or not near  # near a batch given up, the figures' word alone is not taken
 
@@ -429,9 +432,10 @@ class Reacher:
         highest, seen = None, True
         for resident, start in self._states(batch, length):
             rows, final = self.rows(batch, length)
-            result = solve(rows, self.limit - start, final, BINS)
+            result = solve(rows, self.limit - start, final, BINS, self.costs.order)
             chosen = picked(rows, result.modes)
-            peak = start + max(predicted_peak(chosen, final), self.costs.tail_bytes(batch, length * self.width))
+            order = self.costs.order
+            peak = start + max(predicted_peak(chosen, final, order), self.costs.tail_bytes(batch, length * self.width))
             modes, head = result.modes, None
             if self.costs.head_costs is not None:
                 modes, head = modes[:-1], modes[-1]

@@ -550,6 +550,7 @@ def test_a_length_given_up_is_not_named_again_until_a_step_that_long_trains():
         assert err is not None, f"{named} tokens were expected to run out of memory past the switch"
         after = mem.longest_sequence(2).length
         assert after < GIVEN_UP_BACKOFF * named
+        assert mem.longest_sequence(2).measured_length < named  # an attempt that ran out measured no length
         assert f"The longest sequence predicted to fit at batch 2: {after:,} tokens." in str(err)
         assert mem.largest_batch(named).batch < 2
         assert _learned(mem.state_dict()) == before
@@ -645,3 +646,24 @@ def test_a_batch_given_up_past_a_length_that_trained_leaves_that_length_an_answe
         assert mem.longest_sequence(batch=2).length >= answer
         assert not step(mem, int(answer * 1.1))
         assert mem.longest_sequence(batch=2).length >= answer
+
+
+def test_a_batch_that_ran_out_of_memory_measures_no_length_an_answer_names():
+    """A batch far past the lengths measured runs (its size not run yet), runs out of memory in
+    forward and is given up: the answers after it name the longest length measured by steps that
+    ran, and say they are extrapolated past it (a Falcon-H1's answer after a refused 2 x 16,384
+    called 4,222 tokens measured, at 832 measured)."""
+    model = llama(layers=2, hidden=64, dropout=0.0)
+    dev = SimulatedDevice(48 * MiB)
+    dev.track(model)
+    with dev, adaptmem.manage(model, device=dev) as mem:
+        for seq in (64, 96, 128, 96):
+            mem.run_step(lambda: model(**hf_batch(2, seq)).loss.backward())
+            model.zero_grad(set_to_none=True)
+        with pytest.raises(StepOutOfMemoryError):
+            mem.run_step(lambda: model(**hf_batch(2, 8192)).loss.backward())
+        model.zero_grad(set_to_none=True)
+        for limit in (None, mem.budget):
+            answer = mem.longest_sequence(2, limit=limit)
+            assert answer.measured_length == 128, answer
+            assert answer.extrapolated == (answer.length > 128), answer

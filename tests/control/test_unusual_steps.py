@@ -525,3 +525,30 @@ def test_a_language_model_after_a_fixed_size_vision_tower_is_told_to_be_managed_
     apart = run("auto")
     assert len(apart) == 1 and r'blocks=r"model\.language_model\.layers\.\d+"' in apart[0], apart
     assert run(r"model\.language_model\.layers\.\d+") == []
+
+
+def test_what_runs_before_the_first_block_counts_in_the_steps_prediction():
+    """Distillation: a frozen teacher's forward runs in the step before the student's first block
+    and peaks above anything the student's plan holds. No plan lowers that peak, and the step's
+    prediction counts it (it was the student's, 20% under every step's peak, never corrected)."""
+    student = tiny(dim=32, n_layers=3, vocab_size=256)
+    teacher = tiny(dim=1024, n_layers=1, vocab_size=256)
+    dev = SimulatedDevice(capacity_bytes=2**31)
+    dev.track(student)
+    dev.track(teacher)
+    records = []
+    with dev, adaptmem.manage(student, budget=2**30, device=dev) as mem:
+        for _ in range(6):
+            batch = tiny_batch(student, batch=4, seq=64)
+
+            def step():
+                with torch.no_grad():
+                    soft = torch.softmax(teacher(**batch).logits, -1)
+                logits = student(**batch).logits
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), soft.flatten(0, 1)).backward()
+
+            mem.run_step(step)
+            student.zero_grad(set_to_none=True)
+            records.append(mem.last_step)
+    for r in records[2:]:
+        assert abs(r["predicted_peak_bytes"] / r["observed_peak_bytes"] - 1) <= 0.02, r
