@@ -266,10 +266,10 @@ class PlanBook:
         """Where `modes` (and `head`) ran this very shape to its end before and peaked over the aim (in
         bytes above the first block's start, `_aim`'s), whatever its figures say now, the fastest plan
         that ran the shape under it, as (modes, head, its peak from `start`); None where `modes` did
-        not, or no plan ran under it. A SigLIP's plan
-        keeping its vision tower's last layer ran 2.4 MiB over its prediction at every third step,
-        each time chosen again on the same figures: what its head and loss hold above the blocks
-        differs with that layer's mode, which the cost model reads as one figure."""
+        not, or no plan ran under it. A SigLIP's plan keeping its vision tower's last layer ran over
+        its prediction, each time chosen again on the same figures: the vision head's backward, on
+        top of that layer's activations, was read as part of a text layer's backward, and a plan
+        borrowing that layer's figures from its sibling left it out."""
         batch, extent = shape
         resident = self.costs.grads_resident
         seen = self.peaks.get((batch, extent, resident, modes, head))
@@ -368,15 +368,16 @@ class PlanBook:
             if not feasible and extent > seen:  # no plan fits the bucket's top: plan for the input itself
                 extent, shape, warn = seen, (key[0], seen), True
                 modes, head, predicted, feasible, shortfall, bound, free = self._solve(shape, start, budget, fixed)
-            if feasible and (not free or self.trials_asked) and not replanning and self.failed is None and p.try_modes:
+            settled = feasible and not replanning and self.failed is None
+            over = self._ran_over(shape, modes, head, start, self._aim(start, budget)) if settled else None
+            if over is not None:  # it ran here over the aim: what ran under it runs, nothing tried in it
+                modes, head, predicted = over
+                reason = f"{reason}, ran here before"
+            elif settled and (not free or self.trials_asked) and p.try_modes:
                 tried = self._trial(modes, head, shape, start, budget, fixed)
                 if tried is not None:
                     modes, trial, predicted = tried
                     reason = f"{reason}, trial {trial.label}"
-            over = self._ran_over(shape, modes, head, start, self._aim(start, budget)) if feasible else None
-            if over is not None and not replanning and self.failed is None:
-                modes, head, predicted = over
-                reason = f"{reason}, ran here before"
             ran = self._ran_here(shape) if not feasible and not replanning and self.failed is None else None
             if ran is not None and start + ran[2] < predicted:
                 # no plan is predicted to fit, and one ran this shape lower than the tightest predicted:
