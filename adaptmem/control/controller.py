@@ -474,7 +474,7 @@ class Controller:
                 now.key = record.key
                 # this rank's own peak under the plan every rank runs: its shape and allocation
                 now.predicted = self.plans.predict(record.modes, shape.batch, shape.extent, own, record.head)
-                if now.predicted is not None:
+                if now.predicted is not None and not getattr(self.recorder.probe.inner, "whole_step_peaks", False):
                     # the step peaks no lower than what ran before its first block did, which no plan
                     # lowers (a teacher's forward in distillation: predicted at the student's 89 MiB
                     # where each step peaked at 111, in the teacher)

@@ -659,7 +659,7 @@ class PlanBook:
         else:
             advice = "lower the batch or input size, or raise the budget (the device has room for this plan)."
         untried = sorted(m.label for m in self.allowed if guessed(self.costs, m))
-        if untried and not guesses:  # the tightest by the figures, among which a guess errs high
+        if untried and not guesses and not bound:  # the tightest by the figures, among which a guess errs high
             advice += (
                 f" ({' and '.join(untried)} not run on these blocks yet: counted by a guess made to err high, "
                 f"{'it' if len(untried) == 1 else 'each'} may fit where this plan does not, and is tried where a "

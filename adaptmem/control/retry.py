@@ -409,7 +409,7 @@ def oom_report(
             "after a second attempt found no more room than the first): lower the batch size or sequence "
             f"length, or {ROOM} (what the step holds before its blocks, the weights, gradients and optimizer "
             "state among it, takes from it). What runs there is the step's code before the model's blocks (a "
-            "teacher model's forward in distillation counts against the budget too) or the model's own: an "
+            "teacher model's forward in distillation) or the model's own: an "
             "attention mask built for the whole sequence (packed sequences' position_ids make one of batch x "
             "length x length on the eager and SDPA paths), or a layer that holds much, such as an audio model's "
             "convolutional feature encoder, which can be made a block with `blocks=`."

@@ -14,6 +14,9 @@ class ScriptedProbe(HostClock):
     constants you may change between steps.
     """
 
+    #: its peak is the step's whole, read at any moment: no reading shows part of a step
+    whole_step_peaks = True
+
     def __init__(self, capacity_bytes: int, peaks, *, allocated: int = 0, external: int = 0, retries=None) -> None:
         self.name = "scripted"
         self._capacity = capacity_bytes

@@ -389,9 +389,9 @@ def test_a_plan_predicted_over_the_budget_names_the_modes_it_counted_by_a_guess(
         policy = load_policy("balanced").model_copy(update={"modes": modes, "try_modes": False})
         caplog.clear()
         with dev, adaptmem.manage(model, budget=2**30, device=dev, policy=policy) as mem:
-            run_steps(mem, model, 96, n=3)
-            mem.set_budget(int(0.3 * mem.last_step["observed_peak_bytes"]))
+            run_steps(mem, model, 256, n=3)
+            mem.set_budget(int(0.25 * mem.last_step["observed_peak_bytes"]))  # under the blocks, over the tail
             with caplog.at_level("WARNING", logger="adaptmem"):
-                run_steps(mem, model, 96)
+                run_steps(mem, model, 256)
         (warned,) = [r.getMessage() for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
         assert ("OFFLOAD not run on these blocks yet" in warned) is named, warned
