@@ -75,7 +75,7 @@ def ladder_rank(plan_counts):
     return sum(labels.index(label) * n for label, n in plan_counts.items())
 
 
-@pytest.mark.parametrize("name", ["tiny", "hf-llama"])
+@pytest.mark.parametrize("name", [pytest.param("tiny", marks=pytest.mark.slow), "hf-llama"])
 def test_varying_lengths_survive_and_the_plan_relaxes_after_the_spike(name):
     make, make_batch = models()[name]
     model = make()
@@ -403,7 +403,7 @@ def test_exit_restores_the_model_and_stops_the_thread_even_on_error():
     assert not any(t.name == "adaptmem-sampler" for t in threading.enumerate())
 
 
-@pytest.mark.parametrize("name", ["tiny", "hf-llama"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("hf-llama", marks=pytest.mark.slow)])
 def test_resumed_manager_starts_with_the_same_plan(tmp_path, name):
     make, make_batch = models()[name]
     model = make()

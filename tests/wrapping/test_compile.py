@@ -135,7 +135,9 @@ def test_a_compiled_blocks_recompute_is_part_of_its_compiled_code(mode):
     assert same(got, expected)
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama, head kept", "llama, head chunked"])
+@pytest.mark.parametrize(
+    "name", ["tiny", pytest.param("llama, head kept", marks=pytest.mark.slow), "llama, head chunked"]
+)
 def test_whole_model_compile_stops_recompiling_once_the_plans_were_seen(name):
     """Whole-model compile guards each block's code on its mode: the plans of a run compile
     their blocks' code, and going back and forth between plans seen before compiles nothing.
