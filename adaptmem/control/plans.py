@@ -378,7 +378,19 @@ class PlanBook:
                 if tried is not None:
                     modes, trial, predicted = tried
                     reason = f"{reason}, trial {trial.label}"
-            ran = self._ran_here(shape) if not feasible and not replanning and self.failed is None else None
+            elif not feasible and not bound and predicted > budget and self.costs.measured(*shape) and p.try_modes:
+                # no plan is predicted to fit the budget at a size measured, and a mode still counted by a
+                # guess, which errs high, may: tried where the device has room for the guess (a CLIP's
+                # 3 x CHECKPOINT ran at 112% of its budget, step after step, where OFFLOAD ran at 101%)
+                room = self.decider.headroom * self._capacity() - start
+                tried = None
+                if room < math.inf and not replanning and self.failed is None:
+                    tried = self._trial(modes, head, shape, start, budget, fixed, aim=room)
+                if tried is not None:
+                    modes, trial, predicted = tried
+                    reason = f"{reason}, trial {trial.label}"
+            failing = not feasible and trial is None and not replanning and self.failed is None
+            ran = self._ran_here(shape) if failing else None
             if ran is not None and start + ran[2] < predicted:
                 # no plan is predicted to fit, and one ran this shape lower than the tightest predicted:
                 # what ran beats what is extrapolated (a Gemma 2 whose batch trained under 4 x OFFLOAD
@@ -544,9 +556,11 @@ class PlanBook:
         start: int,
         budget: int,
         fixed: dict[int, Mode],
+        aim: float | None = None,
     ) -> tuple[tuple[Mode, ...], Mode, float] | None:
         """`modes` with one block in an allowed mode whose figures are a guess (`coverage.TRIED`) and
-        that no block of its kind has been measured in, where the plan is still predicted under the aim: of the
+        that no block of its kind has been measured in, where the plan is still predicted under the aim
+        (`aim`, bytes above `start`; default `_aim`'s): of the
         blocks where it fits, the first of those whose mode is the tightest (a recomputing block
         gives its recompute up for the mode tried; the blocks' guessed times differ by noise alone,
         and two runs of one plan had tried it on different blocks). Returns the plan's modes, the
@@ -573,7 +587,7 @@ class PlanBook:
         if not untried:
             return None
         batch, extent = shape
-        aim = self._aim(start, budget)
+        aim = self._aim(start, budget) if aim is None else aim
         host_limit = self._host_limit()
         # the plan's peak with one block swapped, as `predict` has it, from the rows made once
         rows = self.costs.options(batch, extent, self.allowed, fixed)
@@ -662,8 +676,12 @@ class PlanBook:
         if untried and not guesses and not bound:  # the tightest by the figures, among which a guess errs high
             advice += (
                 f" ({' and '.join(untried)} not run on these blocks yet: counted by a guess made to err high, "
-                f"{'it' if len(untried) == 1 else 'each'} may fit where this plan does not, and is tried where a "
-                "plan leaves room.)"
+                f"{'it' if len(untried) == 1 else 'each'} may fit where this plan does not"
+                + (
+                    ", and is tried where the device has room for its guess.)"
+                    if self.policy.try_modes
+                    else "; the policy's try_modes is off, so no step tries it.)"
+                )
             )
         forwards = forwards if forwards > 1 and batch % forwards == 0 else 1
         counted = f"{batch} ({batch // forwards} in each of {forwards} forwards before one backward)"
