@@ -147,7 +147,7 @@ def test_an_oom_in_the_loss_heads_backward_is_recorded_as_the_loss_heads():
     assert oom["phase"] == "the loss head" and len(attempts) == 2
 
 
-@pytest.mark.parametrize("name", ["tiny", "hf-llama"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("hf-llama", marks=pytest.mark.slow)])
 def test_injected_ooms_are_recovered_with_exact_gradients(name):
     make, make_batch = models()[name]
     model = make()

@@ -24,10 +24,10 @@ def test_a_plan_sums_what_the_blocks_hold_in_the_order_they_run():
 
 def test_a_dual_encoder_whose_second_tower_runs_first_is_predicted_as_it_runs():
     """A SigLIP registers its text tower first and runs its vision tower first. Learned in the order
-    they run and planned in the order they are indexed, a plan keeping the vision tower's last layer
-    was predicted 2.4 MiB under its peak, over the budget at every third step, and the others 20%
-    over theirs. Planned as they run, steady steps are predicted within 2%, and none after the first two
-    passes the budget."""
+    they run and planned in the order they are indexed, its plans were predicted 23 to 26% over
+    their peaks (text layers kept, vision layers offloaded) or 3 to 6% under them (the vision tower's
+    last layer kept: over the budget at every third step of a Trainer's run). Planned as they run,
+    each plan, once it has run, is predicted within 3% of its peaks, and never under them."""
     quiet_transformers()
     import transformers
 
@@ -47,18 +47,29 @@ def test_a_dual_encoder_whose_second_tower_runs_first_is_predicted_as_it_runs():
     g = torch.Generator().manual_seed(7)
     dev = SimulatedDevice(capacity_bytes=28 * 2**20)
     dev.track(model)
-    records = []
+    N, O = Mode.NONE, Mode.OFFLOAD
     with dev, adaptmem.manage(model, budget="90%", device=dev) as mem:
-        for _ in range(12):
-            pixels, ids = torch.randn(16, 3, 64, 64, generator=g), torch.randint(0, 256, (16, 32), generator=g)
-            mem.run_step(lambda: model(pixel_values=pixels, input_ids=ids, return_loss=True).loss.backward())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            records.append(mem.last_step)
         names = [h.name for h in mem.handles]
+        text = [i for i, n in enumerate(names) if n.startswith("text_model")]
+
+        def steps(n: int) -> list[dict]:
+            records = []
+            for _ in range(n):
+                pixels, ids = torch.randn(16, 3, 64, 64, generator=g), torch.randint(0, 256, (16, 32), generator=g)
+                mem.run_step(lambda: model(pixel_values=pixels, input_ids=ids, return_loss=True).loss.backward())
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                records.append(mem.last_step)
+            return records
+
+        steps(4)
         order = getattr(mem._controller.costs, "order", None)
-    for r in records[2:]:  # trials of modes priced by a guess included
-        assert r["observed_peak_bytes"] <= r["budget_bytes"], r
-    for r in records[-4:]:  # steady
-        assert abs(r["predicted_peak_bytes"] / r["observed_peak_bytes"] - 1) <= 0.02, r
+        misses = {}
+        # the text layers kept and the vision layers offloaded, then the reverse but the vision tower's last
+        for plan in ([N if i in text else O for i in range(5)], [O, O, O, O, N]):
+            mem._controller.plans.pin(dict(enumerate(plan)))
+            ran = steps(4)[1:]  # the first measures the plan
+            assert all(r["plan"] == [m.label for m in plan] for r in ran)
+            misses[tuple(plan)] = [r["predicted_peak_bytes"] / r["observed_peak_bytes"] - 1 for r in ran]
+    assert all(-0.005 <= m <= 0.03 for ms in misses.values() for m in ms), misses
     assert names[0].startswith("text_model") and [names[i] for i in order][0].startswith("vision_model")

@@ -36,6 +36,7 @@ def test_the_torchrun_example_trains_on_two_ranks(tmp_path):
     assert all(r["summary"]["steps"] == 6 and r["summary"]["ooms"] == 0 for r in ranks)
 
 
+@pytest.mark.slow
 def test_the_lightning_example_trains_on_two_ranks(tmp_path):
     pytest.importorskip("lightning")
     out = tmp_path / "lightning.json"

@@ -202,6 +202,7 @@ def test_compile_blocks_warns_of_a_hugging_face_cache_built_in_training(caplog):
             assert "model.config.use_cache = False" in warned[0].getMessage()
 
 
+@pytest.mark.slow
 def test_compiled_blocks_run_compress_with_the_strides_their_backward_expects():
     """Inductor's backward checks each saved tensor's strides; the codec gave transposed saves
     back contiguous, and the first backward of a compiled Llama under COMPRESS failed."""
