@@ -368,29 +368,25 @@ class PlanBook:
             if not feasible and extent > seen:  # no plan fits the bucket's top: plan for the input itself
                 extent, shape, warn = seen, (key[0], seen), True
                 modes, head, predicted, feasible, shortfall, bound, free = self._solve(shape, start, budget, fixed)
-            settled = feasible and not replanning and self.failed is None
-            over = self._ran_over(shape, modes, head, start, self._aim(start, budget)) if settled else None
+            own = not replanning and self.failed is None  # the planner's own plan, not a replan's or a retry's
+            over = self._ran_over(shape, modes, head, start, self._aim(start, budget)) if own and feasible else None
+            tried = None
             if over is not None:  # it ran here over the aim: what ran under it runs, nothing tried in it
                 modes, head, predicted = over
                 reason = f"{reason}, ran here before"
-            elif settled and (not free or self.trials_asked) and p.try_modes:
+            elif own and feasible and (not free or self.trials_asked) and p.try_modes:
                 tried = self._trial(modes, head, shape, start, budget, fixed)
-                if tried is not None:
-                    modes, trial, predicted = tried
-                    reason = f"{reason}, trial {trial.label}"
-            elif not feasible and not bound and predicted > budget and self.costs.measured(*shape) and p.try_modes:
+            elif own and not feasible and not bound and predicted > budget and self.costs.measured(*shape):
                 # no plan is predicted to fit the budget at a size measured, and a mode still counted by a
                 # guess, which errs high, may: tried where the device has room for the guess (a CLIP's
                 # 3 x CHECKPOINT ran at 112% of its budget, step after step, where OFFLOAD ran at 101%)
                 room = self.decider.headroom * self._capacity() - start
-                tried = None
-                if room < math.inf and not replanning and self.failed is None:
+                if room < math.inf and p.try_modes:
                     tried = self._trial(modes, head, shape, start, budget, fixed, aim=room)
-                if tried is not None:
-                    modes, trial, predicted = tried
-                    reason = f"{reason}, trial {trial.label}"
-            failing = not feasible and trial is None and not replanning and self.failed is None
-            ran = self._ran_here(shape) if failing else None
+            if tried is not None:
+                modes, trial, predicted = tried
+                reason = f"{reason}, trial {trial.label}"
+            ran = self._ran_here(shape) if own and not feasible and trial is None else None
             if ran is not None and start + ran[2] < predicted:
                 # no plan is predicted to fit, and one ran this shape lower than the tightest predicted:
                 # what ran beats what is extrapolated (a Gemma 2 whose batch trained under 4 x OFFLOAD
