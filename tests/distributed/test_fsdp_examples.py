@@ -28,6 +28,7 @@ def run(command: list[str], out: Path) -> list[dict]:
     return ranks
 
 
+@pytest.mark.slow
 def test_the_torchrun_example_trains_on_two_ranks(tmp_path):
     out = tmp_path / "torchrun.json"
     script = str(EXAMPLES / "fsdp2_torchrun.py")

@@ -1,4 +1,4 @@
-"""What each mode saves, measured on the stand-in: HF Llama at sequence 512."""
+"""What each mode saves, measured on the stand-in: HF Llama at sequence 256."""
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ BOUNDS = {
 @pytest.fixture(scope="module")
 def peaks():
     model = llama(layers=8, hidden=256)
-    batch = hf_batch(batch=2, seq=512)
+    batch = hf_batch(batch=2, seq=256)
     handles = adaptmem.instrument(model, compress=CompressOptions(codec="int8"))
     result = {}
     for mode in [Mode.NONE, *BOUNDS]:
