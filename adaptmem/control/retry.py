@@ -304,7 +304,11 @@ def lacked(err: BaseException) -> float | None:
 
 
 def phase_text(phase: str) -> str:
-    """Where an attempt ran out, as the messages write it: "in forward", "before the first managed block"."""
+    """Where an attempt ran out, as the messages write it: "in forward", "before the first managed block",
+    "in the loss head or the loss" (what runs after every block's forward: the head, and the user's
+    loss code, a distillation's KL over two models' logits among it)."""
+    if phase == HEAD:
+        return "in the loss head or the loss, after every block's forward"
     return phase if phase == BEFORE_BLOCKS else f"in {phase}"
 
 
@@ -416,9 +420,10 @@ def oom_report(
         )
     elif attempts and all(a["phase"] == HEAD for a in attempts):
         lines.append(
-            "Every attempt ran out in the loss head, after every block's forward, where the blocks hold the "
-            "least they can under the modes tried: lower the tokens a batch (the batch size or sequence "
-            f"length), or {ROOM}."
+            "Every attempt ran out in the loss head or the loss (the step's code after the model, a "
+            "distillation's KL over two models' logits among it), after every block's forward, where the "
+            "blocks hold the least they can under the modes tried: lower the tokens a batch (the batch size "
+            f"or sequence length), or {ROOM}."
         )
     else:
         # compression holds more than a plan that keeps none of the blocks' saved tensors on the device

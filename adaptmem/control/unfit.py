@@ -153,7 +153,8 @@ def refusal(
         why = "another rank found no plan predicted lower than those that ran out of memory there"
     elif record.exhausted and head_lacked is not None:
         why = (
-            f"it ran out of memory in the loss head, {format_bytes(head_lacked)} short, and no plan with that "
+            f"it ran out of memory in the loss head or the loss, after every block's forward, "
+            f"{format_bytes(head_lacked)} short, and no plan with that "
             "head holds that much less while it runs: a block's mode does not change what the head needs"
         )
     elif record.exhausted:
