@@ -136,7 +136,12 @@ def test_a_compiled_blocks_recompute_is_part_of_its_compiled_code(mode):
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny", pytest.param("llama, head kept", marks=pytest.mark.slow), "llama, head chunked"]
+    "name",
+    [
+        "tiny",
+        pytest.param("llama, head kept", marks=pytest.mark.slow),
+        pytest.param("llama, head chunked", marks=pytest.mark.slow),
+    ],
 )
 def test_whole_model_compile_stops_recompiling_once_the_plans_were_seen(name):
     """Whole-model compile guards each block's code on its mode: the plans of a run compile
