@@ -271,7 +271,8 @@ class LengthsSeen:
         if not self.width:
             raise RuntimeError(
                 "the blocks' main input has no sequence dimension (it is not batch x tokens x "
-                "hidden), so there is no sequence length to predict"
+                "hidden, nor a stack of them, n x batch x tokens x hidden), so there is no sequence "
+                "length to predict"
             )
         starts = []  # the states the run's steps start in, each with its start
         if not self.start_resident or self.fresh_again:  # steps without the gradients come again

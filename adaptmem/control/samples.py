@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from adaptmem.modes import Mode
+from adaptmem.pytree import tensors_in
 from adaptmem.strategies.call import main_input
 
 
@@ -100,7 +101,7 @@ class StepSample:
 class InputShape(NamedTuple):
     """The size of a block's main input: what plans and costs are keyed on."""
 
-    batch: int  # its dimension 0
+    batch: int  # its dimension 0 (1 of a stack of sequences, n x B x S x H)
     extent: int  # its elements per sample: all the other dimensions together (C x H x W, S x H, ...)
     seq: int  # its dimension 1 (a token model's sequence length), for reading logs only
     width: int = 0  # a sequence's (B, S, H) elements per position, H; 0 for any other input
@@ -113,14 +114,32 @@ def shape_of(args: tuple, kwargs: dict) -> InputShape:
     Images (B, C, H, W), video (B, C, T, H, W), audio frames (B, T, F) and token
     activations (B, S, H) are keyed on every dimension, so larger images or longer
     sequences are a new, larger shape. A 2-D input (S, H) or (B, F) is one sample.
+    A stack of sequences (n, B, S, H) (Gemma3n's decoder layers take their n
+    alternating-update streams so) is read as B sequences of S positions of n x H.
     """
     t = main_input(args, kwargs)
     if t is None:
         return InputShape(1, 1, 1)
     if t.dim() == 2:
         return InputShape(1, max(1, t.numel()), int(t.shape[0]), int(t.shape[1]))
+    if t.dim() == 4 and _stacked(t, args, kwargs):
+        # (n, B, S, H): n sequences of hidden states per token (Gemma3n's alternating updates)
+        batch = max(1, int(t.shape[1]))
+        return InputShape(batch, max(1, t.numel() // batch), int(t.shape[2]), int(t.shape[0] * t.shape[3]))
     batch = max(1, int(t.shape[0]))
     return InputShape(batch, max(1, t.numel() // batch), int(t.shape[1]), int(t.shape[2]) if t.dim() == 3 else 0)
+
+
+def _stacked(t: Any, args: tuple, kwargs: dict) -> bool:
+    """A 4-D main input that stacks sequences of hidden states (n, B, S, H): another of the block's
+    tensor arguments (its position ids (B, S), a per-layer input (B, S, D)) leads with (B, S), its
+    dimensions 1 and 2, where none leads with its dimensions 0 and 1 as an image's (B, C, H, W)
+    arguments would (its batch first)."""
+    head, inner = tuple(t.shape[:2]), tuple(t.shape[1:3])
+    if head == inner:
+        return False
+    leads = [tuple(u.shape[:2]) for u in tensors_in((args, kwargs)) if u is not t and u.dim() >= 2]
+    return inner in leads and head not in leads
 
 
 @dataclass

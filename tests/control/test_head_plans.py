@@ -358,5 +358,6 @@ def test_a_batch_that_ran_out_in_its_kept_head_is_given_up_when_no_plan_frees_wh
                 mem.run_step(lambda: model(**batch).loss.backward())
             (attempt,) = raised.value.attempts
             assert attempt["phase"] == "the loss head" and attempt["head"] == "KEPT"
-            assert "it ran out of memory in the loss head or the loss, after every block's forward, " in str(raised.value)
+            said = "it ran out of memory in the loss head or the loss, after every block's forward, "
+            assert said in str(raised.value)
             assert "MiB short, and no plan with that head holds that much less" in str(raised.value)

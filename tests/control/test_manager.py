@@ -248,7 +248,8 @@ def test_the_advice_after_every_retry_failed_names_only_what_could_help():
     assert "allow more modes" not in oom_report(checkpointed, 3, compression_allowed=True)
     assert "allow more modes" not in oom_report(offloaded, 3)
     last = oom_report(head, 3).splitlines()[-1]
-    assert last.startswith("Every attempt ran out in the loss head or the loss") and "lower the tokens a batch" in last, last
+    assert last.startswith("Every attempt ran out in the loss head or the loss"), last
+    assert "lower the tokens a batch" in last, last
     # the errors came from the device: a larger budget would only have the plans aim higher
     for report in (oom_report(checkpointed, 3), oom_report(head, 3), oom_report(attempts(BEFORE_BLOCKS, {}), 3)):
         advice = report.splitlines()[-1]

@@ -3,7 +3,7 @@ predicted before they run, and the budget holds on every step after the first.""
 
 import pytest
 import torch
-from helpers import cnn, image_batch
+from helpers import cnn, image_batch, quiet_transformers
 
 import adaptmem
 from adaptmem import Mode
@@ -20,6 +20,10 @@ from adaptmem.testing import SimulatedDevice, measure_peak
         ((torch.zeros(2, 128, 64), torch.zeros(2, 1, 128, 128)), {}, (2, 128 * 64, 128, 64)),  # hidden states first
         ((), {"hidden_states": torch.zeros(3, 10, 8)}, (3, 80, 10, 8)),  # keyword arguments too
         ((torch.zeros(10, 8, dtype=torch.long), torch.zeros(50, 16)), {}, (1, 800, 50, 16)),  # 2-D: one sample
+        # a stack of sequences (n, B, S, H) beside the position ids (B, S): B sequences of n x H a position
+        ((torch.zeros(4, 2, 100, 16),), {"position_ids": torch.zeros(2, 100)}, (2, 4 * 100 * 16, 100, 64)),
+        # images beside a tensor that leads with their batch: batch first, whatever else is there
+        ((torch.zeros(4, 3, 32, 48), torch.zeros(4, 3), torch.zeros(3, 32)), {}, (4, 3 * 32 * 48, 3, 0)),
     ],
 )
 def test_the_main_input_is_taken_whole(args, kwargs, expected):
@@ -95,3 +99,31 @@ def test_a_length_never_seen_is_planned_for_with_the_weights_gradients_held_cons
         assert mem._controller.costs.grad_constant(0) == sum(
             w.numel() * w.element_size() for layer in model.gpt_neox.layers[1:] for w in layer.parameters()
         )
+
+
+def test_gemma3n_whose_layers_take_a_stack_of_sequences_is_read_and_answered_by_its_tokens():
+    """Gemma3n's decoder layers take their alternating-update streams stacked, (n, B, S, H): read
+    from dimension 0, every step was logged as batch n x B tokens, and a "how long" question raised
+    that the blocks' input has no sequence dimension."""
+    quiet_transformers()
+    import transformers
+
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=256, vocab_size_per_layer_input=256, hidden_size=64, hidden_size_per_layer_input=16,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=64, num_kv_shared_layers=0,
+        activation_sparsity_pattern=[0.0, 0.0], altup_num_inputs=3, laurel_rank=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3nForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    dev = SimulatedDevice(capacity_bytes=2**30)
+    dev.track(model)
+    with dev, adaptmem.manage(model, budget="50%", device=dev) as mem:
+        for length in (96, 160, 128):
+            ids = torch.randint(0, 256, (2, length), generator=g)
+            mem.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
+            model.zero_grad(set_to_none=True)
+            assert (mem.last_step["batch"], mem.last_step["seq"]) == (2, length)
+        answer = mem.longest_sequence(batch=2)
+    assert answer.batch == 2 and answer.length > 160
