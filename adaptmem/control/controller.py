@@ -373,7 +373,7 @@ class Controller:
                 attempt += 1
                 if self.retries.before_blocks_again():
                     break  # no mode saves memory there, and freeing after the first did not make room
-            self._keep_lesson(self.now.shape, self.retries.attempts[-1].get("available_bytes"))
+            self._keep_lesson(self.now.shape, self.retries.attempts[-1].get("available_bytes"), self.now.start)
             self.rewind(self.retries.trace)  # every retry failed: the batch leaves no trace either
             compressing = any(m & Mode.COMPRESS for m in self.plans.allowed)
             snapshot = (self.policy.accumulation_snapshot, guard.most_copied)
@@ -522,18 +522,20 @@ class Controller:
     def _refuse_unfittable(self, record: PlanRecord, shape: InputShape, start: int) -> None:
         """Give the step up before a block runs when no plan can fit it (see `adaptmem.control.unfit`).
         With other ranks, only a retry's verdict counts, and all give up when one does. A plan predicted
-        to fit, and not a retry's, is let through before reading the device (every step comes here)."""
+        to fit, and not a retry's, is let through before reading the device (every step comes here),
+        but where a batch no larger was given up before (`_given_up_before`)."""
         agree, attempts = self.ranks.agree, self.retries.attempts
         if agree is not None:
             if self.plans.failed is None:
                 return
-        elif record.feasible and not record.exhausted:
+        elif record.feasible and not record.exhausted and not any(g.covers(shape) for g in self.given_up):
             return
         available = self.reading(self.budgets.available, None)
         then = attempts[-1].get("available_bytes") if attempts else None
         # others have freed memory since the last attempt failed: the tightest plan is worth running again
         lifted = available is not None and then is not None and available > then + RETRY_STEP * self.budget
         elsewhere = False
+        before = None if attempts else self._given_up_before(shape, available, start)
         if agree is not None:
             mine = record.exhausted and not lifted
             if not agree.any(mine):
@@ -541,6 +543,7 @@ class Controller:
             elsewhere = not mine  # another rank's verdict: every rank gives the batch up
         elif not (
             (record.exhausted and not lifted)
+            or before is not None
             or unfittable(
                 record,
                 start,
@@ -554,7 +557,7 @@ class Controller:
         predicted = record.predicted
         if predicted is None:
             predicted = self.plans.predict(record.modes, shape.batch, shape.extent, start, record.head)
-        self._keep_lesson(shape, available)
+        self._keep_lesson(shape, available, start)
         message = refusal(
             record,
             shape.batch,
@@ -572,6 +575,7 @@ class Controller:
                 else None
             ),
             elsewhere=elsewhere,
+            before=before,
             failed_here=(record.modes, record.head) in self.plans.tried,
             head_kept_for=self.plans.head_kept_for,
             head_lacked=self.plans.head_short[2] if self.plans.head_short is not None else None,
@@ -963,9 +967,23 @@ class Controller:
                 self.costs.restore(now[0])
                 self.lengths.load_state_dict(now[1])
 
-    def _keep_lesson(self, shape: InputShape | None, available: int | None) -> None:
+    def _given_up_before(self, shape: InputShape, available: int | None, start: int) -> GivenUp | None:
+        """A batch given up earlier in the run, of as many samples or fewer and as long or shorter, with
+        as much room then as now or more above what its step held as its first block started: this
+        one, no smaller, is given up before it runs. A MiniMax's 1 x 1,536 batch, given up once the
+        user's copies of the weights and optimizer state held 5.8 MiB more than when it had trained,
+        ran its four attempts out of memory again at each batch of that length after it."""
+        if not shape.width or available is None:
+            return None
+        for g in self.given_up:
+            if g.free is not None and available - start <= g.free and g.covers(shape):
+                return g
+        return None
+
+    def _keep_lesson(self, shape: InputShape | None, available: int | None, start: int) -> None:
         """A batch is given up: no answer names its shape again (with no more room than `available`, the
-        device's usable bytes then); where it ran out of memory, keep what its attempts taught (`Lesson`)."""
+        device's usable bytes then), nor does a step of it run again with no more room above its `start`;
+        where it ran out of memory, keep what its attempts taught (`Lesson`)."""
         if shape is None or not shape.width:
             return
         # a step of as many samples or more that ran to its end before stays an answer (a Gemma 3 that had
@@ -973,7 +991,11 @@ class Controller:
         trained = max(
             (e // shape.width for b, e, _ in self.plans.ran_at if b >= shape.batch and e < shape.extent), default=0
         )
-        self.given_up.append(GivenUp(shape.batch, shape.seq, available, trained))
+        free = available - start if available is not None else None
+        if not any(
+            (g.batch, g.length, g.room, g.free) == (shape.batch, shape.seq, available, free) for g in self.given_up
+        ):
+            self.given_up.append(GivenUp(shape.batch, shape.seq, available, trained, free))
         trace = self.retries.trace
         if trace is None or trace.costs is None:
             return

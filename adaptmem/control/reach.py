@@ -32,6 +32,7 @@ from adaptmem.config.units import format_bytes
 from adaptmem.control.fits import Fit
 from adaptmem.control.planner import Option, feasible, picked, predicted_peak
 from adaptmem.control.planner import plan as solve
+from adaptmem.control.samples import InputShape
 from adaptmem.modes import Mode
 from adaptmem.registrations import parameters_of
 
@@ -57,11 +58,16 @@ class GivenUp:
     length: int  # tokens a sample
     room: int | None  # the device's usable bytes then: the answers under no more room are bound by it
     trained: int = 0
+    free: int | None = None  # the room then above what the step held as its first block started
 
     def rules_out(self, batch: int, length: int) -> bool:
         if batch < self.batch:
             return False
         return length >= self.length or (length >= self.length * GIVEN_UP_BACKOFF and length > self.trained)
+
+    def covers(self, shape: InputShape) -> bool:
+        """`shape`, a sequence's, has as many samples or more, each as long or longer."""
+        return bool(shape.width) and shape.batch >= self.batch and shape.seq >= self.length
 
     def ran(self, batch: int, length: int) -> bool:
         """A step of this shape ran to its end; True where it was this large or larger (it fits after all)."""

@@ -136,13 +136,15 @@ def refusal(
     longest: Callable[[int], Any],
     largest: Callable[[int], Any] | None = None,
     elsewhere: bool = False,
+    before: Any = None,
     failed_here: bool = False,
     head_kept_for: str | None = None,
     head_lacked: float | None = None,
 ) -> str:
     """The message of a refused step: what was asked, what the tightest plan needs (`predicted`),
     the budget and the device's usable memory (`limit`), and what fits (`longest(batch)`, a `Reach`).
-    `elsewhere`: another rank gave the batch up, and every rank does. `failed_here`: the tightest
+    `elsewhere`: another rank gave the batch up, and every rank does. `before`: a batch given up earlier
+    in the run (a `GivenUp`), no larger, with as much room or more, rules this one out. `failed_here`: the tightest
     plan is one that ran out of memory in this step (its prediction is wrong at this size).
     `head_kept_for`: why the loss head is kept for good, said where the plan keeps it. `head_lacked`:
     an attempt ran out in the loss head, short of these bytes, and no plan with its head frees them."""
@@ -151,6 +153,12 @@ def refusal(
     named = "plan a retry would run" if attempts else "tightest plan"
     if elsewhere:
         why = "another rank found no plan predicted lower than those that ran out of memory there"
+    elif before is not None:
+        free = f": {format_bytes(before.free)} above the floor then" if before.free is not None else ""
+        why = (
+            f"a batch of {before.batch} x {before.length:,} tokens was given up earlier in this run with as much "
+            f"room as this one or more{free}"
+        )
     elif record.exhausted and head_lacked is not None:
         why = (
             f"it ran out of memory in the loss head or the loss, after every block's forward, "

@@ -667,3 +667,50 @@ def test_a_batch_that_ran_out_of_memory_measures_no_length_an_answer_names():
             answer = mem.longest_sequence(2, limit=limit)
             assert answer.measured_length == 128, answer
             assert answer.extrapolated == (answer.length > 128), answer
+
+
+def test_a_length_given_up_is_given_up_before_it_runs_until_the_step_has_more_room():
+    """A length that trained, given up once the loop's own tensors hold more of the device, is given
+    up before it runs at each batch of it, or longer, while the step has no more room above its floor
+    (a MiniMax's 1 x 1,536, given up once the user's copies of the weights held 5.8 MiB, ran its four
+    attempts out of memory again at each batch of that length after it); a shorter one trains, and
+    with the copies let go of, the length trains again."""
+    torch.manual_seed(0)
+    model = llama(layers=4, hidden=128, vocab=VOCAB)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    failing, calls = [False], []
+
+    def out_of_memory(module, args):  # the step no longer fits: every attempt runs out in forward
+        calls.append(1)
+        if failing[0]:
+            raise torch.OutOfMemoryError("out of memory in block 2")
+
+    model.model.layers[2].register_forward_pre_hook(out_of_memory)
+
+    def step(seq: int) -> StepOutOfMemoryError | None:
+        try:
+            mem.run_step(lambda: model(**hf_batch(1, seq, VOCAB)).loss.backward())
+        except StepOutOfMemoryError as err:
+            return err
+        finally:
+            opt.zero_grad(set_to_none=True)
+        opt.step()
+        return None
+
+    with dev, adaptmem.manage(model, device=dev, budget="50%") as mem:
+        assert all(step(seq) is None for seq in (64, 128, 256))
+        held = torch.ones(2 * MiB // 4)  # the loop's own tensors, on the device
+        failing[0] = True
+        first = step(256)
+        assert first is not None and first.attempts  # it ran, and ran out of memory
+        for seq in (256, 320):
+            ran = len(calls)
+            again = step(seq)
+            assert again is not None and again.attempts == [] and len(calls) == ran  # no block ran
+            assert "a batch of 1 x 256 tokens was given up earlier in this run" in str(again)
+        failing[0] = False
+        assert step(128) is None
+        del held
+        assert step(256) is None and mem.last_step["seq"] == 256
