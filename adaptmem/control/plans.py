@@ -169,9 +169,13 @@ class PlanBook:
         record = self.cache.get(key)
         self.unfit = None  # a plan made before and never run (a retry given up) is not announced now
         self.fresh = True  # made in this call (False: the bucket's cached plan, applied again)
-        if record is None or extent > record.seen:
-            seen = extent if record is None else max(extent, record.seen)
+        # a bucket whose largest input seen no plan fits: an input under it is planned for its own size
+        # (a MiniMax answered 1,382 tokens, planned at its bucket's 1,536, was warned to be shortened)
+        shorter = record is not None and not record.feasible and extent < record.seen
+        if record is None or extent > record.seen or shorter:
+            seen = extent if record is None or shorter else max(extent, record.seen)
             reason = "larger input" if record is not None else "replan" if key in self._planned else "new shape"
+            reason = "shorter input" if shorter else reason
             record = self.make(key, start, budget, fixed={}, reason=reason, extent=seen)
             self.cache[key] = record
             if len(self._planned) >= 4 * MAX_CACHED_PLANS:

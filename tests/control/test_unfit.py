@@ -714,3 +714,34 @@ def test_a_length_given_up_is_given_up_before_it_runs_until_the_step_has_more_ro
         assert step(128) is None
         del held
         assert step(256) is None and mem.last_step["seq"] == 256
+
+
+def test_a_shorter_input_in_a_bucket_whose_longest_no_plan_fits_is_planned_for_its_own_size(caplog):
+    """A bucket's plan is made for the longest input it has seen; where no plan fits that, an input
+    under it is planned for its own size (a MiniMax answered 1,382 tokens under its budget, and the
+    step at 1,382, planned for its bucket's 1,536, ran the tightest plan with a warning to shorten it)."""
+    torch.manual_seed(0)
+    model = llama(layers=4, hidden=128, vocab=VOCAB)
+    dev = SimulatedDevice(2**31)
+    dev.track(model)
+    with dev, adaptmem.manage(model, device=TickingProbe(dev), budget=2**30) as mem:
+
+        def step(seq: int) -> dict:
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="adaptmem"):
+                mem.run_step(lambda: model(**hf_batch(1, seq, VOCAB)).loss.backward())
+            model.zero_grad(set_to_none=True)
+            unfit = [r for r in caplog.records if "no plan is predicted to fit" in r.getMessage()]
+            return {**mem.last_step, "reason": mem.events.of_type("plan")[-1]["reason"], "unfit": unfit}
+
+        for seq in (64, 128, 256, 384):
+            step(seq)
+        mem.set_budget(18 * MiB)
+        book = mem._controller.plans
+        width = mem.last_step["sample_elements"] // 384
+        assert book.bucket(1, 440 * width) == book.bucket(1, 512 * width)  # one bucket
+        longest = [step(512) for _ in range(3)][-1]
+        assert longest["predicted_peak_bytes"] > mem.budget  # no plan fits 512 tokens
+        shorter = step(440)
+    assert shorter["reason"] == "shorter input" and not shorter["unfit"]
+    assert shorter["predicted_peak_bytes"] <= mem.budget and shorter["observed_peak_bytes"] <= mem.budget
