@@ -945,14 +945,22 @@ class Controller:
         """`reach`, naming the modes the answer counted by a guess (no block has run them: their figures
         are made to err high, so the answer may be short); with the policy's `try_modes`, the next plans
         try them on a block even where every block is in its fastest mode (`PlanBook.trials_asked`)."""
-        untried = tuple(m.label for m in self.plans.allowed if guessed(self.costs, m))
-        if not untried:
+        modes = [m for m in self.plans.allowed if guessed(self.costs, m)]
+        if not modes:
             return reach
         trying = self.policy.try_modes
         if trying and asked:
             with self.lock:
                 self.plans.trials_asked = True  # a cached plan with every block in NONE is made again
-        return replace(reach, untried=untried, trying=trying)
+        # where blocks of one kind ran a mode and of another not (a BLIP's vision layers and its text
+        # layers), the classes yet to run it are named: "not measured on this model's blocks" read wrong
+        kinds, on = self.costs.kinds, set()
+        for mode in modes:
+            measured = {kinds[i] for i, d in enumerate(self.costs.direct) if mode in d}
+            if measured:
+                on |= {kind.split("[", 1)[0] for kind in kinds if kind not in measured}  # `block_kind`'s class
+        untried = tuple(m.label for m in modes)
+        return replace(reach, untried=untried, trying=trying, untried_on=tuple(sorted(on)))
 
     @contextmanager
     def _learned_as(self, costs: tuple, lengths: dict) -> Iterator[None]:

@@ -99,6 +99,7 @@ class Reach:
     trained: bool = False  # a step this large ran to its end within the limit: `peak_bytes` is its peak, read
     untried: tuple[str, ...] = ()  # modes counted by a guess made to err high: no block has run them yet
     trying: bool = False  # the next steps try them on a block (the policy's `try_modes`)
+    untried_on: tuple[str, ...] = ()  # the classes of the blocks yet to run them, where blocks of another kind have
     positions: int = 0  # the model's configured positions (`max_position_embeddings`) where the length is past them
 
     @property
@@ -127,10 +128,8 @@ class Reach:
             if self.trying
             else " (the policy's try_modes is off)"
         )
-        return (
-            f". {modes} not measured on this model's blocks yet (on each kind, where they differ): counted by a "
-            f"guess made to err high, so this may be short{then}"
-        )
+        on = f"its {', '.join(self.untried_on)} blocks" if self.untried_on else "this model's blocks"
+        return f". {modes} not measured on {on} yet: counted by a guess made to err high, so this may be short{then}"
 
     def _answer(self) -> str:
         if self.batch <= 0 or self.length <= 0:
