@@ -91,7 +91,16 @@ def test_light_steps_record_decide_and_retry_as_if_every_block_called(monkeypatc
     pairs = steps[-8:]  # and in each forward of light steps with two
     assert all(r["forward_plans"] for r in pairs) and sum(r["measured"] == "peak" for r in pairs) >= 4
     assert [c for c, r in zip(quiet_calls[-8:], pairs) if r["measured"] == "peak"].count(2) >= 4
-    assert quiet == loud
+    assert quiet == loud, _first_difference(quiet, loud)
+
+
+def _first_difference(quiet: list[dict], loud: list[dict]) -> str:
+    """The first record the two runs wrote apart, and the keys they differ in."""
+    for i, (a, b) in enumerate(zip(quiet, loud)):
+        if a != b:
+            keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            return f"record {i} ({a.get('type')}, step {a.get('step')}): {[(k, a.get(k), b.get(k)) for k in keys]}"
+    return f"{len(quiet)} records against {len(loud)}"
 
 
 def test_a_block_run_twice_in_a_light_step_is_seen_and_the_next_step_watches_every_block():

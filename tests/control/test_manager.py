@@ -333,7 +333,7 @@ def test_without_snapshots_an_inexact_retry_is_an_error():
         hook.remove()
 
 
-@pytest.mark.parametrize("name", ["tiny", "hf-llama"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("hf-llama", marks=pytest.mark.slow)])
 def test_the_daemon_tightens_blocks_not_yet_run_when_others_take_memory(name):
     make, make_batch = models()[name]
     model = make()

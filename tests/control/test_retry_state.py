@@ -252,6 +252,7 @@ def test_a_failed_attempts_message_is_shortened_at_a_sentence_or_a_word_never_in
     assert failure_record(torch.OutOfMemoryError("short. two."), None, (), 0.0, 1, 0.97)["message"] == "short. two."
 
 
+@pytest.mark.slow
 def test_a_retry_starts_without_the_failed_attempts_copies_still_in_flight():
     """On a slow link a failed attempt's copies to the host are still travelling, and their device
     tensors alive, when it fails: the retry lets go of them first, so it starts from what the step

@@ -28,6 +28,7 @@ def test_ranks_agree_and_retry_together(tmp_path):
         assert all(s["observed_peak_bytes"] <= s["budget_bytes"] for s in steps[rank][1:]), steps[rank]
 
 
+@pytest.mark.slow
 def test_ranks_run_the_same_plan_in_each_forward_of_a_contrastive_step(tmp_path):
     """Two forwards before one backward on each rank, their devices different and one pressed:
     the second forward runs one plan on both ranks, as the first does."""

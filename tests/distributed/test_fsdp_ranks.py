@@ -25,6 +25,7 @@ def test_the_stand_in_counts_what_fsdp2_holds_on_each_rank(tmp_path):
             assert abs(counted - held) <= 0.01 * held, (rank, phase, step, counted, held)
 
 
+@pytest.mark.slow
 def test_a_collective_returns_once_gloo_has_let_go_of_its_buffers(tmp_path):
     """gloo's worker thread drops its reference to a collective's buffers just after it reports the
     collective finished: FSDP2's own communication returns before that in some calls, and a buffer
@@ -98,6 +99,7 @@ def test_bad_input_raises_a_clear_error_on_every_rank_and_leaves_none_waiting(tm
         assert "blocks.0 (attn, mlp sharded apart)" in errors["split"] and "fully_shard(block)" in errors["split"]
 
 
+@pytest.mark.slow
 def test_a_model_whose_sharded_blocks_run_in_a_loop_is_exact_with_a_block_per_call(tmp_path):
     """Two blocks run three times a forward, each sharded: both ranks make each call a block at
     the first step and run one plan at every step, mixed under tight stand-ins, with the losses,
