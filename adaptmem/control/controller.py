@@ -683,7 +683,12 @@ class Controller:
         plan, counts = self.blocks.described(sample.plan)
         if pred is not None and pred <= self.budget < observed and not calibrating:
             self.notices.over_budget(
-                self.stats.steps, observed, self.budget, pred, ", ".join(f"{m} x{n}" for m, n in counts.items())
+                self.stats.steps,
+                observed,
+                self.budget,
+                pred,
+                ", ".join(f"{m} x{n}" for m, n in counts.items()),
+                self.stats.over_budget,  # this step counted
             )
         return self.events.emit(
             "step",

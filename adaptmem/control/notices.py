@@ -15,6 +15,7 @@ log = logging.getLogger("adaptmem")
 class Notices:
     def __init__(self) -> None:
         self._given: set[str] = set()
+        self._worst_over = 0  # the most a step warned of went over its budget (bytes)
         # block index -> (its input's elements a sample, the first block's) in the first step measured
         self._lengths: dict[int, tuple[int, int]] = {}
 
@@ -117,10 +118,30 @@ class Notices:
                 seen,
             )
 
-    def over_budget(self, step: int, observed: int, budget: int, predicted: float, plan: str) -> None:
+    def over_budget(self, step: int, observed: int, budget: int, predicted: float, plan: str, steps: int) -> None:
         """A step planned under the budget peaked over it, with no out-of-memory error (the device had
-        room): said once a run, as a step predicted over it is warned of before it runs."""
-        if self._once("over budget"):
+        room): said at the first such step of a run, and again at one that goes more than twice as far
+        over as any said before (a bert2bert's later steps went 13 and 18 MiB over, after a first 0.8
+        MiB, unsaid). `steps`: the steps over it so far, this one included."""
+        over = observed - budget
+        if self._worst_over and over <= 2 * self._worst_over:
+            return
+        first = not self._worst_over
+        self._worst_over = over
+        if not first:
+            log.warning(
+                "adaptmem: step %d peaked at %s, %s over the budget of %s, where its plan (%s) was predicted "
+                "at %s: further over than any step before it (%d steps over the budget so far). Where it "
+                "must hold, give a lower budget.",
+                step,
+                format_bytes(observed),
+                format_bytes(over),
+                format_bytes(budget),
+                plan,
+                format_bytes(predicted),
+                steps,
+            )
+        else:
             log.warning(
                 "adaptmem: step %d peaked at %s, %s over the budget of %s, where its plan (%s) was predicted "
                 "at %s. The plans after it count what it showed and aim lower for a while; "

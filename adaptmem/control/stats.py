@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: The counters a saved state carries (the prediction errors and decisions start afresh).
-SAVED = ("steps", "ooms", "ooms_recovered", "plan_changes", "peak_bytes")
+SAVED = ("steps", "ooms", "ooms_recovered", "plan_changes", "peak_bytes", "over_budget")
 
 
 @dataclass
@@ -51,9 +51,10 @@ class RunStats:
         return {name: getattr(self, name) for name in SAVED}
 
     def load_counters(self, counters: dict[str, Any]) -> None:
-        for name in SAVED:
-            setattr(self, name, int(counters[name]))
-        self.loaded = {name: int(counters[name]) for name in SAVED}
+        # a state saved before a counter was kept (`over_budget`) carries none: it counts from 0
+        self.loaded = {name: int(counters.get(name, 0)) for name in SAVED}
+        for name, value in self.loaded.items():
+            setattr(self, name, value)
         self.peak_here = 0
 
     def since_resumed(self) -> dict[str, int]:
@@ -65,5 +66,6 @@ class RunStats:
             "steps": self.steps - loaded.get("steps", 0),
             "ooms": self.ooms - loaded.get("ooms", 0),
             "ooms_recovered": self.ooms_recovered - loaded.get("ooms_recovered", 0),
+            "steps_over_budget": self.over_budget - loaded.get("over_budget", 0),
             "peak_bytes": self.peak_here,
         }

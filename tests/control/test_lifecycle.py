@@ -311,7 +311,8 @@ def test_a_resumed_run_says_its_own_steps_peak_and_errors_apart_from_the_runs():
             for _ in range(2):
                 first.run_step(lambda: model(**big).loss.backward())
             state, ran = first.state_dict(), first.summary()
-        assert ran["since_resumed"] == {k: ran[k] for k in ("steps", "ooms", "ooms_recovered", "peak_bytes")}
+        own = ("steps", "ooms", "ooms_recovered", "steps_over_budget", "peak_bytes")
+        assert ran["since_resumed"] == {k: ran[k] for k in own}
         with adaptmem.MemoryManager(model, budget="1GiB", device=dev, state=state) as second:
             second.run_step(lambda: model(**small).loss.backward())
             now = second.summary()
@@ -320,6 +321,44 @@ def test_a_resumed_run_says_its_own_steps_peak_and_errors_apart_from_the_runs():
         "steps": 1,
         "ooms": 0,
         "ooms_recovered": 0,
+        "steps_over_budget": 0,
         "peak_bytes": second.last_step["observed_peak_bytes"],
     }
     assert now["since_resumed"]["peak_bytes"] < ran["peak_bytes"]
+
+
+def test_the_steps_over_the_budget_are_counted_across_a_resume():
+    """`steps_over_budget` goes on from the saved state like the other counters (a bert2bert resumed
+    after its first step over the budget counted 2 of the run's 3)."""
+    model = tiny()
+    batch = tiny_batch(model, 4, 64)
+    with SimulatedDevice(capacity_bytes=2**30) as dev:
+        dev.track(model)
+        with adaptmem.manage(model, budget="1GiB", device=dev) as first:
+            first.run_step(lambda: model(**batch).loss.backward())
+            floor = first._controller.recorder.probe.allocated()
+            peak = first.last_step["observed_peak_bytes"]
+            for share in (0.97, 0.95, 0.5):  # of the way from the step's start to its peak
+                first.set_budget(int(floor + share * (peak - floor)))
+                first.run_step(lambda: model(**batch).loss.backward())
+            state, ran = first.state_dict(), first.summary()
+        with adaptmem.MemoryManager(model, budget="1GiB", device=dev, state=state) as second:
+            second.run_step(lambda: model(**batch).loss.backward())
+            now = second.summary()
+    assert ran["steps_over_budget"] >= 2 and now["steps_over_budget"] == ran["steps_over_budget"]
+    assert now["since_resumed"]["steps_over_budget"] == 0
+
+
+def test_a_step_over_the_budget_is_warned_of_at_the_first_and_at_each_twice_as_far_over(caplog):
+    """Said once a run, the warning left a bert2bert's steps 13 and 18 MiB over the budget unsaid
+    after a first one 0.8 MiB over: a step more than twice as far over as any said before is said too."""
+    from adaptmem.control.notices import Notices
+
+    notices, budget = Notices(), 100 * 2**20
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        for step, over in enumerate((1.0, 1.5, 2.0, 2.5, 0.5, 6.0, 9.0), 1):  # MiB over the budget
+            notices.over_budget(step, budget + int(over * 2**20), budget, 0.9 * budget, "NONE x4", step)
+    said = [r.getMessage() for r in caplog.records]
+    assert [m.split(" peaked")[0] for m in said] == ["adaptmem: step 1", "adaptmem: step 4", "adaptmem: step 6"]
+    assert "The plans after it count what it showed" in said[0]
+    assert "further over than any step before it (6 steps over the budget so far)" in said[2]
