@@ -44,7 +44,7 @@ from adaptmem.control.agreement import Ranks
 from adaptmem.control.blocks import ManagedBlocks
 from adaptmem.control.budgeting import BudgetKeeper
 from adaptmem.control.costs import CostModel
-from adaptmem.control.coverage import guessed, guessed_in
+from adaptmem.control.coverage import guessed_in
 from adaptmem.control.decisions import ESCALATE, HOLD, Decider
 from adaptmem.control.events import EventLog
 from adaptmem.control.headcosts import KEPT, HeadCosts
@@ -950,7 +950,7 @@ class Controller:
         """`reach`, naming the modes the answer counted by a guess (no block has run them: their figures
         are made to err high, so the answer may be short); with the policy's `try_modes`, the next plans
         try them on a block even where every block is in its fastest mode (`PlanBook.trials_asked`)."""
-        modes = [m for m in self.plans.allowed if guessed(self.costs, m)]
+        modes = self.plans.unmeasured()
         if not modes:
             return reach
         trying = self.policy.try_modes
@@ -960,10 +960,11 @@ class Controller:
         # where blocks of one kind ran a mode and of another not (a BLIP's vision layers and its text
         # layers), the classes yet to run it are named: "not measured on this model's blocks" read wrong
         kinds, on = self.costs.kinds, set()
+        free = [kinds[i] for i in range(len(kinds)) if i not in self.plans.pinned]
         for mode in modes:
             measured = {kinds[i] for i, d in enumerate(self.costs.direct) if mode in d}
             if measured:
-                on |= {kind.split("[", 1)[0] for kind in kinds if kind not in measured}  # `block_kind`'s class
+                on |= {kind.split("[", 1)[0] for kind in free if kind not in measured}  # `block_kind`'s class
         untried = tuple(m.label for m in modes)
         return replace(reach, untried=untried, trying=trying, untried_on=tuple(sorted(on)))
 

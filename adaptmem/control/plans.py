@@ -196,6 +196,12 @@ class PlanBook:
             self.cache.popitem(last=False)
         return record
 
+    def unmeasured(self) -> list[Mode]:
+        """The modes allowed that some block the planner chooses for (not `pinned`: a block its model
+        checkpoints itself runs NONE) has not run, on its kind: counted by a guess made to err high."""
+        free = [i for i in range(self.n) if i not in self.pinned]
+        return [m for m in self.allowed if any(guessed(self.costs, m, i) for i in free)]
+
     def _outlearned(self, record: PlanRecord, start: int, budget: int) -> bool:
         """The cost model has learned since the cached plan was made, and either has now measured
         the shape the plan kept a margin for, or predicts the plan over the decider's fill of the
@@ -672,7 +678,7 @@ class PlanBook:
             )
         else:
             advice = "lower the batch or input size, or raise the budget (the device has room for this plan)."
-        untried = sorted(m.label for m in self.allowed if guessed(self.costs, m))
+        untried = sorted(m.label for m in self.unmeasured())
         if untried and not guesses and not bound:  # the tightest by the figures, among which a guess errs high
             advice += (
                 f" ({' and '.join(untried)} not run on these blocks yet: counted by a guess made to err high, "

@@ -175,6 +175,10 @@ def test_the_models_own_checkpointing_on_before_managing_is_told_once_as_it_is_h
             with mem.step():
                 model(**hf_batch(seq=48)).loss.backward()
             assert set(mem.plan.values()) == {Mode.NONE}
+            # no block can run a mode the planner has not measured: the answer names none as untried
+            # (it named SELECTIVE and OFFLOAD, and said the next steps try each, which none did)
+            answer = mem.longest_sequence(1)
+            assert answer.untried == () and "not measured" not in str(answer)
     messages = [r.getMessage() for r in caplog.records]
     assert sum("now checkpoint themselves" in m for m in messages) == 1
     assert not any("recomputed twice" in m for m in messages), messages
