@@ -207,8 +207,9 @@ class Notices:
                 )
             else:
                 remedy = (
-                    "Give the run room (budget='70%'), or make the second length follow the first (pad the "
-                    "targets to a length set by the sources')"
+                    "Make the second length follow the first (pad the targets to a length set by the "
+                    "sources'), or give the run room: a budget well under the device (a bert2bert whose "
+                    "targets varied apart still peaked at 130% of a budget of 70%)"
                 )
             log.warning(
                 "adaptmem: block %s takes inputs whose length does not follow the first block's: %s elements "
