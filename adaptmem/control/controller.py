@@ -44,7 +44,7 @@ from adaptmem.control.agreement import Ranks
 from adaptmem.control.blocks import ManagedBlocks
 from adaptmem.control.budgeting import BudgetKeeper
 from adaptmem.control.costs import CostModel
-from adaptmem.control.coverage import guessed_in
+from adaptmem.control.coverage import guessed_in, measured_kinds
 from adaptmem.control.decisions import ESCALATE, HOLD, Decider
 from adaptmem.control.events import EventLog
 from adaptmem.control.headcosts import KEPT, HeadCosts
@@ -960,11 +960,14 @@ class Controller:
         # where blocks of one kind ran a mode and of another not (a BLIP's vision layers and its text
         # layers), the classes yet to run it are named: "not measured on this model's blocks" read wrong
         kinds, on = self.costs.kinds, set()
-        free = [kinds[i] for i in range(len(kinds)) if i not in self.plans.pinned]
         for mode in modes:
-            measured = {kinds[i] for i, d in enumerate(self.costs.direct) if mode in d}
+            measured = measured_kinds(self.costs, mode)
             if measured:
-                on |= {kind.split("[", 1)[0] for kind in free if kind not in measured}  # `block_kind`'s class
+                on |= {
+                    class_name(handle.module)
+                    for i, handle in enumerate(self.blocks.handles)
+                    if i not in self.plans.pinned and kinds[i] not in measured
+                }
         untried = tuple(m.label for m in modes)
         return replace(reach, untried=untried, trying=trying, untried_on=tuple(sorted(on)))
 
@@ -987,9 +990,9 @@ class Controller:
         one, no smaller, is given up before it runs. A MiniMax's 1 x 1,536 batch, given up once the
         user's copies of the weights and optimizer state held 5.8 MiB more than when it had trained,
         ran its four attempts out of memory again at each batch of that length after it."""
-        if not shape.width or available is None:
+        if available is None:
             return None
-        for g in self.given_up:
+        for g in self.given_up:  # `covers` holds a shape without a sequence (no width) to none
             if g.free is not None and available - start <= g.free and g.covers(shape):
                 return g
         return None

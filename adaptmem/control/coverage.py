@@ -52,17 +52,22 @@ def generalises(costs: CostModel, batch: int, extent: int) -> bool:
 TRIED = (Mode.SELECTIVE, Mode.OFFLOAD)
 
 
+def measured_kinds(costs: CostModel, mode: Mode) -> set[str]:
+    """The kinds of block (`CostModel.kinds`) some block of which has been measured in `mode`."""
+    kinds = costs.kinds
+    return {kinds[i] for i, d in enumerate(costs.direct) if mode in d}
+
+
 def guessed(costs: CostModel, mode: Mode, index: int | None = None) -> bool:
     """`mode` is one of `TRIED` and no block of block `index`'s kind (its class, made of the same
     modules: `CostModel.kinds`) has been measured in it; with no `index`, of some kind. A hybrid's
     Mamba layers learn nothing of a mode from its attention layers of the same class."""
     if mode not in TRIED:
         return False
-    kinds = costs.kinds
-    measured = {kinds[i] for i, d in enumerate(costs.direct) if mode in d}
+    measured = measured_kinds(costs, mode)
     if index is not None:
-        return kinds[index] not in measured
-    return len(measured) < len(set(kinds))
+        return costs.kinds[index] not in measured
+    return len(measured) < len(set(costs.kinds))
 
 
 def guessed_in(costs: CostModel, modes: tuple[Mode, ...]) -> set[Mode]:
@@ -70,7 +75,7 @@ def guessed_in(costs: CostModel, modes: tuple[Mode, ...]) -> set[Mode]:
     them (`guessed` for each block, with each mode's measured kinds read once)."""
     kinds, out = costs.kinds, set()
     for mode in set(modes) & set(TRIED):
-        measured = {kinds[i] for i, d in enumerate(costs.direct) if mode in d}
+        measured = measured_kinds(costs, mode)
         if any(m is mode and kinds[i] not in measured for i, m in enumerate(modes)):
             out.add(mode)
     return out

@@ -126,34 +126,25 @@ class Notices:
         over = observed - budget
         if self._worst_over and over <= 2 * self._worst_over:
             return
-        first = not self._worst_over
-        self._worst_over = over
-        if not first:
-            log.warning(
-                "adaptmem: step %d peaked at %s, %s over the budget of %s, where its plan (%s) was predicted "
-                "at %s: further over than any step before it (%d steps over the budget so far). Where it "
-                "must hold, give a lower budget.",
-                step,
-                format_bytes(observed),
-                format_bytes(over),
-                format_bytes(budget),
-                plan,
-                format_bytes(predicted),
-                steps,
-            )
-        else:
-            log.warning(
-                "adaptmem: step %d peaked at %s, %s over the budget of %s, where its plan (%s) was predicted "
-                "at %s. The plans after it count what it showed and aim lower for a while; "
-                "summary()['steps_over_budget'] counts the steps over it. Where the budget must hold at "
-                "every step (other work shares the device), give a lower one.",
-                step,
-                format_bytes(observed),
-                format_bytes(observed - budget),
-                format_bytes(budget),
-                plan,
-                format_bytes(predicted),
-            )
+        first, self._worst_over = not self._worst_over, over
+        then = (
+            ". The plans after it count what it showed and aim lower for a while; summary()['steps_over_budget'] "
+            "counts the steps over it. Where the budget must hold at every step (other work shares the "
+            "device), give a lower one."
+            if first
+            else f": further over than any step before it ({steps} steps over the budget so far). Where it "
+            "must hold, give a lower budget."
+        )
+        log.warning(
+            "adaptmem: step %d peaked at %s, %s over the budget of %s, where its plan (%s) was predicted at %s%s",
+            step,
+            format_bytes(observed),
+            format_bytes(over),
+            format_bytes(budget),
+            plan,
+            format_bytes(predicted),
+            then,
+        )
 
     def head_kept(self, why: str) -> None:
         """A step used the chunked head's logits beyond what a chunk replays: the head is kept."""

@@ -39,7 +39,7 @@ from typing import Any
 from adaptmem.config.policy import Policy
 from adaptmem.config.units import format_bytes
 from adaptmem.control.costs import CostModel
-from adaptmem.control.coverage import covers, guessed, guessed_in, known
+from adaptmem.control.coverage import TRIED, covers, guessed, guessed_in, known, measured_kinds
 from adaptmem.control.decisions import Decider
 from adaptmem.control.headcosts import HeadChoice
 from adaptmem.control.planner import Option, picked, predicted_peak
@@ -174,8 +174,15 @@ class PlanBook:
         shorter = record is not None and not record.feasible and extent < record.seen
         if record is None or extent > record.seen or shorter:
             seen = extent if record is None or shorter else max(extent, record.seen)
-            reason = "larger input" if record is not None else "replan" if key in self._planned else "new shape"
-            reason = "shorter input" if shorter else reason
+            reason = (
+                "shorter input"
+                if shorter
+                else "larger input"
+                if record is not None
+                else "replan"
+                if key in self._planned
+                else "new shape"
+            )
             record = self.make(key, start, budget, fixed={}, reason=reason, extent=seen)
             self.cache[key] = record
             if len(self._planned) >= 4 * MAX_CACHED_PLANS:
@@ -199,8 +206,8 @@ class PlanBook:
     def unmeasured(self) -> list[Mode]:
         """The modes allowed that some block the planner chooses for (not `pinned`: a block its model
         checkpoints itself runs NONE) has not run, on its kind: counted by a guess made to err high."""
-        free = [i for i in range(self.n) if i not in self.pinned]
-        return [m for m in self.allowed if any(guessed(self.costs, m, i) for i in free)]
+        free = {kind for i, kind in enumerate(self.costs.kinds) if i not in self.pinned}
+        return [m for m in self.allowed if m in TRIED and free - measured_kinds(self.costs, m)]
 
     def _outlearned(self, record: PlanRecord, start: int, budget: int) -> bool:
         """The cost model has learned since the cached plan was made, and either has now measured
